@@ -1,0 +1,140 @@
+"""Shared fixtures: a private tmpfs directory, the real CLI, real holder processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from vllm_offload_cli.cli.app import app
+
+HELPER = Path(__file__).parent / "helpers" / "holder.py"
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private directory on /dev/shm (real tmpfs), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="vllm-offload-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class CliResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads(self.stdout)
+        return doc
+
+
+@pytest.fixture
+def cli() -> Any:
+    """Run the CLI in-process (CliRunner); stdout and stderr kept apart."""
+    runner = CliRunner()
+
+    def run(*args: str, env: dict[str, str] | None = None) -> CliResult:
+        result = runner.invoke(app, list(args), env=env, catch_exceptions=False)
+        return CliResult(result.exit_code, result.stdout, result.stderr)
+
+    return run
+
+
+def run_cli_subprocess(*args: str, env: dict[str, str] | None = None,
+                       timeout: float = 60) -> CliResult:
+    """Run `python -m vllm_offload_cli` as a real process."""
+    proc = subprocess.run([sys.executable, "-m", "vllm_offload_cli", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+class Holder:
+    """A real child process that opens a region through the core (or like vLLM) and waits.
+
+    It prints one JSON line when ready, then sleeps until killed or told to
+    exit on stdin ("exit" runs cleanup(), "crash" exits without cleanup).
+    """
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPER), *args], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"holder failed to start: {err}")
+        self.info: dict[str, Any] = json.loads(line)
+        if "error" in self.info:
+            self.proc.wait(timeout=10)
+            raise RuntimeError(f"holder failed: {self.info}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self, command: str = "exit", timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.send(command)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def holders() -> Iterator[Any]:
+    """Start holder processes; every one is killed at teardown."""
+    started: list[Holder] = []
+
+    def start(*args: str) -> Holder:
+        h = Holder(*args)
+        started.append(h)
+        return h
+
+    try:
+        yield start
+    finally:
+        for h in started:
+            h.close()
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll for a condition set by another process (never used to measure speed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,106 @@
+"""A region user in its own process, for tests of liveness, races and crashes.
+
+Usage: holder.py MODE SHM_DIR ENGINE_ID NUM_BLOCKS RANK ROW_STRIDE CPU_PAGE_SIZE [WORLD]
+MODE:
+  region    open through vllm_offload_cli's SharedOffloadRegion (flock + manifest)
+  vllm      open like vLLM 0.33 does: O_CREAT|O_EXCL or join, mmap, no flock
+  vllm-unlink  like vllm, then unlink the name while keeping the mapping
+  fd-only   open the existing file and keep only the descriptor (no map, no lock)
+  map-only  map the existing file, close the descriptor (no lock)
+RANK is an integer or "none". Prints one JSON line when ready, then reads
+stdin: "write B V" fills this rank's slot of row B with byte V; "exit" cleans
+up and exits 0; "crash" exits at once without cleanup.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import time
+
+
+def _vllm_open(path: str, size: int) -> tuple[int, bool]:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError:
+        fd = os.open(path, os.O_RDWR)
+        deadline = time.monotonic() + 30
+        while os.fstat(fd).st_size < size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(path) from None
+            time.sleep(0.005)
+        return fd, False
+    os.ftruncate(fd, size)
+    return fd, True
+
+
+def main() -> None:
+    mode, shm_dir, engine_id = sys.argv[1:4]
+    num_blocks, rank_s, row_stride, page = sys.argv[4:8]
+    world = int(sys.argv[8]) if len(sys.argv) > 8 else None
+    rank = None if rank_s == "none" else int(rank_s)
+    num_blocks_i, row_stride_i, page_i = int(num_blocks), int(row_stride), int(page)
+    path = os.path.join(shm_dir, f"vllm_offload_{engine_id}.mmap")
+    size = num_blocks_i * row_stride_i
+    region = None
+    mm: mmap.mmap | None = None
+    fd = -1
+    creator = False
+    try:
+        if mode == "region":
+            from vllm_offload_cli.core.region import SharedOffloadRegion
+
+            region = SharedOffloadRegion(engine_id, num_blocks_i, rank, row_stride_i, page_i,
+                                         shm_dir=shm_dir, world_size=world)
+            mm, creator = region.mmap_obj, region.creator
+            ino = os.fstat(region.fd).st_ino  # type: ignore[arg-type]
+        elif mode in ("vllm", "vllm-unlink"):
+            fd, creator = _vllm_open(path, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            ino = os.fstat(fd).st_ino
+            if mode == "vllm-unlink":
+                os.unlink(path)
+        elif mode == "fd-only":
+            fd = os.open(path, os.O_RDONLY)
+            ino = os.fstat(fd).st_ino
+        elif mode == "map-only":
+            fd = os.open(path, os.O_RDWR)
+            mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+            ino = os.fstat(fd).st_ino
+            os.close(fd)
+            fd = -1
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+    except Exception as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}",
+                          "code": getattr(exc, "code", None)}), flush=True)
+        sys.exit(3)
+    print(json.dumps({"pid": os.getpid(), "creator": creator, "ino": ino}), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "write" and mm is not None and rank is not None:
+            block, value = int(words[1]), int(words[2])
+            start = block * row_stride_i + rank * page_i
+            mm[start:start + page_i] = bytes([value]) * page_i
+            print("ok", flush=True)
+        elif words[0] == "crash":
+            os._exit(9)
+        elif words[0] == "exit":
+            break
+    if region is not None:
+        region.cleanup()
+    else:
+        if mm is not None:
+            mm.close()
+        if fd >= 0:
+            os.close(fd)
+        if creator and mode == "vllm" and os.path.exists(path):
+            os.unlink(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""What every subcommand shares: common options, the JSON envelope, the error boundary.
+
+A subcommand is a function `(inv: Invocation, **its_options) -> Outcome`.
+`subcommand()` adds `--shm-dir`, `--json`, `-v` and `-q` to its signature,
+runs it inside the one error boundary and renders the outcome, so each
+command module is only: parse, call the core, describe the result.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from vllm_offload_cli.core import errors
+
+SCHEMA_VERSION = 1
+SHM_DIR_ENV = "VLLM_OFFLOAD_SHM_DIR"
+
+# Exit codes: the command-line contract (DESIGN section 4).
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_VERIFY = 3
+EXIT_BUSY = 4
+EXIT_NO_SPACE = 5
+EXIT_UNSAFE = 6
+EXIT_INTERRUPTED = 130
+
+_EXIT_BY_ERROR: list[tuple[type[errors.OffloadError], int]] = [
+    (errors.InvalidInputError, EXIT_USAGE),
+    (errors.RegionNotFoundError, EXIT_USAGE),
+    (errors.RegionBusyError, EXIT_BUSY),
+    (errors.InsufficientSpaceError, EXIT_NO_SPACE),
+    (errors.UnsafeRegionError, EXIT_UNSAFE),
+]
+
+
+def exit_code_for(error: errors.OffloadError) -> int:
+    for cls, code in _EXIT_BY_ERROR:
+        if isinstance(error, cls):
+            return code
+    return EXIT_FAILED
+
+
+@dataclass
+class Outcome:
+    """A command's result: `data` for the envelope, `render` for people."""
+
+    data: dict[str, Any]
+    exit_code: int = EXIT_OK
+    errors: list[dict[str, str]] = field(default_factory=list)
+    render: Callable[[Console], None] | None = None
+
+
+class _WarningCollector(logging.Handler):
+    """Core warnings also belong in the JSON envelope's `warnings`."""
+
+    def __init__(self, sink: list[dict[str, str]]) -> None:
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink.append({"code": getattr(record, "code", "warning"),
+                          "message": record.getMessage()})
+
+
+@dataclass
+class Invocation:
+    """One run of one subcommand: its common options and its output channels."""
+
+    command: str
+    shm_dir: Path
+    json_output: bool
+    verbosity: int
+    out: Console
+    err: Console
+    warnings: list[dict[str, str]] = field(default_factory=list)
+
+    def warn(self, code: str, message: str) -> None:
+        self.warnings.append({"code": code, "message": message})
+        if self.verbosity >= 0:
+            self.err.print(f"[yellow]Warning:[/] {message}", highlight=False, markup=True)
+
+    def info(self, message: str) -> None:
+        if self.verbosity >= 1:
+            self.err.print(message, highlight=False, markup=False)
+
+    @property
+    def show_progress(self) -> bool:
+        return self.verbosity >= 0 and self.err.is_terminal
+
+    @contextmanager
+    def progress(self, description: str, total: int) -> Iterator[Callable[[int, int], None]]:
+        """A transient progress bar on stderr; yields an update(done, total) callback."""
+        if not self.show_progress:
+            yield lambda done, total: None
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=self.err, transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def envelope(command: str, *, ok: bool, exit_code: int, data: dict[str, Any],
+             errors: list[dict[str, str]], warnings: list[dict[str, str]]) -> dict[str, Any]:
+    return {"schema_version": SCHEMA_VERSION, "command": command, "ok": ok,
+            "exit_code": exit_code, "data": data, "errors": errors, "warnings": warnings}
+
+
+def print_json(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def _configure_logging(inv: Invocation) -> Callable[[], None]:
+    level = {-2: logging.CRITICAL + 1, -1: logging.ERROR, 0: logging.WARNING,
+             1: logging.INFO}.get(inv.verbosity, logging.DEBUG if inv.verbosity > 1
+                                  else logging.CRITICAL + 1)
+    logger = logging.getLogger("vllm_offload_cli")
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    stream.setLevel(level)
+    collector = _WarningCollector(inv.warnings)
+    logger.addHandler(stream)
+    logger.addHandler(collector)
+    logger.setLevel(min(level, logging.WARNING))
+    logger.propagate = False
+
+    def undo() -> None:
+        logger.removeHandler(stream)
+        logger.removeHandler(collector)
+    return undo
+
+
+def _emit_error(inv: Invocation, code: str, message: str, exit_code: int) -> None:
+    if inv.json_output:
+        print_json(envelope(inv.command, ok=False, exit_code=exit_code, data={},
+                            errors=[{"code": code, "message": message}],
+                            warnings=inv.warnings))
+    else:
+        inv.err.print(f"Error: {message}", highlight=False, markup=False, soft_wrap=True)
+
+
+def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
+    """The CLI's one error boundary: known errors become one line and an exit code."""
+    undo = _configure_logging(inv)
+    try:
+        try:
+            outcome = body()
+        except errors.OffloadError as exc:
+            code = exit_code_for(exc)
+            _emit_error(inv, exc.code, exc.message, code)
+            return code
+        except KeyboardInterrupt:
+            _emit_error(inv, "interrupted", "interrupted", EXIT_INTERRUPTED)
+            return EXIT_INTERRUPTED
+        except Exception as exc:  # a bug: keep the traceback, still honour --json
+            if inv.json_output:
+                print_json(envelope(inv.command, ok=False, exit_code=EXIT_FAILED, data={},
+                                    errors=[{"code": "internal_error",
+                                             "message": f"{type(exc).__name__}: {exc}"}],
+                                    warnings=inv.warnings))
+            raise
+        if inv.json_output:
+            print_json(envelope(inv.command, ok=outcome.exit_code == EXIT_OK,
+                                exit_code=outcome.exit_code, data=outcome.data,
+                                errors=outcome.errors, warnings=inv.warnings))
+        elif outcome.render is not None:
+            outcome.render(inv.out)
+        return outcome.exit_code
+    finally:
+        undo()
+
+
+# -- common options -------------------------------------------------------------
+
+ShmDirOpt = Annotated[Path, typer.Option(
+    "--shm-dir", envvar=SHM_DIR_ENV, show_envvar=True, file_okay=False,
+    help="Directory that holds the regions.", show_default=True)]
+JsonOpt = Annotated[bool, typer.Option(
+    "--json", help="Print exactly one JSON document on stdout (see the man page for its "
+    "schema).")]
+VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
+                                         help="More diagnostics on stderr (repeatable).")]
+QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True,
+                                       help="Fewer diagnostics on stderr (repeatable).")]
+
+_COMMON = [
+    inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=ShmDirOpt,
+                      default=Path("/dev/shm")),
+    inspect.Parameter("json_output", inspect.Parameter.KEYWORD_ONLY, annotation=JsonOpt,
+                      default=False),
+    inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=VerboseOpt,
+                      default=0),
+    inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=QuietOpt,
+                      default=0),
+]
+
+
+def make_invocation(command: str, *, shm_dir: Path, json_output: bool, verbose: int,
+                    quiet: int) -> Invocation:
+    return Invocation(
+        command=command, shm_dir=shm_dir, json_output=json_output, verbosity=verbose - quiet,
+        out=Console(file=sys.stdout, soft_wrap=False, highlight=False),
+        err=Console(file=sys.stderr, stderr=True, highlight=False),
+    )
+
+
+def subcommand(app: typer.Typer, name: str, *, aliases: tuple[str, ...] = (),
+               **typer_kw: Any) -> Callable[[Callable[..., Outcome]], Callable[..., Outcome]]:
+    """Register `fn(inv, **opts) -> Outcome` as a subcommand with the common options."""
+
+    def register(fn: Callable[..., Outcome]) -> Callable[..., Outcome]:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
+               if p.name != "inv"]
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> None:
+            common = {p.name: kwargs.pop(p.name) for p in _COMMON}
+            inv = make_invocation(name, **common)
+            code = run_boundary(inv, lambda: fn(inv, **kwargs))
+            if code:
+                raise typer.Exit(code)
+
+        del command.__wrapped__  # typer must see the new signature, not fn's
+        command.__signature__ = inspect.Signature(own + _COMMON)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in own + _COMMON}
+        app.command(name, **typer_kw)(command)
+        for alias in aliases:
+            app.command(alias, hidden=True, **{k: v for k, v in typer_kw.items()
+                                               if k != "hidden"})(command)
+        return fn
+
+    return register
+
+
+def shm_dir_checked(inv: Invocation) -> str:
+    """The shm directory as a string, refusing one that does not exist."""
+    if not inv.shm_dir.is_dir():
+        raise errors.InvalidInputError(
+            f"shm directory {inv.shm_dir} does not exist or is not a directory; pass "
+            f"--shm-dir or set {SHM_DIR_ENV}", path=str(inv.shm_dir), code="bad_shm_dir")
+    return os.fspath(inv.shm_dir)

@@ -1,0 +1,151 @@
+"""`vllm-offload create`: make a region exactly as vLLM lays it out, pre-faulted."""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from vllm_offload_cli.cli.app import app
+from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.geometry import Geometry, geometry_from_size
+from vllm_offload_cli.core.naming import with_dp_rank
+from vllm_offload_cli.core.region import SharedOffloadRegion
+from vllm_offload_cli.core.units import format_bytes, parse_size
+
+
+class _Released(Exception):  # noqa: N818 - a signal, not an error
+    """SIGINT or SIGTERM arrived while holding the region."""
+
+
+def _release(signum: int, frame: FrameType | None) -> None:
+    raise _Released(signal.Signals(signum).name)
+
+
+def default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _geometry(world_size: int, cpu_page_size: str, num_blocks: int | None,
+              size: str | None, inv: Invocation) -> Geometry:
+    if (num_blocks is None) == (size is None):
+        raise InvalidInputError("give exactly one of --num-blocks and --size",
+                                code="invalid_geometry")
+    if world_size <= 0:
+        raise InvalidInputError(f"--world-size must be greater than 0, got {world_size}",
+                                code="invalid_geometry")
+    page = parse_size(cpu_page_size, what="--cpu-page-size")
+    if page <= 0:
+        raise InvalidInputError("--cpu-page-size must be greater than 0", code="invalid_geometry")
+    if num_blocks is not None:
+        if num_blocks <= 0:
+            raise InvalidInputError(f"--num-blocks must be greater than 0, got {num_blocks}",
+                                    code="invalid_geometry")
+        return Geometry.for_workers(num_blocks=num_blocks, world_size=world_size,
+                                    cpu_page_size=page)
+    assert size is not None
+    total = parse_size(size, what="--size")
+    if total <= 0:
+        raise InvalidInputError("--size must be greater than 0", code="invalid_geometry")
+    geometry, rest = geometry_from_size(total, world_size=world_size, cpu_page_size=page)
+    if rest:
+        inv.warn("size_rounded", f"--size {size} is not a whole number of rows; using "
+                 f"{geometry.num_blocks} rows ({format_bytes(geometry.size_bytes)}), "
+                 f"{rest} bytes unused")
+    return geometry
+
+
+@subcommand(app, "create", help="Create a region as vLLM lays it out, pre-fault it and "
+            "describe it in a manifest.")
+def create(
+    inv: Invocation,
+    engine_id: Annotated[str, typer.Argument(help="Engine id (base id with --dp-rank).",
+                                             show_default=False)],
+    world_size: Annotated[int, typer.Option("--world-size", help="Workers per replica "
+                                            "(one slot each in every row).")],
+    cpu_page_size: Annotated[str, typer.Option("--cpu-page-size", help="Bytes per worker "
+                                               "slot, e.g. 64KiB.")],
+    dp_rank: Annotated[int | None, typer.Option("--dp-rank", help="Append _dp{N} to "
+                                                "the engine id, as vLLM does.")] = None,
+    num_blocks: Annotated[int | None, typer.Option("--num-blocks", help="Rows (KV blocks).")
+                          ] = None,
+    size: Annotated[str | None, typer.Option("--size", help="Total size, e.g. 4GiB; "
+                                             "rounded down to whole rows.")] = None,
+    no_populate: Annotated[bool, typer.Option("--no-populate", help="Do not pre-fault; "
+                                              "memory is then allocated on first use.")] = False,
+    hold: Annotated[bool, typer.Option("--hold", help="Hold the region until SIGINT/SIGTERM, "
+                                       "then remove it.")] = False,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Pre-fault "
+                                                "threads (default: min(8, CPUs)).")] = None,
+) -> Outcome:
+    """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
+
+    Without --hold the region stays and is marked persistent, pre-provisioned for
+    an engine to join; `gc` keeps it unless given --include-persistent.
+    """
+    full_id = with_dp_rank(engine_id, dp_rank)
+    geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)
+    shm_dir = shm_dir_checked(inv)
+    with inv.progress("pre-faulting", geometry.size_bytes) as progress:
+        region = SharedOffloadRegion(
+            full_id, geometry.num_blocks, None, geometry.row_stride, geometry.cpu_page_size,
+            shm_dir=shm_dir, world_size=geometry.world_size, create_only=True,
+            persistent=not hold, populate_pages=not no_populate,
+            populate_threads=threads or default_threads(), progress=progress,
+        )
+    stats = region.populate_stats
+    data: dict[str, Any] = {
+        "engine_id": full_id,
+        "path": region.mmap_path,
+        "manifest": region.manifest_path,
+        "size_bytes": geometry.size_bytes,
+        "geometry": geometry.to_dict(),
+        "populated": stats is not None,
+        "populate_seconds": None if stats is None else round(stats.seconds, 6),
+        "populate_gbps": None if stats is None else round(stats.gbps, 3),
+        "populate_threads": None if stats is None else stats.threads,
+        "persistent": not hold,
+        "held": hold,
+    }
+    if not hold:
+        region.cleanup()  # persistent: closes without unlinking
+        return Outcome(data, render=lambda out: _render(out, data))
+    previous: dict[int, Any] = {}
+    try:
+        previous = {s: signal.signal(s, _release) for s in (signal.SIGINT, signal.SIGTERM)}
+        if not inv.json_output:
+            _render(inv.out, data)
+            inv.out.print("Holding the region; press Ctrl-C (or send SIGTERM) to remove it.")
+        while True:
+            signal.pause()
+    except (_Released, KeyboardInterrupt) as why:
+        data["released_by"] = str(why) or "SIGINT"
+    finally:
+        try:
+            region.cleanup()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    data["removed"] = not os.path.exists(region.mmap_path)
+    return Outcome(data, render=lambda out: out.print(
+        f"Removed {region.mmap_path} ({data['released_by']})."))
+
+
+def _render(out: Console, data: dict[str, Any]) -> None:
+    g = data["geometry"]
+    out.print(f"Created {data['path']}")
+    out.print(f"  size      {format_bytes(data['size_bytes'])} ({data['size_bytes']} bytes)")
+    out.print(f"  geometry  {g['num_blocks']} rows x {g['row_stride']} bytes; "
+              f"{g['world_size']} slot(s) of {g['cpu_page_size']} bytes")
+    if data["populated"]:
+        out.print(f"  pre-fault {data['populate_seconds']:.3f} s "
+                  f"({data['populate_gbps']:.2f} GB/s, {data['populate_threads']} thread(s))")
+    else:
+        out.print("  pre-fault skipped (--no-populate)")
+    if data["persistent"]:
+        out.print("  persistent: kept until removed with `vllm-offload gc --include-persistent`")

@@ -1,0 +1,171 @@
+"""`vllm-offload inspect`: every region in the shm directory, live or leaked."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from vllm_offload_cli.cli import metrics
+from vllm_offload_cli.cli.app import app
+from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.core.discovery import Inventory, RegionInfo, discover
+from vllm_offload_cli.core.errors import InvalidInputError, RegionNotFoundError
+from vllm_offload_cli.core.units import format_bytes
+
+
+class Format(str, enum.Enum):
+    table = "table"
+    json = "json"
+    prometheus = "prometheus"
+
+
+def inventory_data(inv: Inventory) -> dict[str, Any]:
+    return {
+        "shm_dir": inv.shm_dir,
+        "regions": [r.to_dict() for r in inv.regions],
+        "orphan_manifests": [o.path for o in inv.orphan_manifests],
+        "shm": {"total_bytes": inv.shm.total_bytes, "free_bytes": inv.shm.free_bytes},
+        "uninspectable_processes": inv.uninspectable_processes,
+    }
+
+
+@subcommand(app, "inspect", help="List every region: holders, residency, state, problems.")
+def inspect_cmd(
+    inv: Invocation,
+    engine_ids: Annotated[list[str] | None, typer.Argument(
+        metavar="[ENGINE_ID]...", help="Only these regions.", show_default=False)] = None,
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")
+                   ] = Format.table,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", dir_okay=False,
+        help="With --format prometheus: write this node_exporter textfile atomically.")
+    ] = None,
+    no_residency: Annotated[bool, typer.Option(
+        "--no-residency", help="Skip the mincore residency scan of each region.")] = False,
+) -> Outcome:
+    """List every region: named files and unlinked ones still mapped, with segments grouped.
+
+    A region is `live` when any process maps it, holds it open or holds its lock;
+    otherwise `persistent` if `create` pre-provisioned it, else `stale` (leaked).
+    """
+    if output is not None and fmt is not Format.prometheus:
+        raise InvalidInputError("--output goes with --format prometheus", code="usage")
+    if fmt is Format.prometheus and inv.json_output and output is None:
+        raise InvalidInputError("--json with --format prometheus needs --output FILE",
+                                code="usage")
+    shm_dir = shm_dir_checked(inv)
+    found = discover(shm_dir, engine_ids=engine_ids or None,
+                     measure_residency=not no_residency)
+    missing = [e for e in (engine_ids or []) if not found.find(e)]
+    if missing:
+        raise RegionNotFoundError(
+            f"no region named {', '.join(missing)} in {found.shm_dir}; "
+            "`vllm-offload inspect` lists them all", engine_id=missing[0])
+    if found.uninspectable_processes:
+        inv.warn("uninspectable_processes",
+                 f"{found.uninspectable_processes} process(es) could not be inspected "
+                 "(permission denied); regions they use may show fewer holders")
+    data = inventory_data(found)
+    if fmt is Format.prometheus:
+        metrics.emit(_registry(found), output)
+        if output is not None:
+            data["output"] = str(output)
+        return Outcome(data, render=None if output is None else
+                       lambda out: out.print(f"Wrote {output}"))
+    if fmt is Format.json:
+        inv.json_output = True
+    return Outcome(data, render=lambda out: render_table(out, found))
+
+
+def _holders_text(r: RegionInfo) -> str:
+    parts = []
+    for h in r.holders:
+        rank = "" if h.rank is None else f" r{h.rank}"
+        parts.append(f"{h.pid} {h.name or '?'}{rank}")
+    return ", ".join(parts) or "-"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+_STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red"}
+
+
+def render_table(out: Console, found: Inventory) -> None:
+    if not found.regions:
+        out.print(f"No offload regions in {found.shm_dir}.")
+    else:
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        for col in ("ENGINE ID", "DP", "STATE", "SIZE", "RESIDENT", "AGE", "HOLDERS",
+                    "PROBLEMS"):
+            table.add_column(col, no_wrap=col in ("SIZE", "RESIDENT", "AGE", "STATE"))
+        for r in found.regions:
+            name = r.engine_id if r.linked else f"{r.engine_id} (unlinked)"
+            state = f"[{_STATE_STYLE.get(r.state, '')}]{r.state}[/]"
+            problems = "; ".join(p.code for p in r.problems) or "-"
+            table.add_row(name, "-" if r.dp_rank is None else str(r.dp_rank), state,
+                          format_bytes(r.size_bytes), format_bytes(r.resident_bytes),
+                          _age(r.age_seconds), _holders_text(r), problems)
+        out.print(table)
+        for r in found.regions:
+            for p in r.problems:
+                out.print(f"  {r.engine_id}: {p.message}", highlight=False, markup=False)
+    shm = found.shm
+    out.print(f"{found.shm_dir}: {format_bytes(shm.free_bytes)} free of "
+              f"{format_bytes(shm.total_bytes)}; {len(found.regions)} region(s), "
+              f"{sum(r.state == 'stale' for r in found.regions)} stale", highlight=False)
+    for o in found.orphan_manifests:
+        out.print(f"  orphaned manifest: {o.path}", highlight=False, markup=False)
+
+
+def _registry(found: Inventory) -> Any:
+    from prometheus_client import Gauge
+
+    registry = metrics.new_registry()
+    labels = ["engine_id", "base_engine_id", "dp_rank"]
+
+    def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+        return Gauge(name, doc, [*labels, *extra], registry=registry)
+
+    size = gauge("vllm_offload_region_size_bytes", "Bytes of the region's files.")
+    resident = gauge("vllm_offload_region_resident_bytes", "Resident bytes (mincore).")
+    holders = gauge("vllm_offload_region_holders", "Processes mapping or holding the region.")
+    age = gauge("vllm_offload_region_age_seconds", "Seconds since creation or last change.")
+    state = gauge("vllm_offload_region_state", "1 for the region's current state.", ("state",))
+    problems = gauge("vllm_offload_region_problems", "Problems found in the region.")
+    linked = gauge("vllm_offload_region_linked", "1 if the region still has a name.")
+    for r in found.regions:
+        key = (r.engine_id, r.base_engine_id, "" if r.dp_rank is None else str(r.dp_rank))
+        size.labels(*key).set(r.size_bytes)
+        if r.resident_bytes is not None:
+            resident.labels(*key).set(r.resident_bytes)
+        holders.labels(*key).set(len(r.holders))
+        if r.age_seconds is not None:
+            age.labels(*key).set(r.age_seconds)
+        for s in ("live", "persistent", "stale"):
+            state.labels(*key, s).set(1 if r.state == s else 0)
+        problems.labels(*key).set(len(r.problems))
+        linked.labels(*key).set(1 if r.linked else 0)
+    count = Gauge("vllm_offload_regions", "Regions by state.", ["state"], registry=registry)
+    for s in ("live", "persistent", "stale"):
+        count.labels(s).set(sum(r.state == s for r in found.regions))
+    Gauge("vllm_offload_shm_total_bytes", "Size of the shm filesystem.",
+          registry=registry).set(found.shm.total_bytes)
+    Gauge("vllm_offload_shm_free_bytes", "Free bytes of the shm filesystem.",
+          registry=registry).set(found.shm.free_bytes)
+    Gauge("vllm_offload_uninspectable_processes", "Processes whose /proc could not be read.",
+          registry=registry).set(found.uninspectable_processes)
+    Gauge("vllm_offload_orphan_manifests", "Manifests whose region is gone.",
+          registry=registry).set(len(found.orphan_manifests))
+    return registry

@@ -1,0 +1,443 @@
+"""Find every region in a shm directory and say what state it is in.
+
+A region is found by its name (`vllm_offload_{id}.mmap`, segments `.mmap.N`
+grouped with it) or, when the name was unlinked, by the processes that still
+map it or hold it open. For each region we report its holders (a live one
+makes the region `live`), residency, ownership, manifest geometry and every
+problem we can see. Nothing here writes, and nothing imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import time
+from collections import defaultdict
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, replace
+
+from vllm_offload_cli.core import fsguard, locking, residency
+from vllm_offload_cli.core import manifest as manifest_io
+from vllm_offload_cli.core.capacity import ShmUsage, shm_usage
+from vllm_offload_cli.core.errors import InvalidInputError, RegionNotFoundError
+from vllm_offload_cli.core.fsguard import FileId
+from vllm_offload_cli.core.geometry import Geometry
+from vllm_offload_cli.core.manifest import Manifest, ManifestError
+from vllm_offload_cli.core.naming import (
+    parse_manifest_filename,
+    parse_region_filename,
+    split_engine_id,
+    validate_engine_id,
+)
+from vllm_offload_cli.core.problems import Problem
+from vllm_offload_cli.core.procfs import ProcessRef, comm
+from vllm_offload_cli.core.procscan import FileUse, ProcessScan, scan_processes
+
+LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process using a region; `rank` comes from the manifest when it knows."""
+
+    pid: int
+    name: str | None
+    rank: int | None
+    via: tuple[str, ...]  # "map", "fd", "lock"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"pid": self.pid, "name": self.name, "rank": self.rank, "via": list(self.via)}
+
+
+@dataclass(frozen=True)
+class SegmentFile:
+    """One file of a region: the bare name (segment 0) or `.mmap.N`."""
+
+    path: str
+    segment: int
+    file_id: FileId | None  # None when not a regular file we could stat safely
+    size_bytes: int
+    uid: int | None
+    mode: int | None
+    mtime: float | None
+    linked: bool
+    resident_bytes: int | None
+    problems: tuple[Problem, ...] = ()
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    engine_id: str
+    base_engine_id: str
+    dp_rank: int | None
+    segments: tuple[SegmentFile, ...]
+    linked: bool
+    size_bytes: int
+    resident_bytes: int | None
+    uid: int | None
+    mode: str | None
+    age_seconds: float | None
+    geometry: Geometry | None
+    manifest: Manifest | None
+    manifest_path: str | None
+    holders: tuple[Holder, ...]
+    locked: bool  # an exclusive flock could not be taken
+    state: str
+    problems: tuple[Problem, ...]
+
+    @property
+    def paths(self) -> list[str]:
+        return [s.path for s in self.segments]
+
+    @property
+    def persistent(self) -> bool:
+        return self.manifest is not None and self.manifest.persistent
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "engine_id": self.engine_id,
+            "base_engine_id": self.base_engine_id,
+            "dp_rank": self.dp_rank,
+            "paths": self.paths,
+            "linked": self.linked,
+            "size_bytes": self.size_bytes,
+            "resident_bytes": self.resident_bytes,
+            "uid": self.uid,
+            "mode": self.mode,
+            "age_seconds": None if self.age_seconds is None else round(self.age_seconds, 3),
+            "geometry": None if self.geometry is None else self.geometry.to_dict(),
+            "manifest": self.manifest_path,
+            "holders": [h.to_dict() for h in self.holders],
+            "state": self.state,
+            "persistent": self.persistent,
+            "problems": [p.to_dict() for p in self.problems],
+        }
+
+
+@dataclass(frozen=True)
+class OrphanManifest:
+    engine_id: str
+    path: str
+    file_id: FileId
+    uid: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class Inventory:
+    shm_dir: str
+    regions: tuple[RegionInfo, ...]
+    orphan_manifests: tuple[OrphanManifest, ...]
+    shm: ShmUsage
+    uninspectable_processes: int
+    scanned_processes: int
+
+    def find(self, engine_id: str) -> list[RegionInfo]:
+        return [r for r in self.regions if r.engine_id == engine_id]
+
+
+@dataclass
+class _Listing:
+    segments: dict[str, list[tuple[int, os.DirEntry[str]]]] = field(
+        default_factory=lambda: defaultdict(list))
+    manifests: dict[str, os.DirEntry[str]] = field(default_factory=dict)
+
+
+def _list_dir(shm_dir: str) -> _Listing:
+    listing = _Listing()
+    with os.scandir(shm_dir) as it:
+        for entry in it:
+            parsed = parse_region_filename(entry.name)
+            if parsed is not None:
+                listing.segments[parsed.engine_id].append((parsed.segment, entry))
+                continue
+            engine_id = parse_manifest_filename(entry.name)
+            if engine_id is not None:
+                listing.manifests[engine_id] = entry
+    return listing
+
+
+def _ids_of(entries: list[tuple[int, os.DirEntry[str]]]) -> set[FileId]:
+    """Identities of files we skip, so their users are not mistaken for unlinked regions."""
+    ids = set()
+    for _, entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            ids.add(FileId.of(entry.stat(follow_symlinks=False)))
+    return ids
+
+
+def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
+                  measure: bool) -> tuple[SegmentFile, bool]:
+    """lstat, open without following, fstat, residency and a lock probe: (file, locked)."""
+    try:
+        lst = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise
+    if not stat.S_ISREG(lst.st_mode):
+        problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids)
+        return SegmentFile(path, segment, None, 0, lst.st_uid, stat.S_IMODE(lst.st_mode),
+                           lst.st_mtime, True, None, tuple(problems)), False
+    try:
+        fd = fsguard.open_existing(path, os.O_RDONLY)
+    except RegionNotFoundError:
+        raise FileNotFoundError(path) from None
+    except Exception:
+        problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids) or [
+            Problem("unreadable", "cannot be opened by this user")]
+        return SegmentFile(path, segment, FileId.of(lst), lst.st_size, lst.st_uid,
+                           stat.S_IMODE(lst.st_mode), lst.st_mtime, True, None,
+                           tuple(problems)), False
+    try:
+        st = os.fstat(fd)
+        if FileId.of(st) != FileId.of(lst):
+            raise FileNotFoundError(path)  # replaced between lstat and open: rescan later
+        problems = fsguard.stat_problems(st, allowed_uids=allowed_uids)
+        resident = _resident(fd) if measure else None
+        locked = not locking.try_lock_exclusive(fd)
+        return SegmentFile(path, segment, FileId.of(st), st.st_size, st.st_uid,
+                           stat.S_IMODE(st.st_mode), max(st.st_mtime, st.st_ctime), True,
+                           resident, tuple(problems)), locked
+    finally:
+        os.close(fd)  # also drops the probe lock
+
+
+def _resident(fd: int) -> int | None:
+    try:
+        return residency.resident_bytes(fd)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.ENODEV, errno.EINVAL, errno.ENOMEM):
+            return None
+        raise
+
+
+def _read_manifest(path: str | None, allowed_uids: Collection[int] | None
+                   ) -> tuple[Manifest | None, Problem | None]:
+    if path is None:
+        return None, None
+    try:
+        return manifest_io.read(path, allowed_uids=allowed_uids), None
+    except RegionNotFoundError:
+        return None, None
+    except ManifestError as exc:
+        return None, Problem("manifest_corrupt", exc.message)
+    except Exception as exc:
+        return None, Problem("manifest_unreadable", f"manifest {path}: {exc}")
+
+
+def _holders(uses: Iterable[FileUse], manifest: Manifest | None) -> tuple[Holder, ...]:
+    kinds: dict[int, set[str]] = defaultdict(set)
+    for use in uses:
+        kinds[use.pid].add(use.kind)
+    ranks: dict[int, int | None] = {}
+    if manifest is not None:
+        for a in manifest.attachments:
+            if ProcessRef(a.pid, a.start_ticks).alive():
+                ranks[a.pid] = a.rank
+    return tuple(
+        Holder(pid, comm(pid), ranks.get(pid), tuple(sorted(kinds[pid])))
+        for pid in sorted(kinds)
+    )
+
+
+def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
+                  ) -> dict[str, dict[FileId, list[FileUse]]]:
+    """Regions known only from /proc: unlinked names still mapped or open."""
+    found: dict[str, dict[FileId, list[FileUse]]] = defaultdict(dict)
+    for fid, uses in scan.uses.items():
+        if fid in linked_ids:
+            continue
+        named = [u for u in uses if u.path]
+        if not named:
+            continue  # only a lock entry: nothing tells us its name
+        directory, name = os.path.split(named[0].path)
+        parsed = parse_region_filename(name)
+        if parsed is None or directory != shm_dir:
+            continue
+        found[parsed.engine_id][fid] = uses
+    return found
+
+
+def discover(
+    shm_dir: str | os.PathLike[str],
+    *,
+    engine_ids: Collection[str] | None = None,
+    allowed_uids: Collection[int] | None = None,
+    measure_residency: bool = True,
+) -> Inventory:
+    """Every region in shm_dir (or only `engine_ids`), with holders, state and problems."""
+    shm = os.path.realpath(shm_dir)
+    if not os.path.isdir(shm):
+        raise InvalidInputError(f"shm directory {shm_dir} does not exist or is not a directory",
+                                path=str(shm_dir), code="bad_shm_dir")
+    wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
+    if allowed_uids is None and os.geteuid() == 0:
+        allowed_uids = fsguard.EVERY_UID
+    now = time.time()
+    scan = scan_processes(shm)  # before we open anything ourselves
+    listing = _list_dir(shm)
+    regions: list[RegionInfo] = []
+    linked_ids: set[FileId] = set()
+
+    for engine_id, entries in sorted(listing.segments.items()):
+        if wanted is not None and engine_id not in wanted:
+            linked_ids.update(_ids_of(entries))
+            continue
+        segments: list[SegmentFile] = []
+        locked = False
+        for segment, entry in sorted(entries, key=lambda e: e[0]):
+            try:
+                seg, seg_locked = _inspect_file(entry.path, segment, allowed_uids,
+                                                measure_residency)
+            except FileNotFoundError:
+                continue  # vanished while we looked
+            segments.append(seg)
+            locked = locked or seg_locked
+            if seg.file_id is not None:
+                linked_ids.add(seg.file_id)
+        if not segments:
+            continue
+        mentry = listing.manifests.get(engine_id)
+        regions.append(_region(engine_id, segments, locked, scan,
+                               None if mentry is None else mentry.path, allowed_uids, now))
+
+    for engine_id, by_inode in sorted(_deleted_only(scan, linked_ids, shm).items()):
+        if wanted is not None and engine_id not in wanted:
+            continue
+        for fid, uses in by_inode.items():
+            regions.append(_deleted_region(engine_id, fid, uses, scan, measure_residency))
+
+    regions = _flag_collisions(regions)
+    orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
+    return Inventory(
+        shm_dir=shm, regions=tuple(regions), orphan_manifests=tuple(orphans),
+        shm=shm_usage(shm), uninspectable_processes=scan.denied,
+        scanned_processes=scan.scanned,
+    )
+
+
+def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: ProcessScan,
+            mpath: str | None, allowed_uids: Collection[int] | None, now: float) -> RegionInfo:
+    parts = split_engine_id(engine_id)
+    problems: list[Problem] = []
+    for seg in segments:
+        name = os.path.basename(seg.path)
+        problems += [Problem(p.code, f"{name} {p.message}") for p in seg.problems]
+    manifest, mproblem = _read_manifest(mpath, allowed_uids)
+    if mproblem is not None:
+        problems.append(mproblem)
+    bare = next((s for s in segments if s.segment == 0), None)
+    if manifest is not None and (bare is None or bare.file_id is None or
+                                 (manifest.region_dev, manifest.region_ino)
+                                 != (bare.file_id.dev, bare.file_id.ino)):
+        problems.append(Problem(
+            "manifest_mismatch",
+            "the manifest describes another file with this name (an earlier region); "
+            "its geometry is ignored",
+        ))
+        manifest = None
+    size = sum(s.size_bytes for s in segments)
+    if bare is None:
+        problems.append(Problem("missing_segment", "segment files exist without the bare .mmap"))
+    numbers = sorted(s.segment for s in segments)
+    if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        problems.append(Problem("segment_gap", f"segments {numbers} are not consecutive"))
+    geometry = manifest.geometry if manifest is not None else None
+    if geometry is not None and size != geometry.size_bytes:
+        problems.append(Problem(
+            "size_mismatch",
+            f"files hold {size} bytes but the manifest geometry needs {geometry.size_bytes} "
+            f"({geometry.num_blocks} rows of {geometry.row_stride})",
+        ))
+    uses = [u for s in segments if s.file_id is not None for u in scan.holders(s.file_id)]
+    holders = _holders(uses, manifest)
+    resident = None if any(s.resident_bytes is None for s in segments) else sum(
+        s.resident_bytes or 0 for s in segments)
+    mtimes = [s.mtime for s in segments if s.mtime is not None]
+    age = now - max(mtimes) if mtimes else None
+    if manifest is not None:
+        age = now - max(manifest.created_at, max(mtimes, default=manifest.created_at))
+    first = bare or segments[0]
+    state = LIVE if holders or locked else (PERSISTENT if manifest and manifest.persistent
+                                            else STALE)
+    return RegionInfo(
+        engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
+        segments=tuple(segments), linked=True, size_bytes=size, resident_bytes=resident,
+        uid=first.uid, mode=None if first.mode is None else f"{first.mode:04o}",
+        age_seconds=None if age is None else max(age, 0.0), geometry=geometry,
+        manifest=manifest, manifest_path=mpath, holders=holders, locked=locked, state=state,
+        problems=tuple(problems),
+    )
+
+
+def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: ProcessScan,
+                    measure: bool) -> RegionInfo:
+    """A region whose name is gone: all we know comes through its users' /proc entries."""
+    parts = split_engine_id(engine_id)
+    path = next(u.path for u in uses if u.path)
+    size = max((u.size_hint or 0) for u in uses)
+    resident, uid, mode = None, None, None
+    fd_use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
+    if fd_use is not None:
+        try:
+            fd = os.open(f"/proc/{fd_use.pid}/fd/{fd_use.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                st = os.fstat(fd)
+                if FileId.of(st) == fid:
+                    size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
+                    resident = _resident(fd) if measure else None
+            finally:
+                os.close(fd)
+    parsed = parse_region_filename(os.path.basename(path))
+    seg = SegmentFile(path, 0 if parsed is None else parsed.segment, fid, size, uid, None, None,
+                      False, resident)
+    return RegionInfo(
+        engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
+        segments=(seg,), linked=False, size_bytes=size, resident_bytes=resident, uid=uid,
+        mode=mode, age_seconds=None, geometry=None, manifest=None, manifest_path=None,
+        holders=_holders(uses, None), locked=False, state=LIVE, problems=(),
+    )
+
+
+def _flag_collisions(regions: list[RegionInfo]) -> list[RegionInfo]:
+    """Two regions claiming one (base id, dp rank): a restarted replica beside its ghost."""
+    by_key: dict[tuple[str, int | None], list[int]] = defaultdict(list)
+    for i, r in enumerate(regions):
+        by_key[(r.base_engine_id, r.dp_rank)].append(i)
+    out = list(regions)
+    for (base, dp), idx in by_key.items():
+        if len(idx) < 2:
+            continue
+        rank = "no dp suffix" if dp is None else f"dp rank {dp}"
+        msg = (f"{len(idx)} regions claim base id {base!r} with {rank} (a linked file and "
+               "unlinked ones still mapped); processes of one replica may be split between them")
+        for i in idx:
+            r = out[i]
+            out[i] = _with_problem(r, Problem("dp_collision", msg))
+    return out
+
+
+def _with_problem(r: RegionInfo, p: Problem) -> RegionInfo:
+    return replace(r, problems=(*r.problems, p))
+
+
+def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | None
+                      ) -> list[OrphanManifest]:
+    """Manifests whose region is gone, both by name and from every process."""
+    orphans = []
+    for engine_id, entry in sorted(listing.manifests.items()):
+        if engine_id in present or engine_id in listing.segments:
+            continue
+        if wanted is not None and engine_id not in wanted:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        orphans.append(OrphanManifest(engine_id, entry.path, FileId.of(st), st.st_uid,
+                                      st.st_mtime))
+    return orphans

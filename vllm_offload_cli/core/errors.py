@@ -1,0 +1,76 @@
+"""Known failures, each carrying the path, engine_id and pid it concerns.
+
+Modelled on psutil's exceptions: a small hierarchy whose classes say *what
+kind* of failure happened, so the CLI can map each kind to one exit code and
+print one line, while anything outside the hierarchy stays a bug.
+"""
+
+from __future__ import annotations
+
+
+class OffloadError(Exception):
+    """Base class of every failure the toolkit reports to users."""
+
+    code = "error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        engine_id: str | None = None,
+        pid: int | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.engine_id = engine_id
+        self.pid = pid
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidInputError(OffloadError, ValueError):
+    """An argument is malformed: engine_id, size, geometry, device list."""
+
+    code = "invalid_input"
+
+
+class RegionNotFoundError(OffloadError, LookupError):
+    """No region with that engine_id exists in the shm directory."""
+
+    code = "not_found"
+
+
+class RegionBusyError(OffloadError):
+    """The name is taken, or the region is held by a live process."""
+
+    code = "busy"
+
+
+class InsufficientSpaceError(OffloadError):
+    """tmpfs, the cgroup or the host does not have room for the region."""
+
+    code = "no_space"
+
+
+class UnsafeRegionError(OffloadError):
+    """A file fails the safety checks: symlink, owner, mode, links, size."""
+
+    code = "unsafe"
+
+
+class RegionTimeoutError(OffloadError, TimeoutError):
+    """A joiner waited too long for the creator to size the file."""
+
+    code = "timeout"
+
+
+class OperationFailedError(OffloadError):
+    """A system call failed for a reason that is not the caller's input."""
+
+    code = "failed"

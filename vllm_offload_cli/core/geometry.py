@@ -1,0 +1,150 @@
+"""Region geometry: rows of `row_stride` bytes, one `cpu_page_size` slot per worker.
+
+vLLM's region has no header, so the geometry is the only key to its bytes.
+Everything here is pure arithmetic and validation; no I/O.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import asdict, dataclass
+
+from vllm_offload_cli.core.errors import InvalidInputError
+
+PAGESIZE = mmap.PAGESIZE
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def default_row_stride(world_size: int, cpu_page_size: int) -> int:
+    """vLLM's kv_bytes_per_block: all slots of a row, rounded up to a page."""
+    return round_up(world_size * cpu_page_size, PAGESIZE)
+
+
+@dataclass(frozen=True)
+class SlotRange:
+    """One worker's bytes within one row: [start, end)."""
+
+    rank: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of a region; `world_size` is None when nobody recorded it."""
+
+    num_blocks: int
+    row_stride: int
+    cpu_page_size: int
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        problem = geometry_problem(self)
+        if problem is not None:
+            raise InvalidInputError(problem, code="invalid_geometry")
+
+    @classmethod
+    def for_workers(cls, *, num_blocks: int, world_size: int, cpu_page_size: int) -> Geometry:
+        """The geometry vLLM lays out for `world_size` workers."""
+        _require_positive("world_size", world_size)
+        _require_positive("cpu_page_size", cpu_page_size)
+        return cls(
+            num_blocks=num_blocks,
+            row_stride=default_row_stride(world_size, cpu_page_size),
+            cpu_page_size=cpu_page_size,
+            world_size=world_size,
+        )
+
+    @property
+    def size_bytes(self) -> int:
+        return self.num_blocks * self.row_stride
+
+    @property
+    def max_slots(self) -> int:
+        """How many whole slots fit in one row."""
+        return self.row_stride // self.cpu_page_size
+
+    def slot(self, rank: int) -> SlotRange:
+        """Byte range of worker `rank` inside every row."""
+        check_rank(self, rank)
+        return SlotRange(rank, rank * self.cpu_page_size, (rank + 1) * self.cpu_page_size)
+
+    def slot_offset(self, block: int, rank: int) -> int:
+        """Absolute file offset of worker `rank`'s slot in row `block`."""
+        if not 0 <= block < self.num_blocks:
+            raise InvalidInputError(f"block {block} is outside [0, {self.num_blocks})")
+        return block * self.row_stride + self.slot(rank).start
+
+    def to_dict(self) -> dict[str, int | None]:
+        return asdict(self)
+
+
+def _require_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name} must be an integer, got {value!r}",
+                                code="invalid_geometry")
+    if value <= 0:
+        raise InvalidInputError(f"{name} must be greater than 0, got {value}",
+                                code="invalid_geometry")
+
+
+def geometry_problem(g: Geometry) -> str | None:
+    """Say what makes a geometry unusable, or None."""
+    for name in ("num_blocks", "row_stride", "cpu_page_size"):
+        value = getattr(g, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{name} must be an integer, got {value!r}"
+        if value <= 0:
+            return f"{name} must be greater than 0, got {value}"
+    if g.row_stride % PAGESIZE:
+        return (
+            f"row stride {g.row_stride} is not a multiple of the page size {PAGESIZE}; "
+            f"vLLM rounds it up to {round_up(g.row_stride, PAGESIZE)}"
+        )
+    if g.cpu_page_size > g.row_stride:
+        return f"cpu_page_size {g.cpu_page_size} does not fit in a row of {g.row_stride} bytes"
+    if g.world_size is not None:
+        if isinstance(g.world_size, bool) or not isinstance(g.world_size, int):
+            return f"world_size must be an integer, got {g.world_size!r}"
+        if g.world_size <= 0:
+            return f"world_size must be greater than 0, got {g.world_size}"
+        if g.world_size * g.cpu_page_size > g.row_stride:
+            return (
+                f"{g.world_size} slots of {g.cpu_page_size} bytes need "
+                f"{g.world_size * g.cpu_page_size} bytes per row, more than the row stride "
+                f"{g.row_stride}"
+            )
+    return None
+
+
+def check_rank(g: Geometry, rank: int) -> None:
+    """Refuse a rank whose slot would fall outside the row (or the world)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise InvalidInputError(f"rank must be an integer >= 0, got {rank!r}",
+                                code="rank_out_of_range")
+    limit = g.world_size if g.world_size is not None else g.max_slots
+    if rank >= limit:
+        what = "world_size" if g.world_size is not None else "slots per row"
+        raise InvalidInputError(
+            f"rank {rank} is outside [0, {limit}) ({what} = {limit})", code="rank_out_of_range"
+        )
+
+
+def geometry_from_size(
+    size_bytes: int, *, world_size: int, cpu_page_size: int
+) -> tuple[Geometry, int]:
+    """Fit as many whole rows as `size_bytes` allows; also return the unused remainder."""
+    _require_positive("size", size_bytes)
+    row_stride = default_row_stride(world_size, cpu_page_size)
+    num_blocks = size_bytes // row_stride
+    if num_blocks == 0:
+        raise InvalidInputError(
+            f"size {size_bytes} is smaller than one row ({row_stride} bytes for {world_size} "
+            f"slot(s) of {cpu_page_size} bytes)",
+            code="invalid_geometry",
+        )
+    g = Geometry(num_blocks, row_stride, cpu_page_size, world_size)
+    return g, size_bytes - g.size_bytes

@@ -1,0 +1,59 @@
+"""The few system calls Python's stdlib does not expose in a usable form.
+
+ctypes calls release the GIL, which is what lets pre-fault run on several
+threads; `mincore` and a read-only mapping are not in the mmap module at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from functools import cache
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
+PROT_READ = 0x1
+MAP_SHARED = 0x01
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@cache
+def _libc() -> ctypes.CDLL:
+    lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.madvise.restype = ctypes.c_int
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.mincore.restype = ctypes.c_int
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                         ctypes.c_int, ctypes.c_long]
+    lib.mmap.restype = ctypes.c_void_p
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.munmap.restype = ctypes.c_int
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def madvise(addr: int, length: int, advice: int) -> None:
+    _check(_libc().madvise(addr, length, advice), "madvise")
+
+
+def mincore(addr: int, length: int, vec: ctypes.Array[ctypes.c_ubyte]) -> None:
+    _check(_libc().mincore(addr, length, vec), "mincore")
+
+
+def map_readonly(fd: int, length: int, offset: int = 0) -> int:
+    """mmap(PROT_READ, MAP_SHARED); a read-only fd cannot back a writable mmap.mmap."""
+    addr = _libc().mmap(None, length, PROT_READ, MAP_SHARED, fd, offset)
+    if addr is None or addr == MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap: {os.strerror(err)}")
+    return int(addr)
+
+
+def unmap(addr: int, length: int) -> None:
+    _check(_libc().munmap(addr, length), "munmap")

@@ -1,0 +1,49 @@
+"""flock helpers: a shared lock proves a region's user is alive.
+
+A process holding LOCK_SH for its whole life makes "can anyone take LOCK_EX?"
+a definitive liveness test that needs no process scan and cannot be fooled
+by pid reuse; the kernel drops the lock when the process dies, even by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import time
+
+from vllm_offload_cli.core.errors import RegionTimeoutError
+
+
+def try_lock_exclusive(fd: int) -> bool:
+    """Take LOCK_EX without waiting; False when any other holder exists."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    return True
+
+
+def lock_shared(fd: int, *, timeout: float, path: str = "") -> None:
+    """Take LOCK_SH, waiting out a brief exclusive holder such as a gc probe."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if time.monotonic() > deadline:
+            raise RegionTimeoutError(
+                f"{path} stayed exclusively locked for {timeout:.0f} s; "
+                "is a garbage collection stuck on it?", path=path,
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def unlock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)

@@ -1,0 +1,167 @@
+"""Pre-faulting: allocate a region's tmpfs pages up front, where failure is clear.
+
+vLLM calls madvise(MADV_POPULATE_WRITE) once per row from Python. We compute
+the same page ranges, merge those that touch (a single-worker or rank-less
+region becomes one call), and can spread the calls over threads: ctypes drops
+the GIL, and the kernel faults pages of one shmem file in parallel.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from vllm_offload_cli.core import libc
+from vllm_offload_cli.core.errors import InsufficientSpaceError, OperationFailedError
+from vllm_offload_cli.core.geometry import PAGESIZE, Geometry
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+_CHUNK = 64 * 1024 * 1024  # unit of work for threads and progress reports
+
+
+@dataclass(frozen=True)
+class PopulateStats:
+    bytes: int
+    seconds: float
+    method: str  # "madvise" or "touch"
+    threads: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def slot_ranges(geometry: Geometry, rank: int | None) -> list[tuple[int, int]]:
+    """Page-aligned (offset, length) ranges covering one rank's slots, merged where adjacent.
+
+    A rank-less opener covers the whole file. Alignment matches vLLM's: the
+    start rounds down to a page; the end is the slot's end (the kernel rounds up).
+    """
+    if rank is None:
+        return [(0, geometry.size_bytes)]
+    slot = geometry.slot(rank)
+    ranges: list[tuple[int, int]] = []
+    for block in range(geometry.num_blocks):
+        raw = block * geometry.row_stride + slot.start
+        start = raw - raw % PAGESIZE
+        end = raw + (slot.end - slot.start)
+        if ranges:
+            prev_start, prev_len = ranges[-1]
+            prev_end = prev_start + prev_len
+            # merge when the previous range's last page reaches this one's first
+            if -(-prev_end // PAGESIZE) * PAGESIZE >= start:
+                ranges[-1] = (prev_start, max(prev_end, end) - prev_start)
+                continue
+        ranges.append((start, end - start))
+    return ranges
+
+
+def _chunks(ranges: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Split ranges into work items of about _CHUNK bytes (large ranges are cut)."""
+    items: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    size = 0
+    for start, length in ranges:
+        while length > _CHUNK:  # cut on page boundaries
+            items.append([(start, _CHUNK)])
+            start += _CHUNK
+            length -= _CHUNK
+        current.append((start, length))
+        size += length
+        if size >= _CHUNK:
+            items.append(current)
+            current, size = [], 0
+    if current:
+        items.append(current)
+    return items
+
+
+def _madvise_supported(addr: int) -> bool:
+    """Probe with one page the caller is about to populate anyway (never a peer's slot)."""
+    try:
+        libc.madvise(addr - addr % PAGESIZE, PAGESIZE, libc.MADV_POPULATE_WRITE)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise _populate_error(exc) from exc
+    return True
+
+
+def _populate_error(exc: OSError) -> Exception:
+    if exc.errno in (errno.ENOMEM, errno.EFAULT, errno.ENOSPC):
+        return InsufficientSpaceError(
+            "ran out of memory while pre-faulting the region (tmpfs full or the memory "
+            "cgroup limit reached); free space with `vllm-offload gc` or shrink the region",
+            code="populate_failed",
+        )
+    return OperationFailedError(f"pre-fault failed: {exc.strerror}")
+
+
+def populate(
+    mm: mmap.mmap,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    threads: int = 1,
+    progress: Progress | None = None,
+) -> PopulateStats:
+    """Fault in `ranges` of a writable shared mapping; keeps existing bytes."""
+    import ctypes
+
+    total = sum(length for _, length in ranges)
+    anchor = ctypes.c_char.from_buffer(mm)  # pins the mapping while we use its address
+    try:
+        base = ctypes.addressof(anchor)
+        t0 = time.perf_counter()
+        if total == 0:
+            return PopulateStats(0, 0.0, "madvise", threads)
+        use_madvise = _madvise_supported(base + ranges[0][0])
+        done = 0
+        lock = threading.Lock()
+
+        def run(item: list[tuple[int, int]]) -> None:
+            nonlocal done
+            for start, length in item:
+                if use_madvise:
+                    try:
+                        libc.madvise(base + start, length, libc.MADV_POPULATE_WRITE)
+                    except OSError as exc:
+                        raise _populate_error(exc) from exc
+                else:
+                    _touch(mm, start, length)
+            if progress is not None:
+                with lock:
+                    done += sum(length for _, length in item)
+                    progress(done, total)
+
+        items = _chunks(ranges)
+        workers = max(1, min(threads, len(items)))
+        if workers == 1:
+            for item in items:
+                run(item)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="prefault") as pool:
+                for future in [pool.submit(run, item) for item in items]:
+                    future.result()
+        return PopulateStats(total, time.perf_counter() - t0,
+                             "madvise" if use_madvise else "touch", workers)
+    finally:
+        del anchor
+
+
+def _touch(mm: mmap.mmap, start: int, length: int) -> None:
+    """Fallback for kernels without MADV_POPULATE_WRITE: read-modify-write a byte per page.
+
+    Writing back the byte just read keeps data a peer may already have stored.
+    """
+    view = memoryview(mm)
+    try:
+        first = start - start % PAGESIZE
+        for offset in range(first, start + length, PAGESIZE):
+            view[offset] = view[offset]
+    finally:
+        view.release()

@@ -1,0 +1,422 @@
+"""SharedOffloadRegion: vLLM's mmap-backed KV offload region, hardened.
+
+Byte-compatible with vLLM's class of the same name (same path, same creator /
+joiner protocol, same layout, same views), so either side can create a region
+and the other can join it. On top of vLLM's behaviour (DESIGN section 3):
+
+* joiners never pass O_CREAT, and nothing is followed (O_NOFOLLOW);
+* the descriptor is judged by fstat: regular file, allowed owner, mode 0600,
+  one link, and exactly the expected size once the creator has sized it;
+* every opener holds a shared flock for the region's life (liveness proof);
+* the creator checks capacity first and writes a sidecar manifest; openers
+  record themselves in it; any failure removes what this opener created.
+
+torch is imported only when a tensor view is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import time
+from collections.abc import Collection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm_offload_cli.core import capacity, fsguard, locking
+from vllm_offload_cli.core import manifest as manifest_io
+from vllm_offload_cli.core.errors import (
+    InvalidInputError,
+    OffloadError,
+    OperationFailedError,
+    RegionBusyError,
+    RegionNotFoundError,
+    RegionTimeoutError,
+    UnsafeRegionError,
+)
+from vllm_offload_cli.core.geometry import PAGESIZE, Geometry, check_rank
+from vllm_offload_cli.core.naming import DEFAULT_SHM_DIR, manifest_path, region_path
+from vllm_offload_cli.core.prefault import PopulateStats, Progress, populate, slot_ranges
+from vllm_offload_cli.core.procfs import ProcessRef, hostname
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_RETRIES = 8  # restarts of the open protocol when a name changes under us
+
+
+class SharedOffloadRegion:
+    """One mmap'd file shared by every worker of one engine (one DP replica).
+
+    The positional arguments have vLLM's order and meaning. `rank=None` is the
+    scheduler's rank-less view (whole rows, whole-file pre-fault).
+    """
+
+    BLOCK_SIZE_ALIGNMENT: int = PAGESIZE
+
+    def __init__(
+        self,
+        engine_id: str,
+        num_blocks: int,
+        rank: int | None,
+        kv_bytes_per_block: int,
+        cpu_page_size: int,
+        *,
+        shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+        world_size: int | None = None,
+        rank_source: str | None = None,
+        device_index: int | None = None,
+        layout: str = "worker",
+        create_only: bool = False,
+        persistent: bool = False,
+        populate_pages: bool = True,
+        populate_threads: int = 1,
+        join_timeout: float = 30.0,
+        preflight: bool = True,
+        allowed_uids: Collection[int] | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        self.page_size = PAGESIZE
+        self.geometry = Geometry(num_blocks, kv_bytes_per_block, cpu_page_size, world_size)
+        if rank is not None:
+            check_rank(self.geometry, rank)
+        self.engine_id = engine_id
+        self.num_blocks = num_blocks
+        self.rank = rank
+        self._row_stride = kv_bytes_per_block
+        self.total_size_bytes = self.geometry.size_bytes
+        self.path = region_path(shm_dir, engine_id)  # validates engine_id
+        self.mmap_path = str(self.path)
+        self.manifest_path = str(manifest_path(shm_dir, engine_id))
+        self.shm_dir = Path(shm_dir)
+        self.persistent = persistent
+        self.is_pinned = False
+        self.populate_stats: PopulateStats | None = None
+        self._allowed_uids = allowed_uids
+        self._creator = False
+        self._manifest_written = False
+        self._attached = False
+        self._me = ProcessRef.current()
+        self._rank_source = rank_source
+        self._device_index = device_index
+        self._layout = layout
+        self._views: list[torch.Tensor] = []
+        self._base_tensor: torch.Tensor | None = None
+        self._unpin: Any = None  # set by the copy worker that pinned this mapping
+        if rank is not None:
+            self._worker_offset = rank * cpu_page_size
+            self._worker_area_end = (rank + 1) * cpu_page_size
+        self._canonical_offset = 0
+        self.fd: int | None = None
+        self.mmap_obj: mmap.mmap | None = None
+
+        if not self.shm_dir.is_dir():
+            raise InvalidInputError(
+                f"shm directory {self.shm_dir} does not exist or is not a directory",
+                path=str(self.shm_dir), engine_id=engine_id, code="bad_shm_dir",
+            )
+        try:
+            if create_only:
+                self._refuse_corrupt_manifest()
+            fd = self._open(create_only=create_only, join_timeout=join_timeout,
+                            preflight=preflight)
+            self.mmap_obj = mmap.mmap(fd, self.total_size_bytes, flags=mmap.MAP_SHARED,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if populate_pages:
+                self.populate_stats = populate(
+                    self.mmap_obj, slot_ranges(self.geometry, rank),
+                    threads=populate_threads, progress=progress,
+                )
+            self._attach()
+        except BaseException:
+            self._abandon()
+            raise
+
+    # -- opening ---------------------------------------------------------------
+
+    def _open(self, *, create_only: bool, join_timeout: float, preflight: bool) -> int:
+        for _ in range(_RETRIES):
+            try:
+                self.fd = os.open(
+                    self.mmap_path,
+                    os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                )
+            except FileExistsError:
+                if create_only:
+                    raise self._name_taken() from None
+                if self._join(join_timeout):
+                    assert self.fd is not None
+                    return self.fd
+                continue  # the name changed under us: start over
+            self._creator = True
+            self._create(preflight)
+            return self.fd
+        raise OperationFailedError(
+            f"{self.mmap_path} kept changing while opening it; is something deleting it?",
+            path=self.mmap_path, engine_id=self.engine_id,
+        )
+
+    def _create(self, preflight: bool) -> None:
+        """We won O_EXCL: lock, check room, describe, then size the file."""
+        assert self.fd is not None
+        locking.lock_shared(self.fd, timeout=10.0, path=self.mmap_path)
+        if preflight:
+            capacity.preflight(self.total_size_bytes, self.shm_dir, engine_id=self.engine_id)
+        st = os.fstat(self.fd)
+        # written before ftruncate, so every joiner that saw the full size finds it
+        manifest_io.write(self.manifest_path, manifest_io.Manifest(
+            engine_id=self.engine_id, geometry=self.geometry,
+            region_dev=st.st_dev, region_ino=st.st_ino,
+            creator_pid=self._me.pid, creator_start_ticks=self._me.start_ticks,
+            creator_host=hostname(), created_at=time.time(), layout=self._layout,
+            rank_source=self._rank_source, persistent=self.persistent,
+        ))
+        self._manifest_written = True
+        try:
+            os.ftruncate(self.fd, self.total_size_bytes)
+        except OSError as exc:
+            raise OperationFailedError(
+                f"cannot size {self.mmap_path} to {self.total_size_bytes} bytes: {exc.strerror}",
+                path=self.mmap_path, engine_id=self.engine_id,
+            ) from exc
+        logger.info("created %s (%d bytes)", self.mmap_path, self.total_size_bytes)
+
+    def _join(self, timeout: float) -> bool:
+        """Join an existing region; False when the name vanished or was replaced."""
+        try:
+            fd = fsguard.open_existing(self.mmap_path, os.O_RDWR, engine_id=self.engine_id)
+        except RegionNotFoundError:
+            return False
+        self.fd = fd
+        st = os.fstat(fd)
+        fsguard.raise_if_unsafe(st, self.mmap_path, engine_id=self.engine_id,
+                                allowed_uids=self._allowed_uids)
+        locking.lock_shared(fd, timeout=timeout, path=self.mmap_path)
+        deadline = time.monotonic() + timeout
+        while True:
+            if not fsguard.same_file_at(self.mmap_path, fd):
+                os.close(fd)  # unlinked (failed creator, gc) or replaced: retry
+                self.fd = None
+                return False
+            size = os.fstat(fd).st_size
+            if size == self.total_size_bytes:
+                break
+            if size != 0:
+                fsguard.raise_if_unsafe(os.fstat(fd), self.mmap_path, engine_id=self.engine_id,
+                                        allowed_uids=self._allowed_uids,
+                                        expected_size=self.total_size_bytes)
+            if time.monotonic() > deadline:
+                raise RegionTimeoutError(
+                    f"{self.mmap_path} is still {size} bytes after {timeout:.0f} s; its creator "
+                    "never sized it (crashed?). `vllm-offload inspect` shows who holds it",
+                    path=self.mmap_path, engine_id=self.engine_id,
+                )
+            time.sleep(0.005)
+        self._check_manifest_geometry()
+        logger.info("joined %s", self.mmap_path)
+        return True
+
+    def _check_manifest_geometry(self) -> None:
+        """Same size but another slot size would still corrupt data: compare geometry."""
+        try:
+            m = manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids)
+        except RegionNotFoundError:
+            return  # made by vLLM: nothing more to compare
+        except manifest_io.ManifestError as exc:
+            logger.warning("ignoring manifest: %s", exc)
+            return
+        mine, theirs = self.geometry, m.geometry
+        differs = (mine.row_stride, mine.cpu_page_size, mine.num_blocks) != (
+            theirs.row_stride, theirs.cpu_page_size, theirs.num_blocks)
+        if mine.world_size is not None and theirs.world_size is not None:
+            differs = differs or mine.world_size != theirs.world_size
+        if differs:
+            raise UnsafeRegionError(
+                f"{self.mmap_path} was created with geometry {theirs.to_dict()} but this opener "
+                f"expects {mine.to_dict()}; joining would misplace every slot",
+                path=self.mmap_path, engine_id=self.engine_id, code="geometry_mismatch",
+            )
+        if not ProcessRef(m.creator_pid, m.creator_start_ticks).alive() and not m.persistent:
+            logger.warning("joining %s whose creator (pid %d) is gone; nobody will unlink it",
+                           self.mmap_path, m.creator_pid)
+
+    def _refuse_corrupt_manifest(self) -> None:
+        """An explicit create changes nothing when a damaged manifest holds the name."""
+        try:
+            manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids)
+        except RegionNotFoundError:
+            return
+        # a valid manifest without its region is an orphan: the new one replaces it
+
+    def _name_taken(self) -> OffloadError:
+        st = None
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(self.mmap_path, follow_symlinks=False)
+        if st is not None:
+            problems = fsguard.stat_problems(st, allowed_uids=self._allowed_uids)
+            if problems and problems[0].code in ("symlink", "not_regular_file"):
+                return UnsafeRegionError(
+                    f"{self.mmap_path} {problems[0].message}; remove it by hand after checking "
+                    "what it is", path=self.mmap_path, engine_id=self.engine_id,
+                    code=problems[0].code,
+                )
+        return RegionBusyError(
+            f"{self.mmap_path} already exists; pick another engine_id, or if nothing uses it, "
+            f"remove it with `vllm-offload gc {self.engine_id}`",
+            path=self.mmap_path, engine_id=self.engine_id, code="name_taken",
+        )
+
+    def _attach(self) -> None:
+        attachment = manifest_io.Attachment(
+            pid=self._me.pid, start_ticks=self._me.start_ticks, rank=self.rank,
+            device_index=self._device_index, rank_source=self._rank_source,
+            host=hostname(), attached_at=time.time(),
+        )
+        try:
+            manifest_io.attach(self.manifest_path, attachment, allowed_uids=self._allowed_uids)
+        except RegionNotFoundError:
+            return  # a vLLM-made region has no manifest
+        except manifest_io.ManifestError as exc:
+            if self._creator:
+                raise
+            logger.warning("cannot record attachment: %s", exc)
+            return
+        self._attached = True
+
+    def _abandon(self) -> None:
+        """Undo a failed open: never leave a stub that joiners would wait on."""
+        if self._creator and self.fd is not None:
+            if fsguard.unlink_if_same(self.mmap_path, self.fd) and self._manifest_written:
+                _remove_quietly(self.manifest_path)
+            self._creator = False
+        self._close()
+
+    # -- views (vLLM's API) ----------------------------------------------------
+
+    @property
+    def _base(self) -> torch.Tensor:
+        if self._base_tensor is None:
+            import torch
+
+            if self.mmap_obj is None:
+                raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
+            self._base_tensor = torch.frombuffer(self.mmap_obj, dtype=torch.int8)
+        return self._base_tensor
+
+    def _strided(self, offset: int, tensor_page_size: int) -> torch.Tensor:
+        import torch
+
+        view = torch.as_strided(self._base, size=(self.num_blocks, tensor_page_size),
+                                stride=(self._row_stride, 1), storage_offset=offset)
+        self._views.append(view)
+        return view
+
+    def create_next_worker_view(self, tensor_page_size: int) -> torch.Tensor:
+        """The next tensor's page in this worker's slot: (num_blocks, size), strides (row, 1)."""
+        if self.rank is None:
+            raise InvalidInputError("a rank-less region has no worker slot; pass a rank")
+        if tensor_page_size <= 0:
+            raise InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
+        end = self._worker_offset + tensor_page_size
+        if end > self._worker_area_end:
+            raise InvalidInputError(
+                f"tensor page of {tensor_page_size} bytes overflows rank {self.rank}'s slot by "
+                f"{end - self._worker_area_end} bytes (cpu_page_size "
+                f"{self.geometry.cpu_page_size})", code="slot_overflow",
+            )
+        view = self._strided(self._worker_offset, tensor_page_size)
+        self._worker_offset = end
+        return view
+
+    def create_next_canonical_view(self, tensor_page_size: int) -> torch.Tensor:
+        """The next tensor's page carved from offset 0 of every row, shared by all workers."""
+        if tensor_page_size <= 0:
+            raise InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
+        end = self._canonical_offset + tensor_page_size
+        if end > self._row_stride:
+            raise InvalidInputError(
+                f"canonical pages need {end} bytes per row, more than the row stride "
+                f"{self._row_stride}", code="slot_overflow",
+            )
+        view = self._strided(self._canonical_offset, tensor_page_size)
+        self._canonical_offset = end
+        return view
+
+    def create_kv_memoryview(self) -> memoryview:
+        """Zero-copy (num_blocks, row_stride) byte view; block b is view[b]."""
+        if self.mmap_obj is None:
+            raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
+        return memoryview(self.mmap_obj).cast("B", (self.num_blocks, self._row_stride))
+
+    # -- lifetime --------------------------------------------------------------
+
+    @property
+    def creator(self) -> bool:
+        return self._creator
+
+    @property
+    def identity(self) -> fsguard.FileId:
+        if self.fd is None:
+            raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
+        return fsguard.FileId.of(os.fstat(self.fd))
+
+    def cleanup(self) -> None:
+        """Release everything; the creator of a non-persistent region also unlinks it."""
+        if self._attached:
+            try:
+                manifest_io.detach(self.manifest_path, self._me.pid, self.rank,
+                                   allowed_uids=self._allowed_uids)
+            except (OffloadError, OSError) as exc:
+                logger.debug("detach from %s: %s", self.manifest_path, exc)
+            self._attached = False
+        if self._creator and not self.persistent and self.fd is not None:
+            if fsguard.unlink_if_same(self.mmap_path, self.fd):
+                _remove_quietly(self.manifest_path)
+                logger.info("removed %s", self.mmap_path)
+            self._creator = False
+        self._close()
+
+    def _close(self) -> None:
+        if self._unpin is not None:
+            try:
+                self._unpin()
+            finally:
+                self._unpin = None
+                self.is_pinned = False
+        # views hold references to the buffer export; drop them before closing the map
+        self._views.clear()
+        self._base_tensor = None
+        if self.mmap_obj is not None:
+            try:
+                self.mmap_obj.close()
+            except BufferError:
+                logger.warning("%s: views are still referenced; the mapping stays until they "
+                               "are freed", self.mmap_path)
+            self.mmap_obj = None
+        if self.fd is not None:
+            try:
+                os.close(self.fd)  # also releases our shared flock
+            except OSError as exc:
+                if exc.errno != errno.EBADF:
+                    raise
+            self.fd = None
+
+    def __enter__(self) -> SharedOffloadRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        return (f"SharedOffloadRegion({self.engine_id!r}, rank={self.rank}, "
+                f"geometry={self.geometry}, creator={self._creator})")
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -1,0 +1,50 @@
+"""Which pages of a region are resident, via mincore on a read-only mapping.
+
+For tmpfs a page is resident once it was allocated (faulted) and not swapped
+out. Mapping without touching allocates nothing, so measuring is harmless.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from vllm_offload_cli.core import libc
+from vllm_offload_cli.core.geometry import PAGESIZE
+
+_WINDOW = 1 << 30  # map and measure at most this much at once
+
+
+def page_map(fd: int, offset: int = 0, length: int | None = None) -> bytes:
+    """One byte per page of [offset, offset+length): 1 resident, 0 not."""
+    if length is None:
+        length = os.fstat(fd).st_size - offset
+    if offset % PAGESIZE:
+        raise ValueError("offset must be page aligned")
+    out = bytearray()
+    pos, end = offset, offset + length
+    while pos < end:
+        size = min(_WINDOW, end - pos)
+        pages = -(-size // PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        addr = libc.map_readonly(fd, size, pos)
+        try:
+            libc.mincore(addr, size, vec)
+        finally:
+            libc.unmap(addr, size)
+        out += bytes(vec)
+        pos += size
+    # only the low bit is defined
+    return bytes(out).translate(_LOW_BIT)
+
+
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+def resident_bytes(fd: int) -> int:
+    """Bytes of the file that are resident in memory."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0
+    pages = page_map(fd, 0, size)
+    return min(pages.count(1) * PAGESIZE, size)
