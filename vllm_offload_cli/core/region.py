@@ -41,6 +41,7 @@ from vllm_offload_cli.core.geometry import PAGESIZE, Geometry, check_rank
 from vllm_offload_cli.core.naming import DEFAULT_SHM_DIR, manifest_path, region_path
 from vllm_offload_cli.core.prefault import PopulateStats, Progress, populate, slot_ranges
 from vllm_offload_cli.core.procfs import ProcessRef, hostname
+from vllm_offload_cli.core.torch_import import import_torch
 
 if TYPE_CHECKING:
     import torch
@@ -301,17 +302,14 @@ class SharedOffloadRegion:
     @property
     def _base(self) -> torch.Tensor:
         if self._base_tensor is None:
-            import torch
-
+            torch = import_torch()
             if self.mmap_obj is None:
                 raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
             self._base_tensor = torch.frombuffer(self.mmap_obj, dtype=torch.int8)
         return self._base_tensor
 
     def _strided(self, offset: int, tensor_page_size: int) -> torch.Tensor:
-        import torch
-
-        view = torch.as_strided(self._base, size=(self.num_blocks, tensor_page_size),
+        view = import_torch().as_strided(self._base, size=(self.num_blocks, tensor_page_size),
                                 stride=(self._row_stride, 1), storage_offset=offset)
         self._views.append(view)
         return view
