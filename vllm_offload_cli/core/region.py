@@ -309,8 +309,9 @@ class SharedOffloadRegion:
         return self._base_tensor
 
     def _strided(self, offset: int, tensor_page_size: int) -> torch.Tensor:
-        view = import_torch().as_strided(self._base, size=(self.num_blocks, tensor_page_size),
-                                stride=(self._row_stride, 1), storage_offset=offset)
+        view: torch.Tensor = import_torch().as_strided(
+            self._base, size=(self.num_blocks, tensor_page_size), stride=(self._row_stride, 1),
+            storage_offset=offset)
         self._views.append(view)
         return view
 
