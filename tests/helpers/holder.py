@@ -6,7 +6,7 @@ MODE:
   vllm      open like vLLM 0.33 does: O_CREAT|O_EXCL or join, mmap, no flock
   vllm-unlink  like vllm, then unlink the name while keeping the mapping
   fd-only   open the existing file and keep only the descriptor (no map, no lock)
-  map-only  map the existing file, close the descriptor (no lock)
+  map-only  map the existing file read-only, close the descriptor (no fd, no lock)
 RANK is an integer or "none". Prints one JSON line when ready, then reads
 stdin: "write B V" fills this rank's slot of row B with byte V; "exit" cleans
 up and exits 0; "crash" exits at once without cleanup.
@@ -66,8 +66,11 @@ def main() -> None:
             fd = os.open(path, os.O_RDONLY)
             ino = os.fstat(fd).st_ino
         elif mode == "map-only":
-            fd = os.open(path, os.O_RDWR)
-            mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+            # Python's mmap keeps a dup of the descriptor; map through libc to hold none
+            from vllm_offload_cli.core import libc
+
+            fd = os.open(path, os.O_RDONLY)
+            libc.map_readonly(fd, os.fstat(fd).st_size)
             ino = os.fstat(fd).st_ino
             os.close(fd)
             fd = -1

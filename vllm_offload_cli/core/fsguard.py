@@ -123,6 +123,9 @@ def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None 
                 f"{path} is a symbolic link; region names are never followed",
                 path=path, engine_id=engine_id, code="symlink",
             ) from None
+        if exc.errno in (errno.EISDIR, errno.ENXIO):
+            raise UnsafeRegionError(f"{path} is not a regular file", path=path,
+                                    engine_id=engine_id, code="not_regular_file") from None
         if exc.errno in (errno.EACCES, errno.EPERM):
             raise UnsafeRegionError(f"{path}: permission denied; it belongs to someone else",
                                     path=path, engine_id=engine_id,

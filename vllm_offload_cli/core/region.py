@@ -260,11 +260,11 @@ class SharedOffloadRegion:
             st = os.stat(self.mmap_path, follow_symlinks=False)
         if st is not None:
             problems = fsguard.stat_problems(st, allowed_uids=self._allowed_uids)
-            if problems and problems[0].code in ("symlink", "not_regular_file"):
+            if problems:  # not merely taken: somebody else's, or not a region at all
                 return UnsafeRegionError(
-                    f"{self.mmap_path} {problems[0].message}; remove it by hand after checking "
-                    "what it is", path=self.mmap_path, engine_id=self.engine_id,
-                    code=problems[0].code,
+                    f"{self.mmap_path} already exists and {problems[0].message}; check what it "
+                    "is before removing it by hand", path=self.mmap_path,
+                    engine_id=self.engine_id, code=problems[0].code,
                 )
         return RegionBusyError(
             f"{self.mmap_path} already exists; pick another engine_id, or if nothing uses it, "
