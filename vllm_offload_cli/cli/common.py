@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from vllm_offload_cli.core import errors
 
@@ -91,7 +92,8 @@ class Invocation:
     def warn(self, code: str, message: str) -> None:
         self.warnings.append({"code": code, "message": message})
         if self.verbosity >= 0:
-            self.err.print(f"[yellow]Warning:[/] {message}", highlight=False, markup=True)
+            self.err.print(f"[yellow]Warning:[/] {escape(message)}", highlight=False,
+                           soft_wrap=True)
 
     def info(self, message: str) -> None:
         if self.verbosity >= 1:

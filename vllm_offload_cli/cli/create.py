@@ -15,7 +15,6 @@ from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, su
 from vllm_offload_cli.core.errors import InvalidInputError
 from vllm_offload_cli.core.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.naming import with_dp_rank
-from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.units import format_bytes, parse_size
 
 
@@ -60,8 +59,7 @@ def _geometry(world_size: int, cpu_page_size: str, num_blocks: int | None,
     return geometry
 
 
-@subcommand(app, "create", help="Create a region as vLLM lays it out, pre-fault it and "
-            "describe it in a manifest.")
+@subcommand(app, "create")
 def create(
     inv: Invocation,
     engine_id: Annotated[str, typer.Argument(help="Engine id (base id with --dp-rank).",
@@ -88,6 +86,8 @@ def create(
     Without --hold the region stays and is marked persistent, pre-provisioned for
     an engine to join; `gc` keeps it unless given --include-persistent.
     """
+    from vllm_offload_cli.core.region import SharedOffloadRegion  # not needed by --help
+
     full_id = with_dp_rank(engine_id, dp_rank)
     geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)
     shm_dir = shm_dir_checked(inv)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vllm_offload_cli.cli import metrics
@@ -34,7 +35,7 @@ def inventory_data(inv: Inventory) -> dict[str, Any]:
     }
 
 
-@subcommand(app, "inspect", help="List every region: holders, residency, state, problems.")
+@subcommand(app, "inspect")
 def inspect_cmd(
     inv: Invocation,
     engine_ids: Annotated[list[str] | None, typer.Argument(
@@ -86,7 +87,7 @@ def _holders_text(r: RegionInfo) -> str:
     parts = []
     for h in r.holders:
         rank = "" if h.rank is None else f" r{h.rank}"
-        parts.append(f"{h.pid} {h.name or '?'}{rank}")
+        parts.append(f"{h.pid} {escape(h.name or '?')}{rank}")
     return ", ".join(parts) or "-"
 
 

@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import json
 import os
-import secrets
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
@@ -173,7 +172,7 @@ def read(path: str, *, allowed_uids: Collection[int] | None = None) -> Manifest:
 def write(path: str, manifest: Manifest) -> None:
     """Write atomically: a fresh 0600 file beside the target, then rename over it."""
     directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+    tmp = os.path.join(directory, f".{name}.tmp.{os.getpid()}.{os.urandom(4).hex()}")
     payload = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode() + b"\n"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,

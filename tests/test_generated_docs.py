@@ -1,0 +1,59 @@
+"""The man page and completions are generated from the command tree: no drift allowed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm_offload_cli.cli.gendocs import outputs
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = "regenerate with `python -m vllm_offload_cli.cli.gendocs` from the repository root"
+
+
+@pytest.mark.parametrize(("rel", "text"), sorted(outputs().items()))
+def test_committed_copy_is_current(rel: str, text: str) -> None:
+    committed = (ROOT / rel).read_text()
+    assert committed == text, f"{rel} is out of date; {FIX}"
+
+
+def test_every_command_is_documented() -> None:
+    from vllm_offload_cli.cli.app import app
+
+    man = (ROOT / "man" / "vllm-offload.1").read_text()
+    bash = (ROOT / "completions" / "vllm-offload.bash").read_text()
+    for command in app.registered_commands:
+        if command.hidden:
+            continue
+        assert f".SS {command.name}" in man.replace("\\-", "-")
+        assert f"    {command.name})" in bash
+
+
+@pytest.mark.parametrize(("shell", "rel", "check"), [
+    ("bash", "completions/vllm-offload.bash", ["bash", "-n"]),
+    ("zsh", "completions/_vllm-offload", ["zsh", "-n"]),
+    ("fish", "completions/vllm-offload.fish", ["fish", "--no-execute"]),
+])
+def test_completion_scripts_parse(shell: str, rel: str, check: list[str]) -> None:
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} is not installed")
+    subprocess.run([*check, str(ROOT / rel)], check=True)
+
+
+def test_bash_completes_commands_options_and_engine_ids(tmp_path: Path) -> None:
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not installed")
+    (tmp_path / "vllm_offload_abc_dp1.mmap").touch()
+    script = f"""
+source {ROOT / "completions/vllm-offload.bash"}
+export VLLM_OFFLOAD_SHM_DIR={tmp_path}
+COMP_WORDS=(vllm-offload ins); COMP_CWORD=1; _vllm_offload; echo "${{COMPREPLY[*]}}"
+COMP_WORDS=(vllm-offload inspect --form); COMP_CWORD=2; _vllm_offload; echo "${{COMPREPLY[*]}}"
+COMP_WORDS=(vllm-offload inspect ""); COMP_CWORD=2; _vllm_offload; echo "${{COMPREPLY[*]}}"
+"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["inspect", "--format", "abc_dp1"]
