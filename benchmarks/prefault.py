@@ -4,7 +4,7 @@ Both fault in the same bytes of a fresh tmpfs file in the same run:
   vllm-loop   what every vLLM worker does: mmap.madvise(MADV_POPULATE_WRITE) once per
               row for its own slot, all ranks one after another (the whole file)
   create      vllm_offload_cli's populate() as `vllm-offload create` runs it: ranges
-              merged (one call for a whole file), cut into 64 MiB pieces, N threads
+              merged (one call for a whole file), cut into 16 MiB pieces, N threads
 Usage: python benchmarks/prefault.py [--size 256MiB] [--cpu-page-size 16KiB]
        [--world-size 4] [--repeat 3]
 """

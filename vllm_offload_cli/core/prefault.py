@@ -21,7 +21,7 @@ from vllm_offload_cli.core.errors import InsufficientSpaceError, OperationFailed
 from vllm_offload_cli.core.geometry import PAGESIZE, Geometry
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-_CHUNK = 64 * 1024 * 1024  # unit of work for threads and progress reports
+_CHUNK = 16 * 1024 * 1024  # unit of work for threads and progress reports
 
 
 @dataclass(frozen=True)
