@@ -41,6 +41,7 @@ from vllm_offload_cli.core.geometry import PAGESIZE, Geometry, check_rank
 from vllm_offload_cli.core.naming import DEFAULT_SHM_DIR, manifest_path, region_path
 from vllm_offload_cli.core.prefault import PopulateStats, Progress, populate, slot_ranges
 from vllm_offload_cli.core.procfs import ProcessRef, hostname
+from vllm_offload_cli.core.ranks import RankSource, parse_rank_source
 from vllm_offload_cli.core.torch_import import import_torch
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class SharedOffloadRegion:
         *,
         shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
         world_size: int | None = None,
-        rank_source: str | None = None,
+        rank_source: str | RankSource | None = None,
         device_index: int | None = None,
         layout: str = "worker",
         create_only: bool = False,
@@ -83,6 +84,8 @@ class SharedOffloadRegion:
         progress: Progress | None = None,
     ) -> None:
         self.page_size = PAGESIZE
+        # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
+        source_name = None if rank_source is None else parse_rank_source(rank_source).name
         self.geometry = Geometry(num_blocks, kv_bytes_per_block, cpu_page_size, world_size)
         if rank is not None:
             check_rank(self.geometry, rank)
@@ -103,7 +106,7 @@ class SharedOffloadRegion:
         self._manifest_written = False
         self._attached = False
         self._me = ProcessRef.current()
-        self._rank_source = rank_source
+        self._rank_source = source_name
         self._device_index = device_index
         self._layout = layout
         self._views: list[torch.Tensor] = []
