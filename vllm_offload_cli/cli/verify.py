@@ -46,7 +46,7 @@ _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.val
 def verify_rank_layout(
     inv: Invocation,
     engine_id: Annotated[str | None, typer.Argument(
-        metavar="[ENGINE_ID]", show_default=False,
+        metavar="ENGINE_ID", show_default=False,
         help="Check this existing region (live mode); without it, plan a layout.")] = None,
     world_size: Annotated[int | None, typer.Option(
         "--world-size", show_default=False,
