@@ -9,7 +9,7 @@ _vllm_offload() {
         case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
     done
     if [ -z "$cmd" ]; then
-        COMPREPLY=($(compgen -W "create inspect --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "create inspect verify-rank-layout --help --version" -- "$cur")); return
     fi
     case "$cmd" in
     create)
@@ -35,6 +35,20 @@ _vllm_offload() {
         esac
         if [[ "$cur" == -* ]]; then
             COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    verify-rank-layout)
+        case "$prev" in
+            --world-size) COMPREPLY=(); return ;;
+            --dp-size) COMPREPLY=(); return ;;
+            --devices) COMPREPLY=(); return ;;
+            --rank-source) COMPREPLY=(); return ;;
+            --cpu-page-size) COMPREPLY=(); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--world-size --dp-size --devices --rank-source --no-dp-suffix --cpu-page-size --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -1,15 +1,19 @@
 """A region user in its own process, for tests of liveness, races and crashes.
 
-Usage: holder.py MODE SHM_DIR ENGINE_ID NUM_BLOCKS RANK ROW_STRIDE CPU_PAGE_SIZE [WORLD]
+Usage: holder.py MODE SHM_DIR ENGINE_ID NUM_BLOCKS RANK ROW_STRIDE CPU_PAGE_SIZE [WORLD
+       [DEVICE_INDEX [RANK_SOURCE]]]
 MODE:
   region    open through vllm_offload_cli's SharedOffloadRegion (flock + manifest)
   vllm      open like vLLM 0.33 does: O_CREAT|O_EXCL or join, mmap, no flock
   vllm-unlink  like vllm, then unlink the name while keeping the mapping
   fd-only   open the existing file and keep only the descriptor (no map, no lock)
   map-only  map the existing file read-only, close the descriptor (no fd, no lock)
-RANK is an integer or "none". Prints one JSON line when ready, then reads
-stdin: "write B V" fills this rank's slot of row B with byte V; "exit" cleans
-up and exits 0; "crash" exits at once without cleanup.
+RANK, WORLD and DEVICE_INDEX are integers or "none"; DEVICE_INDEX and
+RANK_SOURCE are recorded in the manifest (mode region only). Prints one JSON
+line when ready, then reads stdin: "write B V" fills this rank's slot of row B
+with byte V; "fill V" fills this rank's slot of every row (what vLLM's
+pre-fault of its own slot allocates); "exit" cleans up and exits 0; "crash"
+exits at once without cleanup.
 """
 
 from __future__ import annotations
@@ -36,10 +40,16 @@ def _vllm_open(path: str, size: int) -> tuple[int, bool]:
     return fd, True
 
 
+def _opt_int(text: str) -> int | None:
+    return None if text == "none" else int(text)
+
+
 def main() -> None:
     mode, shm_dir, engine_id = sys.argv[1:4]
     num_blocks, rank_s, row_stride, page = sys.argv[4:8]
-    world = int(sys.argv[8]) if len(sys.argv) > 8 else None
+    world = _opt_int(sys.argv[8]) if len(sys.argv) > 8 else None
+    device_index = _opt_int(sys.argv[9]) if len(sys.argv) > 9 else None
+    rank_source = sys.argv[10] if len(sys.argv) > 10 else None
     rank = None if rank_s == "none" else int(rank_s)
     num_blocks_i, row_stride_i, page_i = int(num_blocks), int(row_stride), int(page)
     path = os.path.join(shm_dir, f"vllm_offload_{engine_id}.mmap")
@@ -53,7 +63,8 @@ def main() -> None:
             from vllm_offload_cli.core.region import SharedOffloadRegion
 
             region = SharedOffloadRegion(engine_id, num_blocks_i, rank, row_stride_i, page_i,
-                                         shm_dir=shm_dir, world_size=world)
+                                         shm_dir=shm_dir, world_size=world,
+                                         device_index=device_index, rank_source=rank_source)
             mm, creator = region.mmap_obj, region.creator
             ino = os.fstat(region.fd).st_ino  # type: ignore[arg-type]
         elif mode in ("vllm", "vllm-unlink"):
@@ -89,6 +100,12 @@ def main() -> None:
             block, value = int(words[1]), int(words[2])
             start = block * row_stride_i + rank * page_i
             mm[start:start + page_i] = bytes([value]) * page_i
+            print("ok", flush=True)
+        elif words[0] == "fill" and mm is not None and rank is not None:
+            value = bytes([int(words[1])]) * page_i
+            for block in range(num_blocks_i):
+                start = block * row_stride_i + rank * page_i
+                mm[start:start + page_i] = value
             print("ok", flush=True)
         elif words[0] == "crash":
             os._exit(9)

@@ -41,6 +41,7 @@ from vllm_offload_cli.core.geometry import PAGESIZE, Geometry, check_rank
 from vllm_offload_cli.core.naming import DEFAULT_SHM_DIR, manifest_path, region_path
 from vllm_offload_cli.core.prefault import PopulateStats, Progress, populate, slot_ranges
 from vllm_offload_cli.core.procfs import ProcessRef, hostname
+from vllm_offload_cli.core.ranks import RankSource, parse_rank_source
 from vllm_offload_cli.core.torch_import import import_torch
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class SharedOffloadRegion:
         *,
         shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
         world_size: int | None = None,
-        rank_source: str | None = None,
+        rank_source: str | RankSource | None = None,
         device_index: int | None = None,
         layout: str = "worker",
         create_only: bool = False,
@@ -83,6 +84,8 @@ class SharedOffloadRegion:
         progress: Progress | None = None,
     ) -> None:
         self.page_size = PAGESIZE
+        # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
+        source_name = None if rank_source is None else parse_rank_source(rank_source).name
         self.geometry = Geometry(num_blocks, kv_bytes_per_block, cpu_page_size, world_size)
         if rank is not None:
             check_rank(self.geometry, rank)
@@ -103,7 +106,7 @@ class SharedOffloadRegion:
         self._manifest_written = False
         self._attached = False
         self._me = ProcessRef.current()
-        self._rank_source = rank_source
+        self._rank_source = source_name
         self._device_index = device_index
         self._layout = layout
         self._views: list[torch.Tensor] = []
@@ -236,6 +239,14 @@ class SharedOffloadRegion:
             theirs.row_stride, theirs.cpu_page_size, theirs.num_blocks)
         if mine.world_size is not None and theirs.world_size is not None:
             differs = differs or mine.world_size != theirs.world_size
+        if (not differs and self.rank is not None and mine.world_size is None
+                and theirs.world_size is not None and self.rank >= theirs.world_size):
+            raise UnsafeRegionError(
+                f"rank {self.rank} is outside [0, {theirs.world_size}): {self.mmap_path} was "
+                f"created for {theirs.world_size} workers; its slot would be another "
+                "engine's padding", path=self.mmap_path, engine_id=self.engine_id,
+                code="rank_out_of_range",
+            )
         if differs:
             raise UnsafeRegionError(
                 f"{self.mmap_path} was created with geometry {theirs.to_dict()} but this opener "

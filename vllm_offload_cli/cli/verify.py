@@ -1,0 +1,218 @@
+"""`vllm-offload verify-rank-layout`: prove that no two workers share bytes.
+
+Without ENGINE_ID it plans a layout before launch (every replica's engine_id,
+every worker's device and slot); with ENGINE_ID it checks a live region.
+Either way exit 3 means two workers would write (or did write) the same
+bytes, or the region is not what it claims.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from vllm_offload_cli.cli.app import app
+from vllm_offload_cli.cli.common import (
+    EXIT_OK,
+    EXIT_VERIFY,
+    Invocation,
+    Outcome,
+    shm_dir_checked,
+    subcommand,
+)
+from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.layout_check import LiveCheck, check_region
+from vllm_offload_cli.core.layout_plan import (
+    ENV,
+    PER_PROCESS,
+    LayoutPlan,
+    WorkerPlan,
+    parse_devices,
+    plan_layout,
+)
+from vllm_offload_cli.core.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
+from vllm_offload_cli.core.units import format_bytes, parse_size
+
+_SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.values())
+
+
+@subcommand(app, "verify-rank-layout",
+            help="Prove that no two workers share bytes: plan a layout, or check a live region.")
+def verify_rank_layout(
+    inv: Invocation,
+    engine_id: Annotated[str | None, typer.Argument(
+        metavar="ENGINE_ID", show_default=False,
+        help="Check this existing region (live mode); without it, plan a layout.")] = None,
+    world_size: Annotated[int | None, typer.Option(
+        "--world-size", show_default=False,
+        help="Workers per replica (required to plan; for a region without a manifest, with "
+        "--cpu-page-size).")] = None,
+    dp_size: Annotated[int | None, typer.Option(
+        "--dp-size", show_default=False,
+        help="Plan: data-parallel replicas (default 1, or the number of --devices groups).")
+    ] = None,
+    devices: Annotated[str | None, typer.Option(
+        "--devices", metavar="SPEC", show_default=False,
+        help="Plan: device index each worker's process sees, e.g. '0,2;1,3' (';' between "
+        "replicas, ',' between workers); or 'contiguous' (default: replica k on k*W..k*W+W-1), "
+        "'env' (split CUDA_VISIBLE_DEVICES into replicas; each worker sees its position in "
+        "the list), 'per-process' (each worker process sees only its own GPU, index 0).")
+    ] = None,
+    rank_source: Annotated[str | None, typer.Option(
+        "--rank-source", metavar="NAME", show_default=False,
+        help=f"Plan: how a worker picks its slot (default {DEVICE_MODULO.name}). "
+        f"{_SOURCES_HELP}.")] = None,
+    no_dp_suffix: Annotated[bool, typer.Option(
+        "--no-dp-suffix",
+        help="Plan: replicas get no _dp{k} engine_id suffix (the multiprocessing path before "
+        "vLLM PR 47987).")] = False,
+    cpu_page_size: Annotated[str | None, typer.Option(
+        "--cpu-page-size", metavar="BYTES", show_default=False,
+        help="Live: bytes per worker slot, for a region without a manifest (e.g. 64KiB).")
+    ] = None,
+) -> Outcome:
+    """Prove that no two workers share bytes.
+
+    Plan mode (no ENGINE_ID) computes every replica's engine_id and every
+    worker's device and slot, and reports slot collisions, slots outside
+    [0, W), shared engine_ids and shared devices. Live mode checks an existing
+    region: size against geometry, attached ranks (each in range, each once,
+    none missing) and which slots were ever populated. Exit 3 when anything is
+    wrong.
+    """
+    if engine_id is None:
+        _refuse("live", ("--cpu-page-size", cpu_page_size is not None))
+        return _plan(inv, world_size, dp_size, devices, rank_source, no_dp_suffix)
+    _refuse("plan", ("--dp-size", dp_size is not None), ("--devices", devices is not None),
+            ("--rank-source", rank_source is not None), ("--no-dp-suffix", no_dp_suffix))
+    page = None if cpu_page_size is None else parse_size(cpu_page_size, what="--cpu-page-size")
+    return _live(inv, engine_id, world_size, page)
+
+
+def _refuse(mode: str, *given: tuple[str, bool]) -> None:
+    wrong = [name for name, present in given if present]
+    if wrong:
+        other = "an ENGINE_ID (live mode)" if mode == "live" else "no ENGINE_ID (plan mode)"
+        raise InvalidInputError(f"{', '.join(wrong)} only applies with {other}", code="usage")
+
+
+def _outcome(data: dict[str, Any], problems: list[dict[str, Any]], render: Any) -> Outcome:
+    return Outcome(data, exit_code=EXIT_VERIFY if problems else EXIT_OK,
+                   errors=[{"code": p["code"], "message": p["message"]} for p in problems],
+                   render=render)
+
+
+# -- plan mode ---------------------------------------------------------------------
+
+def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices: str | None,
+          rank_source: str | None, no_dp_suffix: bool) -> Outcome:
+    if world_size is None:
+        raise InvalidInputError("plan mode needs --world-size (or give an ENGINE_ID to check "
+                                "a live region)", code="usage")
+    source = DEVICE_MODULO if rank_source is None else parse_rank_source(rank_source)
+    layout = parse_devices(devices, environ=os.environ)
+    plan = plan_layout(world_size, source, dp_size=dp_size, devices=layout,
+                       dp_suffix=not no_dp_suffix)
+    if plan.unused_devices:
+        inv.warn("unused_devices", f"{len(plan.unused_devices)} visible device(s) are not "
+                 f"used by any replica: {', '.join(plan.unused_devices)}")
+    problems = [p.to_dict() for p in plan.problems]
+    data = {"mode": "plan", "ok": plan.ok, "problems": problems, **plan.to_dict()}
+    return _outcome(data, problems, lambda out: _render_plan(out, plan))
+
+
+def _device_text(plan: LayoutPlan, w: WorkerPlan) -> str:
+    if plan.devices.kind == PER_PROCESS:
+        return f"{w.device.index} (own GPU)"
+    if plan.devices.kind == ENV:
+        label = w.device.label or ""
+        return f"{w.device.index} ({'GPU ' if label.isdigit() else ''}{label})"
+    return str(w.device.index)
+
+
+def _status(codes: tuple[str, ...]) -> str:
+    return "[green]ok[/]" if not codes else f"[bold red]{escape(', '.join(codes))}[/]"
+
+
+def _render_plan(out: Console, plan: LayoutPlan) -> None:
+    suffix = "" if plan.dp_suffix else ", no _dp suffix"
+    out.print(f"Plan: {plan.dp_size} replica(s) x {plan.world_size} worker(s); rank source "
+              f"{plan.rank_source.name} ({plan.rank_source.description}); devices "
+              f"{plan.devices.kind}{suffix}", highlight=False, markup=False)
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("REPLICA", "ENGINE ID", "WORKER", "DEVICE", "SLOT", "STATUS"):
+        table.add_column(col)
+    for r in plan.replicas:
+        for w in r.workers:
+            table.add_row(str(r.replica), escape(r.engine_id), str(w.worker),
+                          escape(_device_text(plan, w)), str(w.slot), _status(w.problems))
+    out.print(table)
+    _render_verdict(out, [p.message for p in plan.problems],
+                    "every worker has its own slot in its replica's region")
+
+
+def _render_verdict(out: Console, messages: list[str], good: str) -> None:
+    for message in messages:
+        out.print(f"  - {message}", highlight=False, markup=False)
+    if messages:
+        out.print(f"[bold red]FAIL[/]: {len(messages)} problem(s)")
+    else:
+        out.print(f"[green]OK[/]: {good}")
+
+
+# -- live mode ---------------------------------------------------------------------
+
+def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | None
+          ) -> Outcome:
+    shm_dir = shm_dir_checked(inv)
+    check = check_region(shm_dir, engine_id, world_size=world_size, cpu_page_size=page)
+    for note in check.notes:
+        inv.warn(note.code, note.message)
+    problems = [p.to_dict() for p in check.problems]
+    data = {"mode": "live", "ok": check.ok, "problems": problems, **check.to_dict()}
+    return _outcome(data, problems, lambda out: _render_live(out, check))
+
+
+def _render_live(out: Console, check: LiveCheck) -> None:
+    out.print(f"Region {check.path} ({format_bytes(check.size_bytes)})", highlight=False,
+              markup=False)
+    g = check.geometry
+    if g is not None:
+        origin = ("manifest" if check.geometry_source == "manifest"
+                  else "--world-size/--cpu-page-size")
+        out.print(f"  geometry  {g.num_blocks} rows x {g.row_stride} bytes; {g.world_size} "
+                  f"slot(s) of {g.cpu_page_size} bytes (from the {origin})", highlight=False,
+                  markup=False)
+    if check.rank_source is not None:
+        out.print(f"  rank source {check.rank_source}", highlight=False, markup=False)
+    if check.slots:
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        for col in ("SLOT", "BYTES", "WORKERS", "POPULATED", "STATUS"):
+            table.add_column(col)
+        for s in check.slots:
+            fraction = s.populated_fraction
+            table.add_row(str(s.slot), f"{s.start}..{s.end}", escape(_workers_text(s.workers)),
+                          "-" if fraction is None else f"{fraction:.0%}", _status(
+                              tuple(c for c in s.status if c != "unmeasurable"))
+                          if s.status != ("unmeasurable",) else "[yellow]unmeasurable[/]")
+        width = g.world_size if g is not None and g.world_size is not None else 0
+        for w in check.workers:
+            if not 0 <= w.rank < width:
+                table.add_row(str(w.rank), "outside the row", escape(_workers_text((w,))), "-",
+                              _status(("rank_out_of_range",)))
+        out.print(table)
+    _render_verdict(out, [p.message for p in check.problems],
+                    "sizes, ranks and slots are consistent")
+
+
+def _workers_text(workers: Any) -> str:
+    parts = []
+    for w in workers:
+        device = "" if w.device_index is None else f" dev {w.device_index}"
+        parts.append(f"pid {w.pid}{device}")
+    return ", ".join(parts) or "-"

@@ -1,0 +1,491 @@
+"""Live mode of `verify-rank-layout`: does an existing region hold what it claims?
+
+Checks one region by engine_id: its size against its geometry (from the
+manifest, or from the world size and slot size the operator gives for a
+region vLLM made without one), its row stride, the live workers the
+manifest records (each rank in range, each rank once, no two on one
+device) and which slots were ever populated (mincore per slot).
+
+The region is opened read-only without following links and never written;
+residency is measured on a separate read-only mapping that is never
+touched, so checking faults nothing in.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_offload_cli.core import fsguard, residency
+from vllm_offload_cli.core import manifest as manifest_io
+from vllm_offload_cli.core.errors import (
+    InvalidInputError,
+    OffloadError,
+    RegionNotFoundError,
+    UnsafeRegionError,
+)
+from vllm_offload_cli.core.geometry import PAGESIZE, Geometry, default_row_stride
+from vllm_offload_cli.core.naming import manifest_path, region_path, validate_engine_id
+from vllm_offload_cli.core.procfs import ProcessRef
+from vllm_offload_cli.core.ranks import RANK_SOURCES
+
+
+@dataclass(frozen=True)
+class CheckProblem:
+    """A finding about a live region, naming the ranks, pids and slot involved."""
+
+    code: str
+    message: str
+    ranks: tuple[int, ...] = ()
+    pids: tuple[int, ...] = ()
+    slot: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
+        if self.pids:
+            out["pids"] = list(self.pids)
+        if self.slot is not None:
+            out["slot"] = self.slot
+        return out
+
+
+@dataclass(frozen=True)
+class AttachedWorker:
+    """A live ranked opener recorded in the manifest."""
+
+    pid: int
+    rank: int
+    device_index: int | None
+    rank_source: str | None
+    host: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "rank": self.rank, "device_index": self.device_index,
+                "rank_source": self.rank_source, "host": self.host}
+
+
+@dataclass(frozen=True)
+class SlotReport:
+    """One slot across all rows: who claims it and how much of it is resident.
+
+    Residency is counted on pages that intersect this slot and no other
+    (padding at the row's end does not count as a slot); a page shared with
+    a neighbour says nothing about which of the two wrote, so it is counted
+    apart. `pages` is 0 when every page of the slot is shared.
+    """
+
+    slot: int
+    start: int
+    end: int
+    workers: tuple[AttachedWorker, ...]
+    pages: int
+    resident_pages: int
+    shared_pages: int
+    shared_resident_pages: int
+    status: tuple[str, ...] = ()
+
+    @property
+    def populated_fraction(self) -> float | None:
+        return None if self.pages == 0 else self.resident_pages / self.pages
+
+    def to_dict(self) -> dict[str, Any]:
+        fraction = self.populated_fraction
+        return {
+            "slot": self.slot, "start": self.start, "end": self.end,
+            "workers": [w.to_dict() for w in self.workers],
+            "pages": self.pages, "resident_pages": self.resident_pages,
+            "shared_pages": self.shared_pages,
+            "shared_resident_pages": self.shared_resident_pages,
+            "populated_fraction": None if fraction is None else round(fraction, 6),
+            "status": ",".join(self.status) or "ok",
+        }
+
+
+@dataclass(frozen=True)
+class LiveCheck:
+    engine_id: str
+    path: str
+    manifest_path: str | None  # None when the region has no usable manifest
+    size_bytes: int
+    geometry: Geometry | None  # the geometry the checks used; None when unknown
+    geometry_source: str | None  # "manifest" or "arguments"
+    rank_source: str | None  # what the creator recorded
+    workers: tuple[AttachedWorker, ...]
+    rankless_openers: int
+    stale_attachments: int
+    slots: tuple[SlotReport, ...]
+    problems: tuple[CheckProblem, ...]
+    notes: tuple[CheckProblem, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id, "path": self.path, "manifest": self.manifest_path,
+            "size_bytes": self.size_bytes,
+            "geometry": None if self.geometry is None else self.geometry.to_dict(),
+            "geometry_source": self.geometry_source, "rank_source": self.rank_source,
+            "workers": [w.to_dict() for w in self.workers],
+            "rankless_openers": self.rankless_openers,
+            "stale_attachments": self.stale_attachments,
+            "slots": [s.to_dict() for s in self.slots],
+            "notes": [n.to_dict() for n in self.notes],
+        }
+
+
+def check_region(
+    shm_dir: str | os.PathLike[str],
+    engine_id: str,
+    *,
+    world_size: int | None = None,
+    cpu_page_size: int | None = None,
+    allowed_uids: Collection[int] | None = None,
+) -> LiveCheck:
+    """Check one region; raise only for bad input or a file that is not a region at all."""
+    validate_engine_id(engine_id)
+    for option, value in (("--world-size", world_size), ("--cpu-page-size", cpu_page_size)):
+        if value is not None and value <= 0:
+            raise InvalidInputError(f"{option} must be greater than 0, got {value}",
+                                    code="invalid_geometry")
+    if allowed_uids is None and os.geteuid() == 0:
+        allowed_uids = fsguard.EVERY_UID
+    path = str(region_path(shm_dir, engine_id))
+    mpath = str(manifest_path(shm_dir, engine_id))
+    try:
+        fd = fsguard.open_existing(path, os.O_RDONLY, engine_id=engine_id)
+    except RegionNotFoundError:
+        raise RegionNotFoundError(
+            f"no region named {engine_id} in {shm_dir} ({path} does not exist); "
+            "`vllm-offload inspect` lists them", path=path, engine_id=engine_id) from None
+    try:
+        return _check_open(fd, path, mpath, engine_id, world_size, cpu_page_size,
+                           allowed_uids)
+    finally:
+        os.close(fd)
+
+
+def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int | None,
+                cpu_page_size: int | None, allowed_uids: Collection[int] | None
+                ) -> LiveCheck:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeRegionError(f"{path} is not a regular file; it is no region",
+                                path=path, engine_id=engine_id, code="not_regular_file")
+    problems = [CheckProblem(p.code, f"{path} {p.message}")
+                for p in fsguard.stat_problems(st, allowed_uids=allowed_uids)]
+    manifest, mproblem = _manifest_for(mpath, st, allowed_uids)
+    if mproblem is not None:
+        problems.append(mproblem)
+
+    if manifest is not None:
+        geometry, rows, gproblems = _geometry_from_manifest(manifest, st.st_size, world_size,
+                                                            cpu_page_size, mpath)
+        source = "manifest"
+    elif world_size is None or cpu_page_size is None:
+        if mproblem is None:
+            raise InvalidInputError(
+                f"{path} has no manifest (made by vLLM?), so its geometry is unknown; pass "
+                "--world-size and --cpu-page-size", path=path, engine_id=engine_id,
+                code="geometry_unknown")
+        geometry, rows, source = None, 0, None
+        gproblems = [CheckProblem("geometry_unknown", "without a usable manifest the geometry "
+                                  "is unknown; pass --world-size and --cpu-page-size")]
+    else:
+        geometry, rows, gproblems = _geometry_from_arguments(st.st_size, world_size,
+                                                             cpu_page_size, path)
+        source = "arguments"
+    problems += gproblems
+
+    workers: list[AttachedWorker] = []
+    rankless = stale = 0
+    notes: list[CheckProblem] = []
+    if manifest is not None:
+        for a in manifest.attachments:
+            if not ProcessRef(a.pid, a.start_ticks).alive():
+                stale += 1
+            elif a.rank is None:
+                rankless += 1
+            else:
+                workers.append(AttachedWorker(a.pid, a.rank, a.device_index, a.rank_source,
+                                              a.host))
+    slots: list[SlotReport] = []
+    if geometry is not None and geometry.world_size is not None:
+        w_problems, w_notes = _worker_checks(workers, geometry.world_size, manifest is not None)
+        problems += w_problems
+        notes += w_notes
+        if rankless:
+            notes.append(CheckProblem(
+                "rankless_opener",
+                f"{rankless} rank-less opener(s) (the scheduler, or `create`) hold the region; "
+                "they pre-fault every slot, so residency cannot show which workers wrote"))
+        if rows > 0:
+            slots, s_problems, s_notes = _slot_reports(fd, geometry, rows, workers)
+            problems += s_problems
+            notes += s_notes
+            slots = [_with_status(s, problems) for s in slots]
+
+    return LiveCheck(
+        engine_id=engine_id, path=path,
+        manifest_path=mpath if manifest is not None else None, size_bytes=st.st_size,
+        geometry=geometry, geometry_source=source,
+        rank_source=None if manifest is None else manifest.rank_source,
+        workers=tuple(workers), rankless_openers=rankless, stale_attachments=stale,
+        slots=tuple(slots), problems=tuple(problems), notes=tuple(notes),
+    )
+
+
+def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: Collection[int] | None
+                  ) -> tuple[manifest_io.Manifest | None, CheckProblem | None]:
+    """The manifest, if it exists, parses, and describes this very file."""
+    try:
+        m = manifest_io.read(mpath, allowed_uids=allowed_uids)
+    except RegionNotFoundError:
+        return None, None
+    except manifest_io.ManifestError as exc:
+        return None, CheckProblem("manifest_corrupt", exc.message)
+    except OffloadError as exc:  # a symlink or foreign file where the manifest should be
+        return None, CheckProblem(f"manifest_{exc.code}", f"manifest: {exc.message}")
+    if (m.region_dev, m.region_ino) != (st.st_dev, st.st_ino):
+        return None, CheckProblem(
+            "manifest_mismatch",
+            f"manifest {mpath} describes an earlier file with this name; it is ignored")
+    return m, None
+
+
+def _stride_problems(row_stride: int, cpu_page_size: int, world_size: int
+                     ) -> list[CheckProblem]:
+    problems = []
+    if row_stride % PAGESIZE:
+        problems.append(CheckProblem(
+            "row_stride_unaligned",
+            f"row stride {row_stride} is not a multiple of the page size {PAGESIZE}"))
+    if world_size * cpu_page_size > row_stride:
+        problems.append(CheckProblem(
+            "row_stride_too_small",
+            f"{world_size} slots of {cpu_page_size} bytes need {world_size * cpu_page_size} "
+            f"bytes per row, more than the row stride {row_stride}; the last slots would "
+            "spill into the next row"))
+    return problems
+
+
+def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int | None,
+                            cpu_page_size: int | None, mpath: str
+                            ) -> tuple[Geometry | None, int, list[CheckProblem]]:
+    """The manifest's geometry, and how many of its rows the file really holds."""
+    g = m.geometry
+    problems = []
+    if world_size is not None and g.world_size is not None and world_size != g.world_size:
+        problems.append(CheckProblem(
+            "geometry_mismatch",
+            f"the manifest records world size {g.world_size}, --world-size says {world_size}"))
+    if cpu_page_size is not None and cpu_page_size != g.cpu_page_size:
+        problems.append(CheckProblem(
+            "geometry_mismatch",
+            f"the manifest records cpu_page_size {g.cpu_page_size}, --cpu-page-size says "
+            f"{cpu_page_size}"))
+    world = g.world_size if g.world_size is not None else world_size
+    if world is None:
+        raise InvalidInputError(
+            f"manifest {mpath} does not record the world size; pass --world-size",
+            path=mpath, code="geometry_unknown")
+    if size != g.size_bytes:
+        problems.append(CheckProblem(
+            "size_mismatch",
+            f"the file is {size} bytes but its manifest geometry needs {g.size_bytes} "
+            f"({g.num_blocks} rows of {g.row_stride} bytes)"))
+    stride_problems = _stride_problems(g.row_stride, g.cpu_page_size, world)
+    problems += stride_problems
+    if stride_problems:
+        return None, 0, problems
+    rows = min(g.num_blocks, size // g.row_stride)
+    return Geometry(g.num_blocks, g.row_stride, g.cpu_page_size, world), rows, problems
+
+
+def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, path: str
+                             ) -> tuple[Geometry | None, int, list[CheckProblem]]:
+    """vLLM's layout for these arguments: row_stride = round_up(W * slot, PAGESIZE)."""
+    row_stride = default_row_stride(world_size, cpu_page_size)
+    rows, rest = divmod(size, row_stride)
+    hint = "wrong --world-size or --cpu-page-size?"
+    if size == 0:
+        return None, 0, [CheckProblem("size_mismatch", f"{path} is empty; its creator never "
+                                   "sized it (crashed between open and ftruncate?)")]
+    if rows == 0:
+        return None, 0, [CheckProblem(
+            "size_mismatch", f"{path} is {size} bytes, smaller than one row of {row_stride} "
+            f"bytes ({world_size} slot(s) of {cpu_page_size}); {hint}")]
+    problems = []
+    if rest:
+        problems.append(CheckProblem(
+            "size_mismatch",
+            f"{path} is {size} bytes, not a whole number of rows of {row_stride} bytes "
+            f"({world_size} slot(s) of {cpu_page_size}, rounded up to a page): {rows} rows "
+            f"and {rest} bytes over; {hint}"))
+    return Geometry(rows, row_stride, cpu_page_size, world_size), rows, problems
+
+
+def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manifest: bool
+                   ) -> tuple[list[CheckProblem], list[CheckProblem]]:
+    """Each rank in range, each rank once, all ranks present, no two on one device."""
+    problems: list[CheckProblem] = []
+    notes: list[CheckProblem] = []
+    if not has_manifest:
+        return problems, [CheckProblem(
+            "no_manifest", "no manifest records who attached (a region made by vLLM); only "
+            "size and residency are checked")]
+    if not workers:
+        return problems, [CheckProblem(
+            "no_workers", "no live worker is attached (pre-provisioned, or the engine is "
+            "down); only size and residency are checked")]
+    for w in workers:
+        if not 0 <= w.rank < world_size:
+            problems.append(CheckProblem(
+                "rank_out_of_range",
+                f"pid {w.pid} is attached as rank {w.rank}, outside [0, {world_size}) "
+                f"({_origin(w)}); it writes past the row's slots, into another worker's slot "
+                "of the next row", ranks=(w.rank,), pids=(w.pid,)))
+    by_rank: dict[int, list[AttachedWorker]] = defaultdict(list)
+    for w in workers:
+        by_rank[w.rank].append(w)
+    for rank, same in sorted(by_rank.items()):
+        if len(same) > 1:
+            problems.append(CheckProblem(
+                "rank_duplicate",
+                f"rank {rank} is attached {len(same)} times: pids {_and(w.pid for w in same)} "
+                f"({'; '.join(_origin(w) for w in same)}); they write the same bytes",
+                ranks=(rank,), pids=tuple(w.pid for w in same), slot=rank))
+    missing = [r for r in range(world_size) if r not in by_rank]
+    if missing:
+        problems.append(CheckProblem(
+            "rank_missing",
+            f"no live worker is attached as rank {_and(missing, 'or')} of {world_size}; a "
+            "worker never attached, or computed another rank", ranks=tuple(missing)))
+    problems += _device_checks(workers, notes)
+    sources = sorted({w.rank_source for w in workers if w.rank_source is not None})
+    if len(sources) > 1:
+        problems.append(CheckProblem(
+            "mixed_rank_sources",
+            f"live workers computed their ranks with different sources ({', '.join(sources)}); "
+            "their slots need not be disjoint",
+            pids=tuple(w.pid for w in workers if w.rank_source is not None)))
+    return problems, notes
+
+
+def _device_checks(workers: Sequence[AttachedWorker], notes: list[CheckProblem]
+                   ) -> list[CheckProblem]:
+    """One device index for two workers: proof of a shared slot only for device-based sources.
+
+    The recorded index is what each process sees; where each worker process
+    sees only its own GPU (Ray, or one CUDA_VISIBLE_DEVICES entry per process)
+    every worker is on index 0 legitimately, which only a device-based rank
+    source turns into a collision.
+    """
+    problems = []
+    by_device: dict[int, list[AttachedWorker]] = defaultdict(list)
+    for w in workers:
+        if w.device_index is not None:
+            by_device[w.device_index].append(w)
+    for device, same in sorted(by_device.items()):
+        if len({w.pid for w in same}) < 2:
+            continue
+        pids = tuple(w.pid for w in same)
+        device_based = all(_device_based(w.rank_source) for w in same)
+        if device_based:
+            problems.append(CheckProblem(
+                "device_shared",
+                f"pids {_and(pids)} all report device index {device} and derive their rank from "
+                "it, so they compute the same slot", ranks=tuple(w.rank for w in same),
+                pids=pids))
+        else:
+            notes.append(CheckProblem(
+                "device_index_shared",
+                f"pids {_and(pids)} all report device index {device}; fine when each worker "
+                "process sees only its own GPU, a shared GPU otherwise",
+                ranks=tuple(w.rank for w in same), pids=pids))
+    return problems
+
+
+def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWorker]
+                  ) -> tuple[list[SlotReport], list[CheckProblem], list[CheckProblem]]:
+    """Residency per slot over the first `rows` rows (those the file really holds).
+
+    Computed per page column: every row has the same page pattern, so slot
+    ownership is decided once per page of a row and counted down the column.
+    """
+    world = g.world_size
+    assert world is not None
+    pages = residency.page_map(fd, 0, rows * g.row_stride)
+    per_row = g.row_stride // PAGESIZE
+    resident_in_column = [pages[j::per_row].count(1) for j in range(per_row)]
+    own: dict[int, list[int]] = defaultdict(list)
+    shared: dict[int, list[int]] = defaultdict(list)
+    for j in range(per_row):
+        first = j * PAGESIZE // g.cpu_page_size
+        last = min(((j + 1) * PAGESIZE - 1) // g.cpu_page_size, world - 1)
+        touched = range(first, last + 1)
+        for slot in touched:
+            (own if len(touched) == 1 else shared)[slot].append(j)
+    by_rank: dict[int, list[AttachedWorker]] = defaultdict(list)
+    for w in workers:
+        by_rank[w.rank].append(w)
+    reports, problems, notes = [], [], []
+    for slot in range(world):
+        rng = g.slot(slot)
+        report = SlotReport(
+            slot, rng.start, rng.end, tuple(by_rank.get(slot, ())),
+            pages=len(own[slot]) * rows,
+            resident_pages=sum(resident_in_column[j] for j in own[slot]),
+            shared_pages=len(shared[slot]) * rows,
+            shared_resident_pages=sum(resident_in_column[j] for j in shared[slot]),
+        )
+        reports.append(report)
+        where = f"bytes {rng.start}..{rng.end} of each of {rows} rows"
+        if report.pages == 0:
+            notes.append(CheckProblem(
+                "slot_unmeasurable",
+                f"slot {slot} ({where}) shares every page with a neighbouring slot "
+                f"(cpu_page_size {g.cpu_page_size} is not page aligned), so residency cannot "
+                "tell whether it was populated", slot=slot))
+        elif report.resident_pages == 0:
+            claim = report.workers
+            who = (f"rank {slot} is attached (pid {_and(w.pid for w in claim)}) but never "
+                   "wrote there" if claim else
+                   "no live worker claims it; a worker never attached, or wrote elsewhere")
+            problems.append(CheckProblem(
+                "slot_unpopulated",
+                f"slot {slot} ({where}) was never populated: none of its "
+                f"{report.pages} page(s) is resident; {who}", slot=slot,
+                pids=tuple(w.pid for w in claim)))
+    return reports, problems, notes
+
+
+def _with_status(s: SlotReport, problems: Iterable[CheckProblem]) -> SlotReport:
+    codes = tuple(dict.fromkeys(p.code for p in problems
+                                if p.slot == s.slot or s.slot in p.ranks))
+    if not codes and s.pages == 0:
+        codes = ("unmeasurable",)
+    return SlotReport(s.slot, s.start, s.end, s.workers, s.pages, s.resident_pages,
+                      s.shared_pages, s.shared_resident_pages, codes)
+
+
+def _device_based(name: str | None) -> bool:
+    source = None if name is None else RANK_SOURCES.get(name)
+    return source is not None and source.device_based
+
+
+def _origin(w: AttachedWorker) -> str:
+    device = "device ?" if w.device_index is None else f"device {w.device_index}"
+    return f"{device}, rank source {w.rank_source or 'unrecorded'}"
+
+
+def _and(items: Iterable[object], word: str = "and") -> str:
+    words = [str(i) for i in items]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + f" {word} " + words[-1]

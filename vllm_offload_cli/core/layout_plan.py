@@ -1,0 +1,406 @@
+"""Plan mode of `verify-rank-layout`: which bytes would every worker write?
+
+Before launch, given the world size W, the data-parallel size D, where each
+worker's devices are and a rank source, compute every replica's engine_id
+and every worker's slot, and name each pair of workers that would share
+bytes. Workers share bytes when they map the same file (their replicas have
+one engine_id) and compute the same slot, or when a slot falls outside
+[0, W) and so lands in another worker's bytes. Pure computation: the CLI
+passes in the environment it read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.ranks import RankSource, WorkerPlace
+
+MAX_WORKERS = 65536  # a plan bigger than any host is a typo, not a layout
+BASE_PLACEHOLDER = "<engine_id>"
+
+CONTIGUOUS, EXPLICIT, ENV, PER_PROCESS = "contiguous", "explicit", "env", "per-process"
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+_KEYWORDS = {
+    "contiguous": CONTIGUOUS,
+    "env": ENV,
+    "cuda-visible-devices": ENV,
+    "per-process": PER_PROCESS,
+    "one-device-per-process": PER_PROCESS,
+}
+_VISIBLE_ENTRY_RE = re.compile(r"^(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+)$")
+
+
+@dataclass(frozen=True)
+class Device:
+    """A worker's device: the index its process sees, and what it physically is.
+
+    `label` identifies the physical device when the layout knows it (two
+    workers with one label share a GPU); None when each process sees only
+    its own GPU and nothing relates the indices.
+    """
+
+    index: int
+    label: str | None
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """Where the workers run; `groups` holds explicit or environment device lists."""
+
+    kind: str
+    groups: tuple[tuple[Device, ...], ...] = ()
+    spec: str | None = None
+
+    @property
+    def replicas(self) -> int | None:
+        """How many replicas the layout itself fixes (explicit lists only)."""
+        return len(self.groups) if self.kind == EXPLICIT else None
+
+    def assign(self, world_size: int, dp_size: int) -> tuple[tuple[Device, ...], ...]:
+        """Every replica's devices, in worker order."""
+        if self.kind == CONTIGUOUS:
+            return tuple(tuple(Device(k * world_size + w, str(k * world_size + w))
+                               for w in range(world_size)) for k in range(dp_size))
+        if self.kind == PER_PROCESS:
+            return tuple(tuple(Device(0, None) for _ in range(world_size))
+                         for _ in range(dp_size))
+        if self.kind == EXPLICIT:
+            if len(self.groups) != dp_size:
+                raise InvalidInputError(
+                    f"--devices {self.spec!r} gives {len(self.groups)} replica group(s) but "
+                    f"--dp-size is {dp_size}", code="invalid_devices")
+            for k, group in enumerate(self.groups):
+                if len(group) != world_size:
+                    raise InvalidInputError(
+                        f"--devices {self.spec!r}: replica {k} has {len(group)} device(s); "
+                        f"--world-size is {world_size}", code="invalid_devices")
+            return self.groups
+        # ENV: replica k takes positions k*W .. k*W+W-1 of the visible list, as vLLM slices it
+        visible = self.groups[0]
+        need = world_size * dp_size
+        if len(visible) < need:
+            raise InvalidInputError(
+                f"{VISIBLE_DEVICES_ENV}={self.spec!r} lists {len(visible)} device(s); "
+                f"{dp_size} replica(s) of {world_size} worker(s) need {need}",
+                code="invalid_devices")
+        return tuple(visible[k * world_size:(k + 1) * world_size] for k in range(dp_size))
+
+    def unused(self, world_size: int, dp_size: int) -> tuple[str, ...]:
+        """Visible devices no replica takes (environment layout only)."""
+        if self.kind != ENV:
+            return ()
+        return tuple(d.label or str(d.index) for d in self.groups[0][world_size * dp_size:])
+
+
+def parse_devices(spec: str | None, *, environ: Mapping[str, str] | None = None
+                  ) -> DeviceLayout:
+    """Parse `--devices`: a keyword, or `0,2;1,3` (`;` between replicas, `,` between workers).
+
+    Explicit indices are what each worker's process sees
+    (`current_device_index()`), so they are also the device's identity.
+    """
+    if spec is None:
+        return DeviceLayout(CONTIGUOUS)
+    text = spec.strip()
+    kind = _KEYWORDS.get(text.lower())
+    if kind == ENV:
+        return _from_environment(environ or {})
+    if kind is not None:
+        return DeviceLayout(kind, spec=text)
+    return DeviceLayout(EXPLICIT, _explicit_groups(spec), spec=spec)
+
+
+def _explicit_groups(spec: str) -> tuple[tuple[Device, ...], ...]:
+    keywords = ", ".join(sorted(set(_KEYWORDS) - {"cuda-visible-devices",
+                                                  "one-device-per-process"}))
+    hint = (f"; expected device indices like '0,1;2,3' (';' between replicas, ',' between "
+            f"workers) or one of: {keywords}")
+    if not spec.strip():
+        raise InvalidInputError(f"--devices is empty{hint}", code="invalid_devices")
+    groups = []
+    for k, part in enumerate(spec.split(";")):
+        items = [item.strip() for item in part.split(",")]
+        if items == [""]:
+            raise InvalidInputError(f"--devices {spec!r}: replica {k} has no devices{hint}",
+                                    code="invalid_devices")
+        group = []
+        for item in items:
+            if not item.isdigit() or not item.isascii():
+                raise InvalidInputError(
+                    f"--devices {spec!r}: {item!r} is not a device index (an integer >= 0)"
+                    f"{hint}", code="invalid_devices")
+            group.append(Device(int(item), str(int(item))))
+        groups.append(tuple(group))
+    return tuple(groups)
+
+
+def _from_environment(environ: Mapping[str, str]) -> DeviceLayout:
+    """The visible list; each worker sees its position in it, not the physical id."""
+    raw = environ.get(VISIBLE_DEVICES_ENV)
+    if raw is None:
+        raise InvalidInputError(
+            f"--devices env: {VISIBLE_DEVICES_ENV} is not set; every device is visible, "
+            "which is the default contiguous layout", code="invalid_devices")
+    entries = [e.strip() for e in raw.split(",")]
+    if entries == [""]:
+        raise InvalidInputError(f"--devices env: {VISIBLE_DEVICES_ENV} is empty; no device "
+                                "is visible", code="invalid_devices")
+    for entry in entries:
+        if not _VISIBLE_ENTRY_RE.match(entry):
+            raise InvalidInputError(
+                f"--devices env: {VISIBLE_DEVICES_ENV}={raw!r} has entry {entry!r}; expected "
+                "device ordinals or GPU-/MIG- UUIDs (CUDA ignores everything after an invalid "
+                "entry)", code="invalid_devices")
+    visible = tuple(Device(i, entry) for i, entry in enumerate(entries))
+    return DeviceLayout(ENV, (visible,), spec=raw)
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    replica: int
+    worker: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"replica": self.replica, "worker": self.worker}
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """A layout flaw, naming exactly the workers (or replicas) involved."""
+
+    code: str
+    message: str
+    workers: tuple[WorkerRef, ...] = ()
+    replicas: tuple[int, ...] = ()
+    slot: int | None = None
+    engine_id: str | None = None
+    device: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.workers:
+            out["workers"] = [w.to_dict() for w in self.workers]
+        if self.replicas:
+            out["replicas"] = list(self.replicas)
+        for key in ("slot", "engine_id", "device"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    replica: int
+    worker: int  # its logical rank within the replica
+    device: Device
+    slot: int
+    problems: tuple[str, ...]  # codes of the problems that involve this worker
+
+    @property
+    def ref(self) -> WorkerRef:
+        return WorkerRef(self.replica, self.worker)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"worker": self.worker, "rank": self.worker, "device_index": self.device.index,
+                "device": self.device.label, "slot": self.slot,
+                "status": ",".join(self.problems) or "ok"}
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    replica: int
+    engine_id: str
+    engine_id_suffix: str
+    workers: tuple[WorkerPlan, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"replica": self.replica, "engine_id": self.engine_id,
+                "engine_id_suffix": self.engine_id_suffix,
+                "workers": [w.to_dict() for w in self.workers]}
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    world_size: int
+    dp_size: int
+    rank_source: RankSource
+    devices: DeviceLayout
+    dp_suffix: bool
+    replicas: tuple[ReplicaPlan, ...]
+    problems: tuple[PlanProblem, ...]
+    unused_devices: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size, "dp_size": self.dp_size,
+            "rank_source": self.rank_source.name, "devices": self.devices.kind,
+            "devices_spec": self.devices.spec, "dp_suffix": self.dp_suffix,
+            "unused_devices": list(self.unused_devices),
+            "replicas": [r.to_dict() for r in self.replicas],
+        }
+
+
+def engine_id_suffix(dp_rank: int, dp_size: int, *, dp_suffix: bool = True) -> str:
+    """vLLM appends `_dp{rank}` only when DP size > 1 (and, before PR 47987, not on every path)."""
+    return f"_dp{dp_rank}" if dp_suffix and dp_size > 1 else ""
+
+
+def plan_layout(
+    world_size: int,
+    rank_source: RankSource,
+    *,
+    dp_size: int | None = None,
+    devices: DeviceLayout | None = None,
+    dp_suffix: bool = True,
+    base_engine_id: str = BASE_PLACEHOLDER,
+) -> LayoutPlan:
+    """Every replica's engine_id and every worker's device and slot, with every collision."""
+    layout = devices or DeviceLayout(CONTIGUOUS)
+    _require_count("--world-size", world_size)
+    if dp_size is None:
+        dp_size = layout.replicas or 1
+    _require_count("--dp-size", dp_size)
+    if world_size * dp_size > MAX_WORKERS:
+        raise InvalidInputError(
+            f"{dp_size} replica(s) of {world_size} worker(s) is more than {MAX_WORKERS} "
+            "workers; check --world-size and --dp-size", code="invalid_layout")
+    assigned = layout.assign(world_size, dp_size)
+    slots = {
+        WorkerRef(k, w): rank_source.slot(WorkerPlace(w, device.index, world_size))
+        for k, group in enumerate(assigned) for w, device in enumerate(group)
+    }
+    engine_ids = [base_engine_id + engine_id_suffix(k, dp_size, dp_suffix=dp_suffix)
+                  for k in range(dp_size)]
+    device_of = {WorkerRef(k, w): d for k, g in enumerate(assigned) for w, d in enumerate(g)}
+
+    problems = [
+        *_engine_id_collisions(engine_ids, dp_suffix),
+        *_slot_collisions(slots, engine_ids, device_of, rank_source),
+        *_out_of_range(slots, world_size, engine_ids, device_of, rank_source),
+        *_shared_devices(device_of),
+    ]
+    involved: dict[WorkerRef, list[str]] = defaultdict(list)
+    for p in problems:
+        members = p.workers or tuple(r for r in slots if r.replica in p.replicas)
+        for ref in members:
+            if p.code not in involved[ref]:
+                involved[ref].append(p.code)
+    replicas = tuple(
+        ReplicaPlan(k, engine_ids[k], engine_id_suffix(k, dp_size, dp_suffix=dp_suffix), tuple(
+            WorkerPlan(k, w, device, slots[WorkerRef(k, w)], tuple(involved[WorkerRef(k, w)]))
+            for w, device in enumerate(group)))
+        for k, group in enumerate(assigned)
+    )
+    return LayoutPlan(world_size, dp_size, rank_source, layout, dp_suffix, replicas,
+                      tuple(problems), layout.unused(world_size, dp_size))
+
+
+def _require_count(option: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInputError(f"{option} must be an integer greater than 0, got {value!r}",
+                                code="invalid_layout")
+
+
+def _engine_id_collisions(engine_ids: Sequence[str], dp_suffix: bool) -> list[PlanProblem]:
+    by_id: dict[str, list[int]] = defaultdict(list)
+    for k, engine_id in enumerate(engine_ids):
+        by_id[engine_id].append(k)
+    problems = []
+    for engine_id, replicas in by_id.items():
+        if len(replicas) < 2:
+            continue
+        why = ("" if dp_suffix else
+               " (no _dp suffix: the multiprocessing path before vLLM PR 47987)")
+        problems.append(PlanProblem(
+            "engine_id_collision",
+            f"replicas {_and(replicas)} would all use engine_id {engine_id}{why}: one region "
+            "file for all of them, so their workers write into each other's rows",
+            replicas=tuple(replicas), engine_id=engine_id))
+    return problems
+
+
+def _why(source: RankSource, ref: WorkerRef, device: Device) -> str:
+    if source.device_based:
+        return f"device {device.index}"
+    return f"rank {ref.worker}"
+
+
+def _slot_collisions(slots: Mapping[WorkerRef, int], engine_ids: Sequence[str],
+                     device_of: Mapping[WorkerRef, Device], source: RankSource
+                     ) -> list[PlanProblem]:
+    """Workers of one region file that compute one slot."""
+    by_slot: dict[tuple[str, int], list[WorkerRef]] = defaultdict(list)
+    for ref, slot in slots.items():
+        by_slot[(engine_ids[ref.replica], slot)].append(ref)
+    problems = []
+    for (engine_id, slot), refs in sorted(by_slot.items(), key=lambda kv: kv[1][0].replica):
+        if len(refs) < 2:
+            continue
+        reasons = list(dict.fromkeys(f"{_why(source, r, device_of[r])} -> {slot}"
+                                     for r in refs))
+        via = reasons[0] + " for each" if len(reasons) == 1 else ", ".join(reasons)
+        problems.append(PlanProblem(
+            "slot_collision",
+            f"{_name_workers(refs)} {_both(refs)} -> slot {slot} of {engine_id} "
+            f"({source.name}: {via}); they would overwrite each other's KV blocks",
+            workers=tuple(refs), slot=slot, engine_id=engine_id))
+    return problems
+
+
+def _out_of_range(slots: Mapping[WorkerRef, int], world_size: int, engine_ids: Sequence[str],
+                  device_of: Mapping[WorkerRef, Device], source: RankSource
+                  ) -> list[PlanProblem]:
+    problems = []
+    for ref, slot in slots.items():
+        if 0 <= slot < world_size:
+            continue
+        problems.append(PlanProblem(
+            "slot_out_of_range",
+            f"{_name_workers([ref])} -> slot {slot}, outside [0, {world_size}) "
+            f"({source.name}: {_why(source, ref, device_of[ref])} -> {slot}); its bytes fall "
+            "past the row's slots, into another worker's slot of the next row (or past the "
+            "end of the file)",
+            workers=(ref,), slot=slot, engine_id=engine_ids[ref.replica]))
+    return problems
+
+
+def _shared_devices(device_of: Mapping[WorkerRef, Device]) -> list[PlanProblem]:
+    """Two workers on one physical device: a typo in the layout, whatever the rank source."""
+    by_label: dict[str, list[WorkerRef]] = defaultdict(list)
+    for ref, device in device_of.items():
+        if device.label is not None:
+            by_label[device.label].append(ref)
+    return [
+        PlanProblem("device_shared",
+                    f"{_name_workers(refs)} are {_both(refs)} on device {label}",
+                    workers=tuple(refs), device=label)
+        for label, refs in by_label.items() if len(refs) > 1
+    ]
+
+
+def _and(items: Iterable[object]) -> str:
+    words = [str(i) for i in items]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _both(items: Sequence[object]) -> str:
+    return "both" if len(items) == 2 else "all"
+
+
+def _name_workers(refs: Sequence[WorkerRef]) -> str:
+    """'replica 0 workers 0 and 1', or 'replica 0 worker 0 and replica 1 worker 0'."""
+    replicas = sorted({r.replica for r in refs})
+    if len(replicas) == 1:
+        noun = "worker" if len(refs) == 1 else "workers"
+        return f"replica {replicas[0]} {noun} {_and(r.worker for r in refs)}"
+    return _and(f"replica {r.replica} worker {r.worker}" for r in refs)

@@ -1,0 +1,113 @@
+"""Rank sources: how a worker picks its slot in every row of the region.
+
+vLLM PR 47987 derives the slot from the device the worker runs on,
+`current_device_index() % world_size`; that is right only when every replica
+owns `world_size` device indices with distinct residues. vLLM 0.33 uses the
+worker's logical rank within its replica instead. Both live here as named,
+pure functions so the engine hook, the region's manifest and
+`verify-rank-layout` agree on what each name means. No torch import: the
+caller supplies the device index it read from torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from vllm_offload_cli.core.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """What a worker knows about itself when it picks its slot.
+
+    `local_rank` is its logical rank within its replica (0..world_size-1);
+    `device_index` is what `torch.accelerator.current_device_index()` returns
+    in that process: a position in the devices *that process* sees, not a
+    physical GPU id.
+    """
+
+    local_rank: int
+    device_index: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("local_rank", "device_index", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidInputError(f"{name} must be an integer, got {value!r}",
+                                        code="invalid_worker_place")
+            if value < 0:
+                raise InvalidInputError(f"{name} must be >= 0, got {value}",
+                                        code="invalid_worker_place")
+        if self.world_size == 0:
+            raise InvalidInputError("world_size must be greater than 0, got 0",
+                                    code="invalid_worker_place")
+
+
+def device_modulo(place: WorkerPlace) -> int:
+    """vLLM PR 47987: fold the device index into [0, world_size)."""
+    return place.device_index % place.world_size
+
+
+def logical(place: WorkerPlace) -> int:
+    """vLLM 0.33: the worker's logical rank within its replica, whatever its device."""
+    return place.local_rank
+
+
+def device_index(place: WorkerPlace) -> int:
+    """vLLM before PR 47987: the raw device index, unfolded (out of range past replica 0)."""
+    return place.device_index
+
+
+@dataclass(frozen=True)
+class RankSource:
+    """A named way of computing a worker's slot."""
+
+    name: str
+    compute: Callable[[WorkerPlace], int]
+    description: str
+    device_based: bool  # two workers on one device index always get one slot
+
+    def slot(self, place: WorkerPlace) -> int:
+        return self.compute(place)
+
+
+DEVICE_MODULO = RankSource(
+    "device-modulo", device_modulo,
+    "current_device_index() % world_size (vLLM PR 47987)", device_based=True)
+LOGICAL = RankSource(
+    "logical", logical,
+    "the worker's logical rank within its replica (vLLM 0.33)", device_based=False)
+DEVICE_INDEX = RankSource(
+    "device-index", device_index,
+    "current_device_index() unfolded (vLLM before PR 47987)", device_based=True)
+
+RANK_SOURCES: Mapping[str, RankSource] = MappingProxyType(
+    {s.name: s for s in (DEVICE_MODULO, LOGICAL, DEVICE_INDEX)})
+
+
+def parse_rank_source(value: str | RankSource) -> RankSource:
+    """The registered source for a name; `_` and case are forgiven, nothing else."""
+    if isinstance(value, RankSource):
+        registered = RANK_SOURCES.get(value.name)
+        if registered is not value:
+            raise InvalidInputError(f"rank source {value.name!r} is not registered",
+                                    code="invalid_rank_source")
+        return value
+    if not isinstance(value, str):
+        raise InvalidInputError(f"rank source must be a name, got {value!r}",
+                                code="invalid_rank_source")
+    source = RANK_SOURCES.get(value.strip().lower().replace("_", "-"))
+    if source is None:
+        known = ", ".join(RANK_SOURCES)
+        raise InvalidInputError(f"unknown rank source {value!r}; use one of: {known}",
+                                code="invalid_rank_source")
+    return source
+
+
+def slot_for(source: str | RankSource, *, local_rank: int, device_index: int,
+             world_size: int) -> int:
+    """The slot a worker computes with `source` (what the engine hook calls)."""
+    return parse_rank_source(source).slot(WorkerPlace(local_rank, device_index, world_size))
