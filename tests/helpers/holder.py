@@ -7,6 +7,9 @@ MODE:
   vllm-unlink  like vllm, then unlink the name while keeping the mapping
   fd-only   open the existing file and keep only the descriptor (no map, no lock)
   map-only  map the existing file, close the descriptor (no lock)
+  flock-only  take LOCK_SH on the existing file, then park the descriptor in a
+            unix socket's queue (SCM_RIGHTS, never received) and close it: the
+            lock lives on with no descriptor or mapping in /proc/<pid>
 RANK is an integer or "none". Prints one JSON line when ready, then reads
 stdin: "write B V" fills this rank's slot of row B with byte V; "exit" cleans
 up and exits 0; "crash" exits at once without cleanup.
@@ -14,9 +17,11 @@ up and exits 0; "crash" exits at once without cleanup.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
+import socket
 import sys
 import time
 
@@ -69,6 +74,14 @@ def main() -> None:
             fd = os.open(path, os.O_RDWR)
             mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
             ino = os.fstat(fd).st_ino
+            os.close(fd)
+            fd = -1
+        elif mode == "flock-only":
+            fd = os.open(path, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            ino = os.fstat(fd).st_ino
+            parked = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            socket.send_fds(parked[0], [b"x"], [fd])  # kept in flight: the open file lives
             os.close(fd)
             fd = -1
         else:
