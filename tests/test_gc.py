@@ -250,7 +250,8 @@ def as_user(uid: int, cli: Any, *args: str) -> tuple[int, dict[str, Any]]:
         try:
             os.close(read_end)
             # import lazily-loaded modules first: that user may not read our stdlib
-            with tempfile.TemporaryDirectory(dir="/dev/shm") as scratch:
+            with tempfile.TemporaryDirectory(prefix="vllm-offload-test-",
+                                             dir="/dev/shm") as scratch:
                 cli("gc", "--shm-dir", scratch, "--min-age", "0", "--dry-run", "--json")
             os.setgroups([])
             os.setgid(uid)
