@@ -17,7 +17,7 @@ from region_files import GEOMETRY, SIZE, SLOT, region_file
 
 from vllm_offload_cli.core import reclaim
 from vllm_offload_cli.core.discovery import discover
-from vllm_offload_cli.core.reclaim import GcOptions
+from vllm_offload_cli.core.reclaim_report import GcOptions
 
 OTHER_UID = 12345
 

@@ -18,7 +18,8 @@ from vllm_offload_cli.cli.common import (
     shm_dir_checked,
     subcommand,
 )
-from vllm_offload_cli.core.reclaim import DEFAULT_MIN_AGE, GcReport, collect
+from vllm_offload_cli.core.reclaim import collect
+from vllm_offload_cli.core.reclaim_report import DEFAULT_MIN_AGE, GcReport
 from vllm_offload_cli.core.units import format_bytes
 
 
