@@ -9,7 +9,7 @@ _vllm_offload() {
         case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
     done
     if [ -z "$cmd" ]; then
-        COMPREPLY=($(compgen -W "create inspect verify-rank-layout --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "create garbage-collect inspect verify-rank-layout --help --version" -- "$cur")); return
     fi
     case "$cmd" in
     create)
@@ -24,6 +24,28 @@ _vllm_offload() {
         esac
         if [[ "$cur" == -* ]]; then
             COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    garbage-collect)
+        case "$prev" in
+            --min-age) COMPREPLY=(); return ;;
+            --prometheus) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    gc)
+        case "$prev" in
+            --min-age) COMPREPLY=(); return ;;
+            --prometheus) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -19,19 +19,11 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60)
 
 
-def _commands() -> set[str]:
-    from vllm_offload_cli.cli.app import app
-
-    return {c.name or "" for c in app.registered_commands}
-
-
 @pytest.mark.parametrize("argv", [["--help"], ["inspect", "--json"], ["inspect", "--help"],
                                   ["garbage-collect", "--dry-run", "--json"],
                                   ["create", "x", "--world-size", "1", "--cpu-page-size", "4KiB",
                                    "--num-blocks", "1", "--json"]])
 def test_no_torch_import(argv: list[str], shm_dir: Path) -> None:
-    if argv[0] not in _commands() and argv[0] != "--help":
-        pytest.skip(f"{argv[0]} is not part of this build")
     extra = [] if argv[-1] == "--help" else ["--shm-dir", str(shm_dir)]
     proc = _run(*argv, *extra)
     assert proc.returncode == 0, proc.stderr

@@ -8,6 +8,9 @@ MODE:
   vllm-unlink  like vllm, then unlink the name while keeping the mapping
   fd-only   open the existing file and keep only the descriptor (no map, no lock)
   map-only  map the existing file read-only, close the descriptor (no fd, no lock)
+  flock-only  take LOCK_SH on the existing file, then park the descriptor in a
+            unix socket's queue (SCM_RIGHTS, never received) and close it: the
+            lock lives on with no descriptor or mapping in /proc/<pid>
 RANK, WORLD and DEVICE_INDEX are integers or "none"; DEVICE_INDEX and
 RANK_SOURCE are recorded in the manifest (mode region only). Prints one JSON
 line when ready, then reads stdin: "write B V" fills this rank's slot of row B
@@ -18,9 +21,11 @@ exits at once without cleanup.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
+import socket
 import sys
 import time
 
@@ -83,6 +88,14 @@ def main() -> None:
             fd = os.open(path, os.O_RDONLY)
             libc.map_readonly(fd, os.fstat(fd).st_size)
             ino = os.fstat(fd).st_ino
+            os.close(fd)
+            fd = -1
+        elif mode == "flock-only":
+            fd = os.open(path, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            ino = os.fstat(fd).st_ino
+            parked = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            socket.send_fds(parked[0], [b"x"], [fd])  # kept in flight: the open file lives
             os.close(fd)
             fd = -1
         else:

@@ -169,6 +169,12 @@ def read(path: str, *, allowed_uids: Collection[int] | None = None) -> Manifest:
         os.close(fd)
 
 
+def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None) -> Manifest:
+    """Parse a manifest already open as `fd`: a caller that also wants to lock
+    or later unlink that very inode reads it through the same descriptor."""
+    return _parse(fd, path, allowed_uids)
+
+
 def write(path: str, manifest: Manifest) -> None:
     """Write atomically: a fresh 0600 file beside the target, then rename over it."""
     directory, name = os.path.split(path)

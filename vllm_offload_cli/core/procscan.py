@@ -10,7 +10,9 @@ counted, so callers can say "N processes could not be inspected".
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,3 +154,132 @@ def scan_processes(shm_dir: str | Path) -> ProcessScan:
         scan.denied += denied
     _scan_locks(scan, shm_dev)
     return scan
+
+
+def users_of(
+    fids: Collection[FileId],
+    *,
+    own_fds: Collection[int] = (),
+    proc: str = "/proc",
+) -> tuple[dict[FileId, list[FileUse]], int]:
+    """Who uses these exact files right now, and how many processes denied us.
+
+    The re-check a garbage collector makes while it holds the exclusive lock,
+    so it matches by (device, inode) rather than by path: a process that
+    opened the file through another mount of the same tmpfs is still found.
+    Per process the descriptors are read before the mappings: a user that
+    opens, maps, then closes its descriptor (as vLLM may) shows up in at
+    least one of the two reads, whatever moment it does so. Flock entries are
+    ignored: the caller holds LOCK_EX, so any flock on these inodes is its own.
+    """
+    wanted = set(fids)
+    found: dict[FileId, list[FileUse]] = defaultdict(list)
+    if not wanted:
+        return found, 0
+    inodes = re.compile(rb" (?:" + b"|".join(str(i).encode() for i in
+                                              sorted({f.ino for f in wanted})) + rb") ")
+    me = os.getpid()
+    denied = 0
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            _fds_using(pid, wanted, own_fds if pid == me else (), found, proc)
+            _maps_using(pid, wanted, inodes, found, proc)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        except PermissionError:
+            denied += 1
+        except OSError:
+            continue
+    _locks_on(wanted, found, proc)
+    return found, denied
+
+
+def _fds_using(pid: int, wanted: set[FileId], skip: Collection[int],
+               found: dict[FileId, list[FileUse]], proc: str) -> None:
+    fd_dir = f"{proc}/{pid}/fd"
+    for name in os.listdir(fd_dir):
+        if int(name) in skip:
+            continue
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        if PREFIX not in target:
+            continue
+        try:
+            st = os.stat(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        fid = FileId.of(st)
+        if fid in wanted:
+            path, deleted = _strip_deleted(target)
+            found[fid].append(FileUse(pid, "fd", path, deleted, st.st_size, int(name)))
+
+
+def _maps_using(pid: int, wanted: set[FileId], inodes: re.Pattern[bytes],
+                found: dict[FileId, list[FileUse]], proc: str) -> None:
+    with open(f"{proc}/{pid}/maps", "rb") as f:
+        data = f.read()
+    if inodes.search(data) is None:
+        return
+    seen: set[FileId] = set()
+    for raw in data.splitlines():
+        if inodes.search(raw) is None:
+            continue
+        parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        try:
+            fid = FileId(_parse_dev(parts[3]), int(parts[4]))
+        except ValueError:
+            continue
+        if fid in wanted and fid not in seen:
+            seen.add(fid)
+            shown = parts[5] if len(parts) > 5 else ""
+            path, deleted = _strip_deleted(shown)
+            found[fid].append(FileUse(pid, "map", path, deleted))
+
+
+def _locks_on(wanted: set[FileId], found: dict[FileId, list[FileUse]], proc: str) -> None:
+    """POSIX and OFD locks count as users; flock entries are the caller's own."""
+    try:
+        text = Path(f"{proc}/locks").read_text()
+    except OSError:
+        return
+    for line in text.splitlines():
+        fields = line.split()
+        if "->" in fields or len(fields) < 8 or fields[1] not in ("POSIX", "OFDLCK"):
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
+        except ValueError:
+            continue
+        if fid in wanted:
+            found[fid].append(FileUse(pid, "lock", "", False))
+
+
+def flock_holders(fid: FileId, *, proc: str = "/proc") -> list[tuple[int, bool]]:
+    """(pid, exclusive) for each flock on one inode, from /proc/locks."""
+    try:
+        text = Path(f"{proc}/locks").read_text()
+    except OSError:
+        return []
+    holders = []
+    for line in text.splitlines():
+        fields = line.split()
+        if "->" in fields or len(fields) < 8 or fields[1] != "FLOCK":
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            lock_fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
+        except ValueError:
+            continue
+        if lock_fid == fid:
+            holders.append((pid, fields[3] == "WRITE"))
+    return holders

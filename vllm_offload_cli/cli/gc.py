@@ -1,0 +1,167 @@
+"""`vllm-offload garbage-collect` (alias `gc`): reclaim leaked regions, safe from cron."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from vllm_offload_cli.cli import metrics
+from vllm_offload_cli.cli.app import app
+from vllm_offload_cli.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Invocation,
+    Outcome,
+    shm_dir_checked,
+    subcommand,
+)
+from vllm_offload_cli.core.reclaim import collect
+from vllm_offload_cli.core.reclaim_report import DEFAULT_MIN_AGE, GcReport
+from vllm_offload_cli.core.units import format_bytes
+
+
+def report_data(report: GcReport) -> dict[str, Any]:
+    o = report.options
+    return {
+        "shm_dir": report.shm_dir,
+        "dry_run": o.dry_run,
+        "min_age_seconds": o.min_age,
+        "include_persistent": o.include_persistent,
+        "all_users": o.all_users,
+        "removed": [r.to_dict() for r in report.removed],
+        "kept": [k.to_dict() for k in report.kept],
+        "freed_bytes": report.freed_bytes,
+        "orphan_manifests_removed": list(report.orphan_manifests_removed),
+        "temp_files_removed": list(report.temp_files_removed),
+        "vanished": list(report.vanished),
+        "not_found": list(report.not_found),
+        "failures": [e.to_dict() for e in report.errors],
+        "regions_seen": report.regions_seen,
+        "uninspectable_processes": report.uninspectable_processes,
+        "started_at": round(report.started_at, 3),
+        "duration_seconds": round(report.duration_seconds, 6),
+    }
+
+
+@subcommand(app, "garbage-collect", aliases=("gc",),
+            help="Remove provably stale regions and orphaned manifests (alias: gc).")
+def garbage_collect(
+    inv: Invocation,
+    engine_ids: Annotated[list[str] | None, typer.Argument(
+        metavar="[ENGINE_ID]...", help="Only these regions.", show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", "-n", help="Show what would be removed and why; change nothing.")] = False,
+    min_age: Annotated[float, typer.Option(
+        "--min-age", metavar="SECONDS", min=0.0,
+        help="Keep regions changed or created less than this long ago (covers a creator "
+        "between O_EXCL and ftruncate).")] = DEFAULT_MIN_AGE,
+    include_persistent: Annotated[bool, typer.Option(
+        "--include-persistent", help="Also remove unused regions pre-provisioned by "
+        "`create`.")] = False,
+    all_users: Annotated[bool, typer.Option(
+        "--all-users", help="Root only: also remove other users' stale regions.")] = False,
+    prometheus: Annotated[Path | None, typer.Option(
+        "--prometheus", metavar="FILE", dir_okay=False,
+        help="Write node_exporter textfile metrics of this run to FILE, atomically.")] = None,
+) -> Outcome:
+    """Remove provably stale regions and orphaned manifests; safe to run from cron.
+
+    A region goes only when no process maps it or holds it open (unlinked
+    mappings included), its exclusive lock can be taken, it is older than
+    --min-age, owned by you, a regular file matching the region naming, and not
+    persistent. Every kept region is listed with the reason. Exit status: 0
+    when nothing failed (kept regions are not failures), 1 when a removal
+    failed, 2 for bad usage.
+    """
+    shm_dir = shm_dir_checked(inv)
+    report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
+                     min_age=min_age, include_persistent=include_persistent,
+                     all_users=all_users)
+    for engine_id in report.not_found:
+        inv.warn("not_found", f"no region or manifest named {engine_id} in {report.shm_dir}; "
+                 "nothing to collect")
+    if report.uninspectable_processes:
+        inv.warn("uninspectable_processes",
+                 f"{report.uninspectable_processes} process(es) could not be inspected "
+                 "(permission denied); only regions no other user can open were removed")
+    data = report_data(report)
+    if prometheus is not None:
+        metrics.emit(_registry(report), prometheus)
+        data["prometheus"] = str(prometheus)
+    errors = [{"code": e.code, "message": e.message} for e in report.errors]
+    return Outcome(data, exit_code=EXIT_FAILED if errors else EXIT_OK, errors=errors,
+                   render=lambda out: _render(inv, out, report))
+
+
+def _render(inv: Invocation, out: Console, report: GcReport) -> None:
+    """Default: every decision. -q: only what was removed or failed (quiet cron mail)."""
+
+    def say(text: str) -> None:
+        out.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    quiet = inv.verbosity < 0
+    verb = "Would remove" if report.dry_run else "Removed"
+    for r in report.removed:
+        extra = [f"{len(r.paths) - 1} segment(s)"] if len(r.paths) > 1 else []
+        if r.manifest:
+            extra.append("manifest")
+        more = f" (+ {', '.join(extra)})" if extra else ""
+        say(f"{verb} {r.engine_id}{more}: {format_bytes(r.freed_bytes)} of memory, "
+            f"{format_bytes(r.bytes)} file size")
+    if not quiet:
+        for k in report.kept:
+            say(f"Kept {k.engine_id}: {k.reason}")
+    for path in report.orphan_manifests_removed:
+        say(f"{verb} orphaned manifest {path}")
+    for path in report.temp_files_removed:
+        say(f"{verb} leftover temporary file {path}")
+    for failure in report.errors:
+        inv.err.print(f"Error: {failure.message}", highlight=False, markup=False,
+                      soft_wrap=True)
+    if quiet and not (report.removed or report.orphan_manifests_removed
+                      or report.temp_files_removed):
+        return
+    freed = format_bytes(report.freed_bytes)
+    head = f"Would free {freed}" if report.dry_run else f"Freed {freed}"
+    failed = f"; {len(report.errors)} removal(s) failed" if report.errors else ""
+    dry = " (dry run: nothing was changed)" if report.dry_run else ""
+    say(f"{head} from {len(report.removed)} region(s) in {report.shm_dir}; kept "
+        f"{len(report.kept)} of {report.regions_seen} seen{failed}{dry}.")
+
+
+def _registry(report: GcReport) -> Any:
+    """Gauges describing this run: node_exporter's textfile collector keeps the last one."""
+    from prometheus_client import Gauge
+
+    registry = metrics.new_registry()
+
+    def gauge(name: str, doc: str, value: float) -> None:
+        Gauge(name, doc, registry=registry).set(value)
+
+    gauge("vllm_offload_gc_last_run_timestamp_seconds",
+          "When the last garbage collection started (Unix time).", report.started_at)
+    gauge("vllm_offload_gc_duration_seconds", "How long the last run took.",
+          report.duration_seconds)
+    gauge("vllm_offload_gc_dry_run", "1 if the last run was a dry run (nothing removed).",
+          1 if report.dry_run else 0)
+    gauge("vllm_offload_gc_regions_seen", "Regions the last run examined.",
+          report.regions_seen)
+    gauge("vllm_offload_gc_regions_removed", "Regions the last run removed (would remove, "
+          "in a dry run).", len(report.removed))
+    gauge("vllm_offload_gc_bytes_freed", "tmpfs memory the last run gave back.",
+          report.freed_bytes)
+    gauge("vllm_offload_gc_orphan_manifests_removed",
+          "Orphaned manifests the last run removed.", len(report.orphan_manifests_removed))
+    gauge("vllm_offload_gc_errors", "Removals that failed in the last run.",
+          len(report.errors))
+    gauge("vllm_offload_gc_uninspectable_processes",
+          "Processes whose /proc entries the last run could not read.",
+          report.uninspectable_processes)
+    kept = Gauge("vllm_offload_gc_regions_kept", "Regions the last run kept, by reason.",
+                 ["reason"], registry=registry)
+    for code, count in report.kept_by_code().items():
+        kept.labels(code).set(count)
+    return registry

@@ -1,0 +1,529 @@
+"""Garbage collection: remove offload regions that are provably stale, and nothing else.
+
+Deleting by name is unsafe in `/dev/shm`: vLLM keeps using a region through
+its mapping without any lock, a creator may be between `O_EXCL` and
+`ftruncate`, and anyone can plant a symlink named like a region. So a region
+goes only when every test agrees (DESIGN section 3), decided on state read
+while we hold the region's exclusive lock:
+
+1. discovery (`discover()`) lists candidates with their holders; anything held,
+   persistent, young, foreign or not a regular file is kept, with the reason;
+2. each remaining file is opened without O_CREAT and without following a link,
+   judged by `fstat` of that descriptor (same inode discovery saw, regular,
+   allowed owner, one link, same filesystem) and locked with LOCK_EX|LOCK_NB:
+   a failure means a process still holds our shared lock;
+3. with the locks held, /proc is scanned again for users of those exact inodes:
+   vLLM's processes never lock, so the lock alone cannot prove them gone, and
+   the re-scan after locking leaves them only the instant before the unlink;
+4. age (newest of mtime, ctime and the manifest's creation time) and the
+   persistent flag are re-read under the lock;
+5. the manifest goes first (no new creator can write one while the region's
+   name is still taken), then the segments `.mmap.N`, the bare name last, each
+   only if its name still names the inode we locked; the locks drop after.
+
+Our own processes (SharedOffloadRegion) wait out the exclusive lock and then
+see the name gone, so for them the protocol is race-free. Files that vanish
+under us (another gc, an engine's own cleanup) are reported, not errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import stat
+import time
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from vllm_offload_cli.core import fsguard, locking
+from vllm_offload_cli.core import manifest as manifest_io
+from vllm_offload_cli.core.discovery import (
+    Holder,
+    Inventory,
+    OrphanManifest,
+    RegionInfo,
+    SegmentFile,
+    discover,
+)
+from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.fsguard import FileId
+from vllm_offload_cli.core.manifest import Manifest
+from vllm_offload_cli.core.naming import (
+    MANIFEST_SUFFIX,
+    PREFIX,
+    engine_id_problem,
+    manifest_path,
+    region_path,
+)
+from vllm_offload_cli.core.procfs import ProcessRef, comm
+from vllm_offload_cli.core.procscan import FileUse, flock_holders, users_of
+from vllm_offload_cli.core.reclaim_report import (
+    BUSY,
+    CHANGED,
+    DEFAULT_MIN_AGE,
+    FOREIGN_OWNER,
+    LINK_COUNT,
+    LIVE,
+    NOT_REGULAR,
+    OTHER_FILESYSTEM,
+    PERSISTENT,
+    SYMLINK,
+    TOO_YOUNG,
+    UNREADABLE,
+    UNSAFE_MODE,
+    GcFailure,
+    GcOptions,
+    GcReport,
+    KeptRegion,
+    RemovedRegion,
+)
+
+logger = logging.getLogger(__name__)
+
+# Regions locked at once: bounds our open descriptors and how long a joiner
+# of one of them waits on our exclusive lock (one /proc scan per batch).
+_BATCH = 64
+
+# manifest.write()'s temporary file: `.{manifest name}.tmp.{pid}.{hex}`
+_TEMP_RE = re.compile(
+    r"^\." + re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(MANIFEST_SUFFIX)
+    + r"\.tmp\.(?P<pid>[0-9]+)\.(?P<token>[0-9a-f]+)$"
+)
+
+
+def check_options(options: GcOptions) -> None:
+    if not options.min_age >= 0:  # also refuses NaN
+        raise InvalidInputError(f"--min-age must be >= 0 seconds, got {options.min_age}",
+                                code="invalid_min_age")
+    if options.all_users and os.geteuid() != 0:
+        raise InvalidInputError(
+            "--all-users needs root: only root may remove other users' regions; run it as "
+            "root, or without --all-users to collect your own", code="not_root",
+        )
+
+
+def collect(
+    shm_dir: str | os.PathLike[str],
+    *,
+    engine_ids: Collection[str] | None = None,
+    dry_run: bool = False,
+    min_age: float = DEFAULT_MIN_AGE,
+    include_persistent: bool = False,
+    all_users: bool = False,
+) -> GcReport:
+    """Find and remove every provably stale region in shm_dir (or only `engine_ids`)."""
+    options = GcOptions(dry_run, min_age, include_persistent, all_users)
+    check_options(options)
+    started, clock = time.time(), time.monotonic()
+    inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False)
+    return reclaim(inventory, options, engine_ids=engine_ids, started_at=started,
+                   clock_start=clock)
+
+
+def reclaim(
+    inventory: Inventory,
+    options: GcOptions,
+    *,
+    engine_ids: Collection[str] | None = None,
+    started_at: float | None = None,
+    clock_start: float | None = None,
+) -> GcReport:
+    """Act on an inventory: every decision is re-checked on the files themselves,
+    so an inventory that aged (files replaced, new users) is still safe to pass."""
+    check_options(options)
+    run = _Run(inventory, options)
+    run.regions(inventory.regions)
+    run.orphan_manifests(inventory.orphan_manifests)
+    run.temp_files(None if engine_ids is None else set(engine_ids))
+    run.settle()
+    wanted = list(dict.fromkeys(engine_ids or ()))
+    known = {r.engine_id for r in inventory.regions} | {
+        o.engine_id for o in inventory.orphan_manifests}
+    now = time.time()
+    return GcReport(
+        shm_dir=inventory.shm_dir, options=options, removed=tuple(run.removed),
+        kept=tuple(run.kept), orphan_manifests_removed=tuple(run.orphans),
+        temp_files_removed=tuple(run.temps), vanished=tuple(dict.fromkeys(run.vanished)),
+        not_found=tuple(e for e in wanted if e not in known), errors=tuple(run.errors),
+        regions_seen=len(inventory.regions),
+        uninspectable_processes=max(inventory.uninspectable_processes, run.denied),
+        started_at=now if started_at is None else started_at,
+        duration_seconds=0.0 if clock_start is None else time.monotonic() - clock_start,
+    )
+
+
+@dataclass
+class _Locked:
+    """A candidate whose files we hold open and exclusively locked."""
+
+    region: RegionInfo
+    files: list[tuple[SegmentFile, int, os.stat_result]]
+    manifest_path: str
+    manifest_fd: int | None = None
+    manifest: Manifest | None = None
+
+    @property
+    def fds(self) -> list[int]:
+        fds = [fd for _, fd, _ in self.files]
+        return fds if self.manifest_fd is None else [*fds, self.manifest_fd]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # also drops our lock
+        self.files.clear()
+        self.manifest_fd = None
+
+
+@dataclass
+class _Run:
+    inventory: Inventory
+    options: GcOptions
+    removed: list[RemovedRegion] = field(default_factory=list)
+    kept: list[KeptRegion] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    temps: list[str] = field(default_factory=list)
+    vanished: list[str] = field(default_factory=list)
+    errors: list[GcFailure] = field(default_factory=list)
+    denied: int = 0
+
+    def __post_init__(self) -> None:
+        self.shm_dir = self.inventory.shm_dir
+        self.shm_dev = os.stat(self.shm_dir).st_dev
+        self.root = os.geteuid() == 0
+        self.owners: Collection[int] = (fsguard.EVERY_UID if self.options.all_users
+                                        else frozenset({os.geteuid()}))
+
+    # -- regions ---------------------------------------------------------------
+
+    def regions(self, regions: Sequence[RegionInfo]) -> None:
+        candidates = []
+        for r in regions:
+            verdict = self._precheck(r)
+            if verdict is None:
+                candidates.append(r)
+            else:
+                self._keep(verdict)
+        for start in range(0, len(candidates), _BATCH):
+            self._batch(candidates[start:start + _BATCH])
+
+    def _precheck(self, r: RegionInfo) -> KeptRegion | None:
+        """What discovery already proves: cheap reasons to keep, before any lock."""
+        if not r.linked:
+            return self._kept(r, LIVE, "its name was unlinked while "
+                              f"{_holders_text(r.holders) or 'a process still maps it'}; "
+                              "it vanishes with its last user", _first_pid(r.holders))
+        for seg in r.segments:
+            name = os.path.basename(seg.path)
+            codes = {p.code for p in seg.problems}
+            if SYMLINK in codes:
+                return self._kept(r, SYMLINK, f"{name} is a symbolic link; region names are "
+                                  "never followed (remove it by hand after checking it)")
+            if seg.file_id is None or NOT_REGULAR in codes:
+                return self._kept(r, NOT_REGULAR, f"{name} is not a regular file")
+            if seg.uid is None or seg.uid not in self.owners:
+                return self._kept(r, FOREIGN_OWNER, self._foreign_text(name, seg.uid))
+        if r.holders:
+            return self._kept(r, LIVE, f"held by {_holders_text(r.holders)}",
+                              _first_pid(r.holders))
+        if r.locked:
+            bare = next((s for s in r.segments if s.file_id is not None), None)
+            return self._lock_refused(r, None if bare is None else bare.file_id)
+        if r.persistent and not self.options.include_persistent:
+            return self._kept(r, PERSISTENT, _PERSISTENT_TEXT)
+        if r.age_seconds is not None and r.age_seconds < self.options.min_age:
+            return self._kept(r, TOO_YOUNG, self._young_text(r.age_seconds))
+        return None
+
+    def _batch(self, batch: list[RegionInfo]) -> None:
+        locked: list[_Locked] = []
+        try:
+            for r in batch:
+                held = self._lock(r)
+                if held is not None:
+                    locked.append(held)
+            if not locked:
+                return
+            own = [fd for h in locked for fd in h.fds]
+            fids = [FileId.of(st) for h in locked for _, _, st in h.files]
+            uses, denied = users_of(fids, own_fds=own)
+            self.denied = max(self.denied, denied)
+            for h in locked:
+                self._decide(h, [u for _, _, st in h.files for u in uses.get(FileId.of(st), [])])
+        finally:
+            for h in locked:
+                h.close()
+
+    def _lock(self, r: RegionInfo) -> _Locked | None:
+        """Open, judge and exclusively lock every file of a region, or say why not."""
+        held = _Locked(r, [], str(manifest_path(self.shm_dir, r.engine_id)))
+        ok = False
+        try:
+            for seg in sorted(r.segments, key=lambda s: s.segment):
+                name = os.path.basename(seg.path)
+                try:
+                    fd = os.open(seg.path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
+                except FileNotFoundError:
+                    self.vanished.append(r.engine_id)
+                    return None
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        self._keep(self._kept(r, SYMLINK, f"{name} became a symbolic link; "
+                                              "never followed"))
+                    else:
+                        self._keep(self._kept(r, UNREADABLE,
+                                              f"{name} cannot be opened: {exc.strerror}"))
+                    return None
+                st = os.fstat(fd)
+                held.files.append((seg, fd, st))
+                if FileId.of(st) != seg.file_id:
+                    self._keep(self._kept(r, CHANGED, f"{name} was replaced by another file "
+                                          "during this run; it is looked at again next run"))
+                    return None
+                problem = self._fd_problem(st, name)
+                if problem is not None:
+                    self._keep(self._kept(r, *problem))
+                    return None
+                if not locking.try_lock_exclusive(fd):
+                    self._keep(self._lock_refused(r, FileId.of(st)))
+                    return None
+            self._read_manifest(held)
+            ok = True
+            return held
+        finally:
+            if not ok:
+                held.close()
+
+    def _fd_problem(self, st: os.stat_result, name: str) -> tuple[str, str] | None:
+        if not stat.S_ISREG(st.st_mode):
+            return NOT_REGULAR, f"{name} is not a regular file"
+        if st.st_uid not in self.owners:
+            return FOREIGN_OWNER, self._foreign_text(name, st.st_uid)
+        if st.st_dev != self.shm_dev:
+            return OTHER_FILESYSTEM, (f"{name} is on another filesystem than {self.shm_dir} "
+                                      "(a mount over the name?)")
+        if st.st_nlink != 1:
+            return LINK_COUNT, (f"{name} has {st.st_nlink} hard links; removing this name "
+                                "would not free it, and another name may be in use")
+        return None
+
+    def _read_manifest(self, held: _Locked) -> None:
+        """The manifest as it is now; kept open so only this inode is ever unlinked."""
+        try:
+            fd = os.open(held.manifest_path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
+        except OSError:
+            return  # absent (made by vLLM), or a symlink we leave alone
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
+                or not locking.try_lock_exclusive(fd)):
+            os.close(fd)  # not ours to remove, or being rewritten right now: leave it
+            return
+        held.manifest_fd = fd
+        try:
+            m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners)
+        except (manifest_io.ManifestError, OSError):
+            return  # corrupt: goes with the region, tells us nothing
+        bare = next((FileId.of(s) for seg, _, s in held.files if seg.segment == 0), None)
+        if bare is not None and (m.region_dev, m.region_ino) == (bare.dev, bare.ino):
+            held.manifest = m  # otherwise it describes an earlier file of that name
+
+    def _decide(self, held: _Locked, uses: list[FileUse]) -> None:
+        r = held.region
+        if uses:
+            holders = _holders_from(uses)
+            self._keep(self._kept(r, LIVE, f"held by {_holders_text(holders)} (seen after "
+                                  "locking it)", _first_pid(holders)))
+            return
+        m = held.manifest
+        if m is not None and m.persistent and not self.options.include_persistent:
+            self._keep(self._kept(r, PERSISTENT, _PERSISTENT_TEXT))
+            return
+        newest = max(max(st.st_mtime, st.st_ctime) for _, _, st in held.files)
+        if m is not None:
+            newest = max(newest, m.created_at)
+        age = time.time() - newest
+        if age < self.options.min_age:
+            self._keep(self._kept(r, TOO_YOUNG, self._young_text(age)))
+            return
+        open_mode = next((st for _, _, st in held.files if st.st_mode & 0o077), None)
+        if open_mode is not None and self.denied:
+            self._keep(self._kept(r, UNSAFE_MODE, (
+                f"has mode {stat.S_IMODE(open_mode.st_mode):04o}, so other users could map it, "
+                f"and {self.denied} process(es) could not be inspected; run gc as root to "
+                "prove it unused")))
+            return
+        self._remove(held, max(age, 0.0))
+
+    def _remove(self, held: _Locked, age: float) -> None:
+        r = held.region
+        size = sum(st.st_size for _, _, st in held.files)
+        freed = sum(st.st_blocks * 512 for _, _, st in held.files)
+        if self.options.dry_run:
+            self.removed.append(RemovedRegion(
+                r.engine_id, tuple(seg.path for seg, _, _ in held.files), size, freed,
+                held.manifest_path if held.manifest_fd is not None else None, age))
+            return
+        manifest_removed = None
+        if held.manifest_fd is not None:
+            # first: while the region's name is taken, no creator can write a new manifest
+            try:
+                if fsguard.unlink_if_same(held.manifest_path, held.manifest_fd):
+                    manifest_removed = held.manifest_path
+            except OSError as exc:
+                self._fail(held.manifest_path, exc, r.engine_id)
+        paths: list[str] = []
+        size = freed = 0
+        # segments before the bare name: a new creator starts from the bare name
+        for seg, fd, st in sorted(held.files, key=lambda f: -f[0].segment):
+            try:
+                gone = fsguard.unlink_if_same(seg.path, fd)
+            except OSError as exc:
+                self._fail(seg.path, exc, r.engine_id)
+                continue
+            if gone:
+                paths.append(seg.path)
+                size += st.st_size
+                freed += st.st_blocks * 512
+            else:
+                self.vanished.append(r.engine_id)
+        if paths:
+            paths.reverse()
+            self.removed.append(RemovedRegion(r.engine_id, tuple(paths), size, freed,
+                                              manifest_removed, age))
+            logger.info("removed %s (%d bytes)", ", ".join(paths), size)
+
+    # -- manifests and temporary files --------------------------------------------
+
+    def orphan_manifests(self, orphans: Iterable[OrphanManifest]) -> None:
+        for o in orphans:
+            if o.uid not in self.owners:
+                continue
+            try:
+                fd = os.open(o.path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
+            except OSError:
+                continue  # gone, or a symlink: never followed, never ours
+            try:
+                st = os.fstat(fd)
+                if (FileId.of(st) != o.file_id or not stat.S_ISREG(st.st_mode)
+                        or st.st_uid not in self.owners
+                        or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age
+                        or not locking.try_lock_exclusive(fd)):
+                    continue
+                if os.path.lexists(region_path(self.shm_dir, o.engine_id)):
+                    continue  # a region came (back) since discovery: not an orphan
+                if self.options.dry_run or fsguard.unlink_if_same(o.path, fd):
+                    self.orphans.append(o.path)
+            except OSError as exc:
+                self._fail(o.path, exc, o.engine_id)
+            finally:
+                os.close(fd)
+
+    def temp_files(self, wanted: set[str] | None) -> None:
+        """manifest.write()'s temporaries left by a writer that died before its rename."""
+        try:
+            entries = list(os.scandir(self.shm_dir))
+        except OSError:
+            return
+        for entry in entries:
+            match = _TEMP_RE.match(entry.name)
+            if match is None or engine_id_problem(match["engine_id"]) is not None:
+                continue
+            if wanted is not None and match["engine_id"] not in wanted:
+                continue
+            if ProcessRef(int(match["pid"]), None).alive():
+                continue  # its writer may be between write and rename
+            self._remove_temp(entry.path)
+
+    def _remove_temp(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
+                    or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age):
+                return
+            if self.options.dry_run or fsguard.unlink_if_same(path, fd):
+                self.temps.append(path)
+        except OSError as exc:
+            self._fail(path, exc, None)
+        finally:
+            os.close(fd)
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def settle(self) -> None:
+        """A region kept because another collector was at it, then removed, is gone."""
+        still = []
+        for k in self.kept:
+            if k.linked and not any(os.path.lexists(p) for p in k.paths):
+                self.vanished.append(k.engine_id)
+            else:
+                still.append(k)
+        self.kept = still
+
+    def _kept(self, r: RegionInfo, code: str, reason: str, pid: int | None = None
+              ) -> KeptRegion:
+        return KeptRegion(r.engine_id, code, reason, tuple(r.paths), pid, r.linked)
+
+    def _keep(self, kept: KeptRegion) -> None:
+        logger.debug("keeping %s: %s", kept.engine_id, kept.reason)
+        self.kept.append(kept)
+
+    def _fail(self, path: str, exc: OSError, engine_id: str | None) -> None:
+        if isinstance(exc, FileNotFoundError):
+            if engine_id is not None:
+                self.vanished.append(engine_id)
+            return
+        self.errors.append(GcFailure(path, f"cannot remove {path}: {exc.strerror or exc}",
+                                     engine_id))
+
+    def _lock_refused(self, r: RegionInfo, fid: FileId | None) -> KeptRegion:
+        """LOCK_EX refused: a user's shared lock, or another collector's probe."""
+        holders = [] if fid is None else flock_holders(fid)
+        exclusive = [pid for pid, excl in holders if excl and pid != os.getpid()]
+        if exclusive:
+            return self._kept(r, BUSY, f"pid {exclusive[0]} holds its exclusive lock (another "
+                              "gc or inspect run is examining it)", exclusive[0])
+        shared = [pid for pid, excl in holders if not excl and pid > 0]
+        if shared:
+            names = ", ".join(f"pid {p} ({comm(p) or '?'})" for p in shared[:3])
+            return self._kept(r, LIVE, f"holds a shared lock: {names}", shared[0])
+        if holders:  # /proc/locks shows pid 0 for a holder outside our pid namespace
+            return self._kept(r, LIVE, "locked by a process in another pid namespace "
+                              "(a container?)")
+        return self._kept(r, BUSY, "was locked a moment ago and released since (another gc "
+                          "or inspect run?); looked at again next run")
+
+    def _foreign_text(self, name: str, uid: int | None) -> str:
+        hint = "; root may remove it with --all-users" if self.root else ""
+        return f"{name} is owned by uid {uid}, not by this user{hint}"
+
+    def _young_text(self, age: float) -> str:
+        return (f"changed {age:.0f} s ago, younger than --min-age {self.options.min_age:g} s "
+                "(its creator may still be sizing it)")
+
+
+_PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-persistent to "
+                    "remove it")
+
+
+def _holders_from(uses: Iterable[FileUse]) -> tuple[Holder, ...]:
+    kinds: dict[int, set[str]] = {}
+    for u in uses:
+        kinds.setdefault(u.pid, set()).add(u.kind)
+    return tuple(Holder(pid, comm(pid), None, tuple(sorted(kinds[pid]))) for pid in sorted(kinds))
+
+
+def _holders_text(holders: Sequence[Holder]) -> str:
+    shown = [f"pid {h.pid} ({h.name or '?'}, {'+'.join(h.via)})" for h in holders[:3]]
+    more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
+    return ", ".join(shown) + more
+
+
+def _first_pid(holders: Sequence[Holder]) -> int | None:
+    return holders[0].pid if holders else None
