@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,16 +101,24 @@ def _scan_fds(pid: int, prefix: str, scan: ProcessScan) -> None:
             FileUse(pid, "fd", path, deleted, st.st_size, int(name)))
 
 
-def _scan_locks(scan: ProcessScan, shm_dev: int) -> None:
+@dataclass(frozen=True)
+class LockEntry:
+    """One granted lock from /proc/locks (waiters are skipped)."""
+
+    kind: str  # "FLOCK", "POSIX" or "OFDLCK"
+    exclusive: bool
+    pid: int
+    file_id: FileId
+
+
+def lock_entries(proc: str = "/proc") -> Iterator[LockEntry]:
     try:
-        text = Path("/proc/locks").read_text()
+        text = Path(f"{proc}/locks").read_text()
     except OSError:
         return
     for line in text.splitlines():
         fields = line.split()
-        if "->" in fields:  # a waiter, not a holder
-            continue
-        if len(fields) < 8 or fields[1] not in ("FLOCK", "POSIX", "OFDLCK"):
+        if "->" in fields or len(fields) < 8 or fields[1] not in ("FLOCK", "POSIX", "OFDLCK"):
             continue
         try:
             pid = int(fields[4])
@@ -118,8 +126,36 @@ def _scan_locks(scan: ProcessScan, shm_dev: int) -> None:
             fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
         except ValueError:
             continue
-        if fid.dev == shm_dev:
-            scan.uses[fid].append(FileUse(pid, "lock", "", False))
+        yield LockEntry(fields[1], fields[3] == "WRITE", pid, fid)
+
+
+def _scan_locks(scan: ProcessScan, shm_dev: int) -> None:
+    for lock in lock_entries():
+        if lock.file_id.dev == shm_dev:
+            scan.uses[lock.file_id].append(FileUse(lock.pid, "lock", "", False))
+
+
+def _scan_process(pid: int, prefix: str, needle: bytes, shm_dev: int,
+                  scan: ProcessScan) -> bool | None:
+    """Read one process; True if it denied access, None if it vanished.
+
+    Descriptors before mappings: a user that opens, maps, then closes its
+    descriptor is seen by at least one of the two reads.
+    """
+    denied = False
+    for fds in (True, False):
+        try:
+            if fds:
+                _scan_fds(pid, prefix, scan)
+            else:
+                _scan_maps(pid, needle, shm_dev, scan)
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        except PermissionError:
+            denied = True
+        except OSError:
+            return None
+    return denied
 
 
 def scan_processes(shm_dir: str | Path) -> ProcessScan:
@@ -133,25 +169,10 @@ def scan_processes(shm_dir: str | Path) -> ProcessScan:
         if not entry.isdigit():
             continue
         pid = int(entry)
-        denied = False
-        try:
-            _scan_maps(pid, needle, shm_dev, scan)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        except PermissionError:
-            denied = True
-        except OSError:
-            continue
-        try:
-            _scan_fds(pid, prefix, scan)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        except PermissionError:
-            denied = True
-        except OSError:
-            continue
-        scan.scanned += 1
-        scan.denied += denied
+        denied = _scan_process(pid, prefix, needle, shm_dev, scan)
+        if denied is not None:  # None: it vanished mid-scan
+            scan.scanned += 1
+            scan.denied += denied
     _scan_locks(scan, shm_dev)
     return scan
 
@@ -245,41 +266,12 @@ def _maps_using(pid: int, wanted: set[FileId], inodes: re.Pattern[bytes],
 
 def _locks_on(wanted: set[FileId], found: dict[FileId, list[FileUse]], proc: str) -> None:
     """POSIX and OFD locks count as users; flock entries are the caller's own."""
-    try:
-        text = Path(f"{proc}/locks").read_text()
-    except OSError:
-        return
-    for line in text.splitlines():
-        fields = line.split()
-        if "->" in fields or len(fields) < 8 or fields[1] not in ("POSIX", "OFDLCK"):
-            continue
-        try:
-            pid = int(fields[4])
-            major, minor, inode = fields[5].split(":")
-            fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
-        except ValueError:
-            continue
-        if fid in wanted:
-            found[fid].append(FileUse(pid, "lock", "", False))
+    for lock in lock_entries(proc):
+        if lock.kind != "FLOCK" and lock.file_id in wanted:
+            found[lock.file_id].append(FileUse(lock.pid, "lock", "", False))
 
 
 def flock_holders(fid: FileId, *, proc: str = "/proc") -> list[tuple[int, bool]]:
     """(pid, exclusive) for each flock on one inode, from /proc/locks."""
-    try:
-        text = Path(f"{proc}/locks").read_text()
-    except OSError:
-        return []
-    holders = []
-    for line in text.splitlines():
-        fields = line.split()
-        if "->" in fields or len(fields) < 8 or fields[1] != "FLOCK":
-            continue
-        try:
-            pid = int(fields[4])
-            major, minor, inode = fields[5].split(":")
-            lock_fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
-        except ValueError:
-            continue
-        if lock_fid == fid:
-            holders.append((pid, fields[3] == "WRITE"))
-    return holders
+    return [(lock.pid, lock.exclusive) for lock in lock_entries(proc)
+            if lock.kind == "FLOCK" and lock.file_id == fid]
