@@ -46,7 +46,7 @@ def test_gc_never_removes_a_region_in_use(shm_dir: Path, tmp_path: Path) -> None
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     stop = tmp_path / "stop"
     other = subprocess.Popen([sys.executable, "-c", _COLLECTOR, str(shm_dir), str(stop)],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cycles = removed = kept_live = 0
     errors: list[str] = []
     try:
@@ -57,7 +57,8 @@ def test_gc_never_removes_a_region_in_use(shm_dir: Path, tmp_path: Path) -> None
             kept_live += sum(1 for k in rep.kept if k.code in ("live", "busy"))
             errors += [e.message for e in rep.errors]
         stop.touch()
-        out, _ = other.communicate(timeout=60)
+        out, err = other.communicate(timeout=60)
+        assert other.returncode == 0 and out.strip(), f"second collector failed:\n{err}"
         theirs = json.loads(out.splitlines()[-1])
     finally:
         for p in (churn, other):
