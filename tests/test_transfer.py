@@ -185,7 +185,7 @@ def test_every_copy_method_is_exact(method: str, case: str) -> None:
     region_rows = base.as_strided((n_reg, width), (64, 1), 8)  # strided like a worker view
     device_rows = torch.randint(-128, 128, (n_dev, width), dtype=torch.int8, generator=g)
     w = word_width(device_rows, region_rows)
-    pair = RowPair(device_rows, region_rows, as_words(device_rows, w), as_words(region_rows, w))
+    pair = RowPair(as_words(device_rows, w), as_words(region_rows, w), width)
     plan = plan_transfer(1, Direction.STORE, src, dst, device_blocks=n_dev,
                          region_blocks=n_reg)
     copy_rows(pair, plan, method, Staging())
@@ -195,7 +195,7 @@ def test_every_copy_method_is_exact(method: str, case: str) -> None:
     assert not base.view(n_reg, 64)[:, :8].any() and not base.view(n_reg, 64)[:, 56:].any()
 
     back = torch.zeros_like(device_rows)
-    pair = RowPair(back, region_rows, as_words(back, w), as_words(region_rows, w))
+    pair = RowPair(as_words(back, w), as_words(region_rows, w), width)
     if case == "repeated_sources":  # a load may not repeat destinations: load one of each
         keep = [0, 3, 4]
         src, dst = src[keep], dst[keep]
@@ -501,3 +501,26 @@ def test_cuda_copy_plans_are_exact_on_cpu_tensors(dense: bool, case: str, how: s
     run(pair(back), plan_transfer(2, Direction.LOAD, dst, src, device_blocks=n_dev,
                                   region_blocks=n_reg))
     assert torch.equal(back[src], device_rows[src])
+
+
+@pytest.mark.parametrize(("src", "dst", "row_bytes", "expected"), [
+    (list(range(100)), list(range(200, 300)), 65536, "slices"),
+    ("perm", list(range(100)), 65536, "gather"),  # vLLM's store into fresh blocks
+    (list(range(100)), "perm", 65536, "scatter"),  # and the load back
+    ("perm", "perm", 65536, "staged"),  # small scattered blocks: two big passes
+    ("perm", "perm", 2 << 20, "gather"),  # big ones: one parallel copy per block
+    ([b for r in range(0, 200, 20) for b in range(r, r + 8)],
+     [b for r in range(0, 400, 40) for b in range(r, r + 8)], 65536, "slices"),
+])
+def test_the_cost_model_picks_the_expected_method(src: Any, dst: Any, row_bytes: int,
+                                                  expected: str) -> None:
+    from vllm_offload_cli.core.transfer_cpu import choose_method
+
+    g = torch.Generator().manual_seed(1)
+    n = len(dst) if src == "perm" and dst != "perm" else len(src) if src != "perm" else 100
+    if src == "perm":
+        src = torch.randperm(400, generator=g)[:n]
+    if dst == "perm":
+        dst = torch.randperm(400, generator=g)[:n]
+    plan = plan_transfer(1, Direction.STORE, src, dst, device_blocks=400, region_blocks=400)
+    assert choose_method(plan, row_bytes, threads=2) == expected

@@ -62,6 +62,7 @@ class BenchConfig:
     patterns: tuple[str, ...] = PATTERNS
     populate_threads: int = 1
     seed: int = 0
+    cuda_strategy: str = "copy-engine"  # see transfer_cuda; "kernel" is opt-in
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class BenchReport:
     pinned: bool | None  # None on CPU: nothing to pin
     pin_warning: str | None
     removed: bool
+    cuda_strategy: str | None = None
     target: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -359,7 +361,7 @@ class _Bench:
             views = [region.create_next_worker_view(block)]
             for mode in self.modes:
                 worker = CopyWorker(region, [device_rows], region_views=views,
-                                    pin=mode == "pinned")
+                                    pin=mode == "pinned", cuda_strategy=c.cuda_strategy)
                 if mode == "pinned":
                     self.pinned = worker.pinned
                     self.pin_warning = worker.pin_warning
@@ -400,7 +402,9 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
         torch_threads=torch.get_num_threads(), size_bytes=config.size_bytes,
         world_size=config.world_size, repeat=config.repeat, patterns=config.patterns,
         prefault=tuple(prefault), rows=tuple(rows), pinned=bench.pinned,
-        pin_warning=bench.pin_warning, removed=bench.removed, target=target_summary(rows))
+        pin_warning=bench.pin_warning, removed=bench.removed,
+        cuda_strategy=config.cuda_strategy if config.device == "cuda" else None,
+        target=target_summary(rows))
 
 
 def target_summary(rows: Sequence[BenchRow]) -> dict[str, Any]:

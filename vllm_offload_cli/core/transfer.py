@@ -125,7 +125,7 @@ class CopyWorker:
         pairs = []
         for dev, reg in zip(rows, self.region_views, strict=True):
             width = word_width(dev, reg)
-            pairs.append(RowPair(dev, reg, as_words(dev, width), as_words(reg, width)))
+            pairs.append(RowPair(as_words(dev, width), as_words(reg, width), dev.shape[1]))
         return pairs
 
     def _cuda_pairs(self, rows: list[torch.Tensor]) -> list[CudaPair]:

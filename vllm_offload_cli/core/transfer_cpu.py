@@ -41,24 +41,45 @@ logger = logging.getLogger(__name__)
 
 OP_COST_BYTES = 48 * 1024  # bytes a CPU copies in the time one torch call costs from Python
 STAGE_BYTES = 4 * 1024 * 1024  # staging chunk of the two-pass path, per direction
+# torch runs an operation on all its threads only from 32768 elements (16-byte
+# words: 512 KiB); a smaller call runs on one thread, at 1/threads of the speed
+PARALLEL_BYTES = 32768 * 16
 _SCATTER_FACTOR = 1.1  # index_copy_ is a little slower per byte than index_select
 METHODS = ("slices", "gather", "scatter", "staged")
 
 
-def choose_method(plan: TransferPlan, row_bytes: int) -> str:
-    """The cheapest way to copy `plan` for rows of `row_bytes` (ties: earliest in METHODS)."""
-    total = plan.num_blocks * row_bytes
-    k = OP_COST_BYTES
+def _calls_cost(plan: TransferPlan, kind: str, count: int, row_bytes: int,
+                threads: int) -> float:
+    """Cost in bytes of one call per run of `kind`: overhead plus bytes at their speed."""
+    if count == 1:
+        total = plan.num_blocks * row_bytes
+        return OP_COST_BYTES + total * (threads if total < PARALLEL_BYTES else 1)
+    lengths = plan.run_lengths(kind)
+    short = lengths * row_bytes < PARALLEL_BYTES
+    weighted = int((lengths * (1 + short * (threads - 1))).sum())
+    return count * OP_COST_BYTES + weighted * row_bytes
+
+
+def choose_method(plan: TransferPlan, row_bytes: int, threads: int | None = None) -> str:
+    """The cheapest way to copy `plan` for rows of `row_bytes` (ties: earliest in METHODS).
+
+    Costs are counted in bytes copied at full (all-threads) speed: each Python-level
+    call adds OP_COST_BYTES, and a call too small to go parallel moves its bytes at
+    single-thread speed. The staged path moves every byte twice, in big parallel calls.
+    """
     if plan.joint_run_count <= 1:
         return "slices"  # one copy: nothing is cheaper
+    t = max(1, threads if threads is not None else import_torch().get_num_threads())
+    total = plan.num_blocks * row_bytes
     costs: dict[str, float] = {
-        "slices": total + plan.joint_run_count * k,
-        "gather": total + plan.dst_run_count * k,
-        "staged": 2 * total + 2 * math.ceil(total / STAGE_BYTES) * k,
+        "slices": _calls_cost(plan, "joint", plan.joint_run_count, row_bytes, t),
+        "gather": _calls_cost(plan, "dst", plan.dst_run_count, row_bytes, t),
+        "staged": 2 * total + 2 * math.ceil(total / STAGE_BYTES) * OP_COST_BYTES,
     }
-    best = min(costs.values())
-    if _SCATTER_FACTOR * total + k < best:  # only then is sorting by source worth it
-        costs["scatter"] = _SCATTER_FACTOR * total + plan.src_run_count * k
+    if _SCATTER_FACTOR * total + OP_COST_BYTES < min(costs.values()):
+        # only now is sorting by source worth its price
+        costs["scatter"] = _SCATTER_FACTOR * _calls_cost(plan, "src", plan.src_run_count,
+                                                         row_bytes, t)
     return min((m for m in METHODS if m in costs), key=lambda m: costs[m])
 
 
@@ -79,26 +100,24 @@ class Staging:
 
 @dataclass(frozen=True)
 class RowPair:
-    """One KV tensor: its device rows and region rows, as int8 and as wider words.
+    """One KV tensor: its device rows and region rows, as words of the same width.
 
-    Slice copies use the int8 views: torch parallelises a copy over threads by
-    element count, so more elements per row means more threads per row.
-    Indexed kernels use the word views: they move one element per step.
+    Words also keep small copies on one thread: torch splits an operation over
+    its threads by element count (32768 and up), and a fork/join per block
+    costs more than the block when other processes hold the cores (measured:
+    a 64 KiB int8 row copy took 400 us on two threads of a busy host, 13 us
+    on one). Long runs and many-row index operations are still parallel.
     """
 
     device: torch.Tensor
     region: torch.Tensor
-    device_words: torch.Tensor
-    region_words: torch.Tensor
+    row_bytes: int
 
-    @property
-    def row_bytes(self) -> int:
-        return int(self.device.shape[1])
-
-    def sides(self, direction: Direction, words: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def sides(self, direction: Direction) -> tuple[torch.Tensor, torch.Tensor]:
         """(source, destination) of a copy in `direction`."""
-        dev, reg = (self.device_words, self.region_words) if words else (self.device, self.region)
-        return (dev, reg) if direction is Direction.STORE else (reg, dev)
+        if direction is Direction.STORE:
+            return self.device, self.region
+        return self.region, self.device
 
 
 def copy_rows(pair: RowPair, plan: TransferPlan, method: str, staging: Staging) -> None:
@@ -106,25 +125,22 @@ def copy_rows(pair: RowPair, plan: TransferPlan, method: str, staging: Staging) 
     torch = import_torch()
     if plan.num_blocks == 0:
         return
+    src, dst = pair.sides(plan.direction)
     if method == "slices":
-        src, dst = pair.sides(plan.direction, words=False)
         for run in plan.joint_runs():
             dst[run.dst:run.dst + run.length].copy_(src[run.src:run.src + run.length])
     elif method == "gather":
-        src, dst = pair.sides(plan.direction, words=True)
-        src_b, dst_b = pair.sides(plan.direction, words=False)
         spans = plan.dst_spans()
         firsts = plan.dst[[s.start for s in spans]].tolist()
         sources = plan.src.tolist()
         for span, first in zip(spans, firsts, strict=True):
             length = span.stop - span.start
-            if length == 1:  # one row: a plain copy, parallel within the row
-                dst_b[first].copy_(src_b[sources[span.start]])
+            if length == 1:  # one row: a plain copy is the cheapest call
+                dst[first].copy_(src[sources[span.start]])
                 continue
             torch.index_select(src, 0, plan.src[span.start:span.stop],
                                out=dst[first:first + length])
     elif method == "scatter":
-        src, dst = pair.sides(plan.direction, words=True)
         targets = plan.dst_by_src
         spans = plan.src_spans()
         firsts = plan.src_sorted[[s.start for s in spans]].tolist()
@@ -132,7 +148,6 @@ def copy_rows(pair: RowPair, plan: TransferPlan, method: str, staging: Staging) 
             length = span.stop - span.start
             dst.index_copy_(0, targets[span.start:span.stop], src[first:first + length])
     elif method == "staged":
-        src, dst = pair.sides(plan.direction, words=True)
         chunk = max(1, STAGE_BYTES // pair.row_bytes)
         for start in range(0, plan.num_blocks, chunk):
             stop = min(start + chunk, plan.num_blocks)

@@ -147,6 +147,16 @@ def _count(breaks: torch.Tensor, n: int) -> int:
     return int(breaks.sum()) + 1 if n else 0
 
 
+def _lengths(breaks: torch.Tensor, n: int) -> Tensor:
+    """Length of each run, vectorised: the gaps between consecutive breaks."""
+    torch = import_torch()
+    cuts = breaks.nonzero().flatten() + 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts,
+                        torch.full((1,), n, dtype=torch.int64)])
+    lengths: Tensor = bounds.diff()
+    return lengths
+
+
 @dataclass(frozen=True, eq=False)
 class TransferPlan:
     """A validated job: pairs (src[i] -> dst[i]) with destinations strictly ascending."""
@@ -181,6 +191,12 @@ class TransferPlan:
     def joint_run_count(self) -> int:
         """How many runs where source and destination both advance by one."""
         return _count(self._joint_breaks, self.num_blocks)
+
+    def run_lengths(self, kind: str) -> Tensor:
+        """Blocks per run, for runs of `kind`: "joint", "dst" or "src" (see the counts)."""
+        breaks = {"joint": lambda: self._joint_breaks, "dst": lambda: self._dst_breaks,
+                  "src": lambda: self._src_breaks}[kind]()
+        return _lengths(breaks, self.num_blocks)
 
     def dst_spans(self) -> list[Span]:
         """Positions of each run of consecutive destinations (sources arbitrary)."""
