@@ -221,12 +221,13 @@ class CudaBackend:
                 queue = self._pending[direction]
                 while queue:
                     head = queue[0]
-                    if head.end is not None and head.error is None:
+                    if head.end is not None:  # failed jobs too: nothing may still run
                         try:
                             if not head.end.query():
                                 break
                         except Exception as exc:  # a sticky CUDA error: this job failed
-                            head.error = f"{type(exc).__name__}: {exc}"
+                            head.error = head.error or f"{type(exc).__name__}: {exc}"
+                            head.end = None
                     queue.popleft()
                     self._sink.add(self._result(head))
 
@@ -259,15 +260,17 @@ class CudaBackend:
             time.sleep(0.0002)
 
     def _last_events(self, job_ids: set[int]) -> list[Any]:
+        """End events of every pending job up to the last wanted one, per direction.
+
+        On one stream the last suffices; the earlier ones make FIFO explicit.
+        """
         events = []
         with self._lock:
             for queue in self._pending.values():
-                last = None
-                for entry in queue:
-                    if entry.plan.job_id in job_ids and entry.end is not None:
-                        last = entry.end
-                if last is not None:
-                    events.append(last)
+                entries = list(queue)
+                last = max((i for i, e in enumerate(entries) if e.plan.job_id in job_ids),
+                           default=-1)
+                events += [e.end for e in entries[:last + 1] if e.end is not None]
         return events
 
     def close(self, cancel_pending: bool) -> None:
