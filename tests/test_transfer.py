@@ -507,8 +507,8 @@ def test_cuda_copy_plans_are_exact_on_cpu_tensors(dense: bool, case: str, how: s
     (list(range(100)), list(range(200, 300)), 65536, "slices"),
     ("perm", list(range(100)), 65536, "gather"),  # vLLM's store into fresh blocks
     (list(range(100)), "perm", 65536, "scatter"),  # and the load back
-    ("perm", "perm", 65536, "staged"),  # small scattered blocks: two big passes
-    ("perm", "perm", 2 << 20, "gather"),  # big ones: one parallel copy per block
+    ("perm", "perm", 16384, "staged"),  # small scattered blocks: two passes, few calls
+    ("perm", "perm", 65536, "gather"),  # bigger ones: batched row copies
     ([b for r in range(0, 200, 20) for b in range(r, r + 8)],
      [b for r in range(0, 400, 40) for b in range(r, r + 8)], 65536, "slices"),
 ])
@@ -523,4 +523,63 @@ def test_the_cost_model_picks_the_expected_method(src: Any, dst: Any, row_bytes:
     if dst == "perm":
         dst = torch.randperm(400, generator=g)[:n]
     plan = plan_transfer(1, Direction.STORE, src, dst, device_blocks=400, region_blocks=400)
-    assert choose_method(plan, row_bytes, threads=2) == expected
+    assert choose_method(plan, row_bytes) == expected
+
+
+# -- copy threads -------------------------------------------------------------------------------
+
+def test_copy_threads_run_torch_single_threaded_and_leave_others_alone() -> None:
+    import threading
+
+    from vllm_offload_cli.core.openmp import single_threaded_torch
+
+    before = torch.get_num_threads()
+    seen: dict[str, Any] = {}
+
+    def probe() -> None:
+        seen["limited"] = single_threaded_torch()
+        seen["threads"] = torch.get_num_threads()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    assert seen["limited"] is True and seen["threads"] == 1
+    assert torch.get_num_threads() == before
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [before], "threads started later keep torch's default"
+
+
+def test_deal_cuts_work_into_ordered_shares_of_similar_size() -> None:
+    from vllm_offload_cli.core.transfer_cpu import Unit, deal
+
+    work = [Unit(n, lambda staging: None) for n in (5, 1, 1, 1, 4, 4, 2, 2)]
+    shares = deal(work, 2)
+    assert [u for share in shares for u in share] == work  # order kept, nothing lost
+    assert [sum(u.nbytes for u in share) for share in shares] == [12, 8]
+    assert deal(work, 1) == [work] and deal([], 4) == []
+    assert len(deal(work, 16)) <= 8
+
+
+def test_scattered_rows_are_shared_by_the_copy_threads(regions: Factory) -> None:
+    """Big scattered rows: one copy per row (more calls than threads), dealt to the pool."""
+    region = regions(num_blocks=40, cpu_page_size=1 << 20)
+    g = torch.Generator().manual_seed(9)
+    device = torch.randint(-128, 128, (30, 1 << 20), dtype=torch.int8, generator=g)
+    src = torch.randperm(30, generator=g)[:12]
+    dst = torch.randperm(40, generator=g)[:12]
+    with CopyWorker(region, [device]) as worker:
+        worker.submit_store(1, src, dst)
+        (stored,) = finish(worker, [1])
+        assert stored.success and stored.method in ("slices", "gather")
+        assert torch.equal(worker.region_views[0][dst], device[src])
+        back = torch.zeros_like(device)
+        with CopyWorker(region, [back], region_views=worker.region_views) as loader:
+            loader.submit_load(2, dst, src)
+            (loaded,) = finish(loader, [2])
+    assert loaded.success and torch.equal(back[src], device[src])
+    untouched = torch.ones(30, dtype=torch.bool)
+    untouched[src] = False
+    assert not back[untouched].any()

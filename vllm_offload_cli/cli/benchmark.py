@@ -90,7 +90,8 @@ def benchmark_cmd(
     world_size: Annotated[int, typer.Option(
         "--world-size", min=1, help="Worker slots per row (the benchmark fills slot 0).")] = 1,
     blocks_per_transfer: Annotated[int | None, typer.Option(
-        "--blocks-per-transfer", min=1, show_default="about 32 MiB per job",
+        "--blocks-per-transfer", min=1,
+        show_default="128 MiB per job, at most half the region",
         help="Blocks per store/load job (the batch size).")] = None,
     repeat: Annotated[int, typer.Option(
         "--repeat", min=1, help="Timed jobs per figure; the median is reported.")] = 5,

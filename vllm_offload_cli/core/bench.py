@@ -2,11 +2,12 @@
 
 For each block size a scratch region is created and pre-faulted (the
 pre-fault figure). Then, for each block-id pattern and direction, `repeat`
-rounds each time one plain copy of the job's bytes between two contiguous
-buffers (host memcpy on CPU; pinned device<->host on CUDA) and then one copy
-worker job, submit to completion as the engine sees it. Interleaving puts the
-baseline and the worker under the same conditions on a busy host; figures are
-the best round (the least disturbed) with the median beside it. On CUDA the
+rounds each time PIPELINE_DEPTH plain copies of the job's bytes between two
+contiguous buffers (host memcpy on CPU; pinned device<->host on CUDA) and then
+PIPELINE_DEPTH copy-worker jobs submitted back to back, as an engine keeps
+several in flight, timed from the first submit to the last completion.
+Interleaving puts the baseline and the worker under the same conditions on a
+busy host; figures are the best round (the least disturbed), median beside it. On CUDA the
 worker runs once pinned and once pageable. Each (size, pattern) ends with a
 byte-for-byte check of one store and one load. The scratch region is removed
 whatever happens, Ctrl-C included.
@@ -39,11 +40,15 @@ if TYPE_CHECKING:
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)
 DEFAULT_SIZE = 256 * MiB
-AUTO_TRANSFER_BYTES = 32 * MiB
+# Default job size: bigger than a last-level cache, so that the worker and the
+# baseline both measure memory rather than whichever last left its bytes in
+# cache (with 32 MiB jobs ratios swung between 0.5x and 1.2x from run to run)
+AUTO_TRANSFER_BYTES = 128 * MiB
 # contiguous: one run on both sides. device-scattered: random device blocks
 # into consecutive region blocks (vLLM's store into freshly allocated offload
 # blocks) and back. scattered: random blocks on both sides (a fragmented cache).
 PATTERNS = ("contiguous", "device-scattered", "scattered")
+PIPELINE_DEPTH = 2  # jobs in flight per timed round, and copies per baseline round
 TARGET_RATIO = 0.7  # DESIGN section 6: CPU store/load >= 0.7x memcpy for blocks >= 64 KiB
 TARGET_MIN_BLOCK = 64 * KiB
 
@@ -69,7 +74,7 @@ class BenchConfig:
 class Throughput:
     """One direction of one row: the worker and the memcpy baseline, measured interleaved."""
 
-    gbps: float  # best round, submit to completion
+    gbps: float  # best round, first submit to last completion
     median_gbps: float
     worker_gbps: float  # median of the worker's own copy timing (no submit or hand-off)
     memcpy_gbps: float  # best round of the baseline
@@ -195,18 +200,21 @@ class _Baseline:
             self.host = torch.full((nbytes,), 1, dtype=torch.int8)
             self.dev = torch.full((nbytes,), 2, dtype=torch.int8)
 
-    def once(self, store: bool) -> float:
-        """Seconds for one copy: device -> host for a store, host -> device for a load."""
+    def batch(self, store: bool, count: int) -> float:
+        """Seconds for `count` copies back to back: device -> host for a store, host ->
+        device for a load."""
         dst, src = (self.host, self.dev) if store else (self.dev, self.host)
         if not self.cuda:
             t0 = time.perf_counter()
-            dst.copy_(src)
+            for _ in range(count):
+                dst.copy_(src)
             return time.perf_counter() - t0
         torch = import_torch()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src, non_blocking=True)
+        for _ in range(count):
+            dst.copy_(src, non_blocking=True)
         end.record()
         end.synchronize()
         return float(start.elapsed_time(end)) / 1e3
@@ -254,7 +262,8 @@ class _Bench:
         total = 0
         for block in self.config.block_sizes:
             _, _, n = self.shape(block)
-            jobs = len(self.modes) * len(self.config.patterns) * (self.config.repeat + 2) * 2
+            per_direction = (self.config.repeat + 1) * PIPELINE_DEPTH + 1
+            jobs = len(self.modes) * len(self.config.patterns) * per_direction * 2
             total += jobs * n * block
         return total
 
@@ -278,37 +287,42 @@ class _Bench:
 
     # -- jobs ------------------------------------------------------------------------------
 
-    def job(self, worker: CopyWorker, store: bool, src: Tensor, dst: Tensor
-            ) -> tuple[float, float, str]:
-        """(seconds submit to completion, the worker's own seconds, method) of one job."""
-        job_id = next(self._ids)
+    def jobs(self, worker: CopyWorker, store: bool, src: Tensor, dst: Tensor,
+             count: int = 1) -> tuple[float, list[float], str]:
+        """Submit `count` identical jobs back to back, as an engine does, and wait for all.
+
+        Returns (seconds from the first submit to the last completion, each job's
+        own copy seconds, method).
+        """
+        ids = [next(self._ids) for _ in range(count)]
+        submit = worker.submit_store if store else worker.submit_load
         t0 = time.perf_counter()
-        if store:
-            worker.submit_store(job_id, src, dst)
-        else:
-            worker.submit_load(job_id, src, dst)
-        worker.wait([job_id])
+        for job_id in ids:
+            submit(job_id, src, dst)
+        worker.wait(ids)
         wall = time.perf_counter() - t0
         results = worker.get_finished()
-        if len(results) != 1 or not results[0].success:
-            detail = results[0].error if results else "no result"
-            raise OperationFailedError(f"benchmark job {job_id} failed: {detail}")
-        self.advance(results[0].bytes)
-        return wall, results[0].seconds, results[0].method
+        failed = [r for r in results if not r.success]
+        if failed or len(results) != count:
+            detail = failed[0].error if failed else f"{len(results)} results for {count} jobs"
+            raise OperationFailedError(f"benchmark job failed: {detail}")
+        self.advance(sum(r.bytes for r in results))
+        return wall, [r.seconds for r in results], results[-1].method
 
     def direction(self, worker: CopyWorker, baseline: _Baseline, store: bool, src: Tensor,
                   dst: Tensor) -> Throughput:
-        self.job(worker, store, src, dst)  # warm-up, both of them
-        baseline.once(store)
+        depth = PIPELINE_DEPTH
+        self.jobs(worker, store, src, dst, depth)  # warm-up, both of them
+        baseline.batch(store, depth)
         walls, inner, copies, method = [], [], [], ""
         for _ in range(self.config.repeat):
-            copies.append(baseline.once(store))
-            wall, seconds, method = self.job(worker, store, src, dst)
+            copies.append(baseline.batch(store, depth))
+            wall, seconds, method = self.jobs(worker, store, src, dst, depth)
             walls.append(wall)
-            inner.append(seconds)
+            inner += seconds
         nbytes = baseline.nbytes
-        best, median = _rates(nbytes, walls)
-        memcpy_best, memcpy_median = _rates(nbytes, copies)
+        best, median = _rates(nbytes * depth, walls)
+        memcpy_best, memcpy_median = _rates(nbytes * depth, copies)
         return Throughput(best, median, _rates(nbytes, inner)[1], memcpy_best, memcpy_median,
                           method)
 
@@ -328,10 +342,10 @@ class _Bench:
         fresh = torch.randint(-128, 128, (dev_ids.numel(), device_rows.shape[1]),
                               dtype=torch.int8, generator=self.generator)
         device_rows[dev_ids] = fresh.to(device_rows.device)
-        self.job(worker, True, dev_ids, reg_ids)
+        self.jobs(worker, True, dev_ids, reg_ids)
         stored = bool(torch.equal(view[reg_ids], fresh))
         device_rows[dev_ids] = 0
-        self.job(worker, False, reg_ids, dev_ids)
+        self.jobs(worker, False, reg_ids, dev_ids)
         loaded = bool(torch.equal(device_rows[dev_ids].cpu(), fresh))
         if not (stored and loaded):
             raise OperationFailedError(

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_offload_cli.core.torch_import import import_torch
 from vllm_offload_cli.core.transfer_plan import Direction, TransferPlan
 from vllm_offload_cli.core.transfer_result import ResultSink, TransferResult
+from vllm_offload_cli.core.transfer_views import copy_many
 
 if TYPE_CHECKING:
     import torch
@@ -85,16 +86,6 @@ def map_into_device(host_rows: torch.Tensor, device: torch.device) -> torch.Tens
     return rows
 
 
-def _foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    torch = import_torch()
-    copy = getattr(torch, "_foreach_copy_", None)
-    if copy is not None:
-        copy(dsts, srcs, non_blocking=True)
-        return
-    for d, s in zip(dsts, srcs, strict=True):  # torch < 2.2: the same copies, issued from Python
-        d.copy_(s, non_blocking=True)
-
-
 def engine_copy(pairs: Sequence[CudaPair], plan: TransferPlan) -> None:
     """One copy per contiguous piece (a run when rows are adjacent, else a block).
 
@@ -114,7 +105,7 @@ def engine_copy(pairs: Sequence[CudaPair], plan: TransferPlan) -> None:
             ids = ids if ids is not None else (plan.src.tolist(), plan.dst.tolist())
             srcs = [src[i] for i in ids[0]]
             dsts = [dst[i] for i in ids[1]]
-        _foreach_copy(dsts, srcs)
+        copy_many(dsts, srcs, non_blocking=True)
 
 
 def kernel_copy(pairs: Sequence[CudaPair], plan: TransferPlan, device: torch.device) -> None:

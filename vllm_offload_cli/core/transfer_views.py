@@ -96,6 +96,20 @@ def word_width(*rows: torch.Tensor, limit: int = 16) -> int:
     return 1
 
 
+def copy_many(dsts: list[Tensor], srcs: list[Tensor], *, non_blocking: bool = False) -> None:
+    """dsts[i].copy_(srcs[i]) for all i in one call: a C++ loop, without the GIL.
+
+    torch._foreach_copy_ (torch >= 2.2) does exactly this; older torch gets the
+    same copies issued from Python.
+    """
+    copy = getattr(import_torch(), "_foreach_copy_", None)
+    if copy is not None:
+        copy(dsts, srcs, non_blocking=non_blocking)
+        return
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s, non_blocking=non_blocking)
+
+
 def as_words(rows: torch.Tensor, width: int) -> torch.Tensor:
     """Reinterpret int8 rows as `width`-byte elements (a view; no copy)."""
     if width == 1:
