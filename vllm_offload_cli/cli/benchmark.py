@@ -94,7 +94,8 @@ def benchmark_cmd(
         show_default="128 MiB per job, at most half the region",
         help="Blocks per store/load job (the batch size).")] = None,
     repeat: Annotated[int, typer.Option(
-        "--repeat", min=1, help="Timed jobs per figure; the median is reported.")] = 5,
+        "--repeat", min=1, help="Timed rounds per figure (each: 2 memcpys, then 2 jobs in "
+        "flight); the best round is shown, the median is also in --json.")] = 5,
     pattern: Annotated[list[PatternChoice] | None, typer.Option(
         "--pattern", help="Block-id patterns to measure (repeatable).",
         show_default="all")] = None,
