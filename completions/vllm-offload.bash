@@ -9,9 +9,24 @@ _vllm_offload() {
         case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
     done
     if [ -z "$cmd" ]; then
-        COMPREPLY=($(compgen -W "create garbage-collect inspect verify-rank-layout --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "benchmark create garbage-collect inspect verify-rank-layout --help --version" -- "$cur")); return
     fi
     case "$cmd" in
+    benchmark)
+        case "$prev" in
+            --device) COMPREPLY=($(compgen -W "auto cpu cuda" -- "$cur")); return ;;
+            --size) COMPREPLY=(); return ;;
+            --cpu-page-size) COMPREPLY=(); return ;;
+            --world-size) COMPREPLY=(); return ;;
+            --blocks-per-transfer) COMPREPLY=(); return ;;
+            --repeat) COMPREPLY=(); return ;;
+            --pattern) COMPREPLY=(); return ;;
+            --threads) COMPREPLY=(); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--device --size --cpu-page-size --world-size --blocks-per-transfer --repeat --pattern --threads --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        fi ;;
     create)
         case "$prev" in
             --world-size) COMPREPLY=(); return ;;

@@ -90,7 +90,7 @@ def _root(
 
 def _register() -> None:
     # imported for their side effect: each module registers its subcommand
-    from vllm_offload_cli.cli import create, gc, inspect, verify  # noqa: F401
+    from vllm_offload_cli.cli import benchmark, create, gc, inspect, verify  # noqa: F401
 
 
 _register()

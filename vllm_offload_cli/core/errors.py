@@ -74,3 +74,13 @@ class OperationFailedError(OffloadError):
     """A system call failed for a reason that is not the caller's input."""
 
     code = "failed"
+
+
+class DeviceUnavailableError(InsufficientSpaceError):
+    """The requested accelerator is absent: there is no device memory to use at all.
+
+    A subclass of InsufficientSpaceError so it keeps that exit code (5): from
+    the operator's side both mean "this host lacks the memory the job needs".
+    """
+
+    code = "no_device"

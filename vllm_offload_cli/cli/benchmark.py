@@ -1,0 +1,170 @@
+"""`vllm-offload benchmark`: pre-fault, store and load throughput against a plain memcpy.
+
+torch (and the core modules that use it) is imported inside the command only,
+so `vllm-offload --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from vllm_offload_cli.cli.app import app
+from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.units import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from vllm_offload_cli.core.bench import BenchReport
+
+DEFAULT_SIZES = "16KiB,64KiB,256KiB,1MiB,2MiB"  # mirrors core.bench.DEFAULT_BLOCK_SIZES
+
+
+class DeviceChoice(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class PatternChoice(str, enum.Enum):
+    contiguous = "contiguous"
+    device_scattered = "device-scattered"
+    scattered = "scattered"
+
+
+def _block_sizes(values: list[str] | None) -> tuple[int, ...]:
+    sizes: list[int] = []
+    for value in values or [DEFAULT_SIZES]:
+        for part in value.split(","):
+            if part.strip():
+                size = parse_size(part, what="--cpu-page-size")
+                if size <= 0:
+                    raise InvalidInputError("--cpu-page-size must be greater than 0",
+                                            code="invalid_size")
+                if size not in sizes:
+                    sizes.append(size)
+    if not sizes:
+        raise InvalidInputError("--cpu-page-size needs at least one size", code="invalid_size")
+    return tuple(sizes)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the scratch region is removed either way."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread: nothing to install
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@subcommand(app, "benchmark", help="Measure pre-fault, store and load throughput of the copy "
+            "workers against a plain memcpy.")
+def benchmark_cmd(
+    inv: Invocation,
+    device: Annotated[DeviceChoice, typer.Option(
+        "--device", help="Where the KV blocks live: auto picks cuda when a GPU is visible."
+    )] = DeviceChoice.auto,
+    size: Annotated[str, typer.Option(
+        "--size", help="Scratch region size per block size (e.g. 256MiB, 4GiB).")] = "256MiB",
+    cpu_page_size: Annotated[list[str] | None, typer.Option(
+        "--cpu-page-size", help="Block size(s) to measure: one worker's bytes per block. "
+        "Repeatable or comma-separated.", show_default=DEFAULT_SIZES)] = None,
+    world_size: Annotated[int, typer.Option(
+        "--world-size", min=1, help="Worker slots per row (the benchmark fills slot 0).")] = 1,
+    blocks_per_transfer: Annotated[int | None, typer.Option(
+        "--blocks-per-transfer", min=1,
+        show_default="128 MiB per job, at most half the region",
+        help="Blocks per store/load job (the batch size).")] = None,
+    repeat: Annotated[int, typer.Option(
+        "--repeat", min=1, help="Timed rounds per figure (each: 2 memcpys, then 2 jobs in "
+        "flight); the best round is shown, the median is also in --json.")] = 5,
+    pattern: Annotated[list[PatternChoice] | None, typer.Option(
+        "--pattern", help="Block-id patterns to measure (repeatable).",
+        show_default="all")] = None,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", min=1, help="Pre-fault threads.", show_default="CPUs, at most 8")
+    ] = None,
+) -> Outcome:
+    """Create a scratch region, measure pre-fault and the copy workers' store and load
+    throughput for each block size and block-id pattern, and a plain memcpy of the same
+    bytes as the baseline; on CUDA both pinned and pageable. The region is removed at the
+    end, also on Ctrl-C or SIGTERM.
+    """
+    from vllm_offload_cli.core.bench import BenchConfig, resolve_device, run_benchmark
+
+    shm_dir = shm_dir_checked(inv)
+    size_bytes = parse_size(size, what="--size")
+    blocks = _block_sizes(cpu_page_size)
+    patterns = tuple(p.value for p in pattern) if pattern else tuple(
+        p.value for p in PatternChoice)
+    resolved = resolve_device(device.value)
+    config = BenchConfig(
+        shm_dir=shm_dir, device=resolved, size_bytes=size_bytes, block_sizes=blocks,
+        world_size=world_size, blocks_per_transfer=blocks_per_transfer, repeat=repeat,
+        patterns=patterns, populate_threads=threads or max(1, min(8, os.cpu_count() or 1)))
+    inv.info(f"benchmarking on {resolved}, block sizes "
+             f"{', '.join(format_bytes(b) for b in blocks)}")
+    with _sigterm_interrupts(), inv.progress("benchmark", 1) as update:
+        report = run_benchmark(config, progress=update)
+    data = report.to_dict()
+    return Outcome(data, render=lambda out: _render(out, report))
+
+
+def _gbps(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def _render(out: Console, report: BenchReport) -> None:
+    out.print(f"Device    {report.device}: {report.device_name}; torch {report.torch_version}, "
+              f"{report.torch_threads} intra-op thread(s)")
+    out.print(f"Region    {report.engine_id} in {report.shm_dir}: "
+              f"{format_bytes(report.size_bytes)} per block size, world size "
+              f"{report.world_size}; {'removed' if report.removed else 'NOT removed'}")
+    if report.pinned is not None:
+        pinned = "yes" if report.pinned else f"no ({report.pin_warning or 'pinning failed'})"
+        out.print(f"Pinned    {pinned}")
+    if report.prefault:
+        figures = ", ".join(f"{format_bytes(p.block_bytes)} {p.gbps:.2f} GB/s"
+                            for p in report.prefault)
+        p0 = report.prefault[0]
+        out.print(f"Pre-fault {figures} ({p0.method}, {p0.threads} thread(s))")
+    out.print(f"Figures   GB/s, best of {report.repeat} rounds; memcpy = a plain copy of the "
+              "same bytes, measured interleaved" + (" (pinned d2h / h2d)"
+                                                    if report.device == "cuda" else ""))
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    for title in ("block", "pattern", "mode", "blocks", "store", "memcpy", "ratio", "load",
+                  "memcpy", "ratio", "method"):
+        justify: Any = "left" if title in ("pattern", "mode", "method") else "right"
+        table.add_column(title, justify=justify)
+    for r in report.rows:
+        table.add_row(format_bytes(r.block_bytes), r.pattern, r.mode,
+                      str(r.blocks_per_transfer),
+                      _gbps(r.store.gbps), _gbps(r.store.memcpy_gbps), f"{r.store.ratio:.2f}x",
+                      _gbps(r.load.gbps), _gbps(r.load.memcpy_gbps), f"{r.load.ratio:.2f}x",
+                      f"{r.store.method}/{r.load.method}")
+    out.print(table)
+    target = report.target
+    if target:
+        verdicts = "; ".join(
+            f"{name} {'met' if v['met'] else 'NOT met'} (worst {v['min_ratio']:.2f}x)"
+            for name, v in target["patterns"].items())
+        out.print(f"Target    >= {target['ratio']:.2f}x memcpy for blocks >= "
+                  f"{format_bytes(target['min_block_bytes'])}: {verdicts}")

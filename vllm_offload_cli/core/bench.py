@@ -1,0 +1,435 @@
+"""The measurement behind `vllm-offload benchmark`: copy workers against a plain memcpy.
+
+For each block size a scratch region is created and pre-faulted (the
+pre-fault figure). Then, for each block-id pattern and direction, `repeat`
+rounds each time PIPELINE_DEPTH plain copies of the job's bytes between two
+contiguous buffers (host memcpy on CPU; pinned device<->host on CUDA) and then
+PIPELINE_DEPTH copy-worker jobs submitted back to back, as an engine keeps
+several in flight, timed from the first submit to the last completion.
+Interleaving puts the baseline and the worker under the same conditions on a
+busy host; figures are the best round (the least disturbed), median beside it. On CUDA the
+worker runs once pinned and once pageable. Each (size, pattern) ends with a
+byte-for-byte check of one store and one load. The scratch region is removed
+whatever happens, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_offload_cli.core.errors import (
+    DeviceUnavailableError,
+    InvalidInputError,
+    OperationFailedError,
+)
+from vllm_offload_cli.core.geometry import default_row_stride
+from vllm_offload_cli.core.naming import manifest_path, region_path
+from vllm_offload_cli.core.region import SharedOffloadRegion
+from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.transfer import CopyWorker
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+KiB, MiB = 1024, 1024 * 1024
+DEFAULT_BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)
+DEFAULT_SIZE = 256 * MiB
+# Default job size: bigger than a last-level cache, so that the worker and the
+# baseline both measure memory rather than whichever last left its bytes in
+# cache (with 32 MiB jobs ratios swung between 0.5x and 1.2x from run to run)
+AUTO_TRANSFER_BYTES = 128 * MiB
+# contiguous: one run on both sides. device-scattered: random device blocks
+# into consecutive region blocks (vLLM's store into freshly allocated offload
+# blocks) and back. scattered: random blocks on both sides (a fragmented cache).
+PATTERNS = ("contiguous", "device-scattered", "scattered")
+PIPELINE_DEPTH = 2  # jobs in flight per timed round, and copies per baseline round
+TARGET_RATIO = 0.7  # DESIGN section 6: CPU store/load >= 0.7x memcpy for blocks >= 64 KiB
+TARGET_MIN_BLOCK = 64 * KiB
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    shm_dir: str
+    device: str  # "cpu" or "cuda", resolved
+    size_bytes: int = DEFAULT_SIZE
+    block_sizes: tuple[int, ...] = DEFAULT_BLOCK_SIZES
+    world_size: int = 1
+    blocks_per_transfer: int | None = None  # None: about AUTO_TRANSFER_BYTES per job
+    repeat: int = 5
+    patterns: tuple[str, ...] = PATTERNS
+    populate_threads: int = 1
+    seed: int = 0
+    cuda_strategy: str = "copy-engine"  # see transfer_cuda; "kernel" is opt-in
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """One direction of one row: the worker and the memcpy baseline, measured interleaved."""
+
+    gbps: float  # best round, first submit to last completion
+    median_gbps: float
+    worker_gbps: float  # median of the worker's own copy timing (no submit or hand-off)
+    memcpy_gbps: float  # best round of the baseline
+    memcpy_median_gbps: float
+    method: str
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.memcpy_gbps if self.memcpy_gbps > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["ratio"] = round(self.ratio, 3)
+        return doc
+
+
+@dataclass(frozen=True)
+class PrefaultFigure:
+    block_bytes: int
+    bytes: int
+    seconds: float
+    gbps: float
+    method: str
+    threads: int
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    block_bytes: int
+    pattern: str
+    mode: str  # "cpu", "pinned" or "pageable"
+    blocks_per_transfer: int
+    transfer_bytes: int
+    store: Throughput
+    load: Throughput
+    verified: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["store"] = self.store.to_dict()
+        doc["load"] = self.load.to_dict()
+        return doc
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    engine_id: str
+    shm_dir: str
+    device: str
+    device_name: str
+    torch_version: str
+    torch_threads: int
+    size_bytes: int
+    world_size: int
+    repeat: int
+    patterns: tuple[str, ...]
+    prefault: tuple[PrefaultFigure, ...]
+    rows: tuple[BenchRow, ...]
+    pinned: bool | None  # None on CPU: nothing to pin
+    pin_warning: str | None
+    removed: bool
+    cuda_strategy: str | None = None
+    target: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["rows"] = [r.to_dict() for r in self.rows]
+        doc["patterns"] = list(self.patterns)
+        return doc
+
+
+def resolve_device(requested: str) -> str:
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without one is an error (exit 5)."""
+    torch = import_torch()
+    if requested not in ("auto", "cpu", "cuda"):
+        raise InvalidInputError(f"device must be auto, cpu or cuda, got {requested!r}",
+                                code="invalid_device")
+    available = torch.cuda.is_available()
+    if requested == "auto":
+        return "cuda" if available else "cpu"
+    if requested == "cuda" and not available:
+        build = torch.version.cuda
+        why = (f"this torch {torch.__version__} is a CPU-only build" if build is None
+               else f"torch {torch.__version__} (CUDA {build}) finds no usable GPU")
+        raise DeviceUnavailableError(
+            f"--device cuda: no CUDA device is available ({why}); run with --device cpu, or "
+            "on a host with an NVIDIA GPU and a CUDA build of torch", code="no_device")
+    return requested
+
+
+def _device_name(device: str) -> str:
+    torch = import_torch()
+    if device == "cuda":
+        name: str = torch.cuda.get_device_name(torch.cuda.current_device())
+        return name
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} CPUs)"
+    except OSError:
+        pass
+    return f"CPU ({os.cpu_count()} CPUs)"
+
+
+def _rates(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
+    """(best, median) GB/s."""
+    rates = [nbytes / s / 1e9 for s in seconds if s > 0]
+    return (max(rates), statistics.median(rates)) if rates else (0.0, 0.0)
+
+
+class _Baseline:
+    """A plain copy of `nbytes` between two contiguous buffers, in either direction."""
+
+    def __init__(self, device: str, nbytes: int) -> None:
+        torch = import_torch()
+        self.cuda = device == "cuda"
+        self.nbytes = nbytes
+        if self.cuda:
+            self.host = torch.full((nbytes,), 1, dtype=torch.int8, pin_memory=True)
+            self.dev = torch.full((nbytes,), 2, dtype=torch.int8, device="cuda")
+        else:
+            self.host = torch.full((nbytes,), 1, dtype=torch.int8)
+            self.dev = torch.full((nbytes,), 2, dtype=torch.int8)
+
+    def batch(self, store: bool, count: int) -> float:
+        """Seconds for `count` copies back to back: device -> host for a store, host ->
+        device for a load."""
+        dst, src = (self.host, self.dev) if store else (self.dev, self.host)
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for _ in range(count):
+                dst.copy_(src)
+            return time.perf_counter() - t0
+        torch = import_torch()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+
+
+class _Bench:
+    def __init__(self, config: BenchConfig, progress: Progress | None) -> None:
+        self.config = config
+        self.torch = import_torch()
+        self.progress = progress
+        self.done = 0
+        self.total = 0
+        self.engine_id = f"bench-{os.getpid()}-{secrets.token_hex(4)}"
+        self.generator = self.torch.Generator().manual_seed(config.seed)
+        self.modes = ("cpu",) if config.device == "cpu" else ("pinned", "pageable")
+        self.pinned: bool | None = None
+        self.pin_warning: str | None = None
+        self.removed = True
+        self._ids: Iterator[int] = iter(range(1, 1 << 62))
+
+    # -- sizes -------------------------------------------------------------------------
+
+    def shape(self, block: int) -> tuple[int, int, int]:
+        """(row_stride, num_blocks, blocks per transfer) for one block size."""
+        c = self.config
+        row_stride = default_row_stride(c.world_size, block)
+        num_blocks = c.size_bytes // row_stride
+        if num_blocks < 2:
+            raise InvalidInputError(
+                f"--size {c.size_bytes} holds {num_blocks} row(s) of {row_stride} bytes "
+                f"(block {block} x world size {c.world_size}); it needs at least 2",
+                code="invalid_size")
+        n = c.blocks_per_transfer
+        if n is None:
+            n = max(1, min(num_blocks // 2, AUTO_TRANSFER_BYTES // block))
+        elif n > num_blocks:
+            raise InvalidInputError(
+                f"--blocks-per-transfer {n} exceeds the {num_blocks} blocks of {block} bytes "
+                f"that --size {c.size_bytes} holds; raise --size or lower it",
+                code="invalid_size")
+        return row_stride, num_blocks, n
+
+    def plan_total(self) -> int:
+        """Bytes the worker will move in all: the progress bar's total."""
+        total = 0
+        for block in self.config.block_sizes:
+            _, _, n = self.shape(block)
+            per_direction = (self.config.repeat + 1) * PIPELINE_DEPTH + 1
+            jobs = len(self.modes) * len(self.config.patterns) * per_direction * 2
+            total += jobs * n * block
+        return total
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    # -- patterns ------------------------------------------------------------------------
+
+    def ids(self, pattern: str, n: int, num_blocks: int) -> tuple[Tensor, Tensor]:
+        """(device block ids, region block ids) of one job."""
+        torch = self.torch
+        tail = torch.arange(num_blocks - n, num_blocks)
+        if pattern == "contiguous":
+            return torch.arange(n), tail
+        scattered_device = torch.randperm(num_blocks, generator=self.generator)[:n]
+        if pattern == "device-scattered":
+            return scattered_device, tail
+        return scattered_device, torch.randperm(num_blocks, generator=self.generator)[:n]
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def jobs(self, worker: CopyWorker, store: bool, src: Tensor, dst: Tensor,
+             count: int = 1) -> tuple[float, list[float], str]:
+        """Submit `count` identical jobs back to back, as an engine does, and wait for all.
+
+        Returns (seconds from the first submit to the last completion, each job's
+        own copy seconds, method).
+        """
+        ids = [next(self._ids) for _ in range(count)]
+        submit = worker.submit_store if store else worker.submit_load
+        t0 = time.perf_counter()
+        for job_id in ids:
+            submit(job_id, src, dst)
+        worker.wait(ids)
+        wall = time.perf_counter() - t0
+        results = worker.get_finished()
+        failed = [r for r in results if not r.success]
+        if failed or len(results) != count:
+            detail = failed[0].error if failed else f"{len(results)} results for {count} jobs"
+            raise OperationFailedError(f"benchmark job failed: {detail}")
+        self.advance(sum(r.bytes for r in results))
+        return wall, [r.seconds for r in results], results[-1].method
+
+    def direction(self, worker: CopyWorker, baseline: _Baseline, store: bool, src: Tensor,
+                  dst: Tensor) -> Throughput:
+        depth = PIPELINE_DEPTH
+        self.jobs(worker, store, src, dst, depth)  # warm-up, both of them
+        baseline.batch(store, depth)
+        walls, inner, copies, method = [], [], [], ""
+        for _ in range(self.config.repeat):
+            copies.append(baseline.batch(store, depth))
+            wall, seconds, method = self.jobs(worker, store, src, dst, depth)
+            walls.append(wall)
+            inner += seconds
+        nbytes = baseline.nbytes
+        best, median = _rates(nbytes * depth, walls)
+        memcpy_best, memcpy_median = _rates(nbytes * depth, copies)
+        return Throughput(best, median, _rates(nbytes, inner)[1], memcpy_best, memcpy_median,
+                          method)
+
+    def measure(self, worker: CopyWorker, baseline: _Baseline, view: Tensor,
+                device_rows: Tensor, block: int, num_blocks: int, n: int, pattern: str,
+                mode: str) -> BenchRow:
+        dev_ids, reg_ids = self.ids(pattern, n, num_blocks)
+        store = self.direction(worker, baseline, True, dev_ids, reg_ids)
+        load = self.direction(worker, baseline, False, reg_ids, dev_ids)
+        verified = self.verify(worker, view, device_rows, dev_ids, reg_ids)
+        return BenchRow(block, pattern, mode, n, n * block, store, load, verified)
+
+    def verify(self, worker: CopyWorker, view: Tensor, device_rows: Tensor, dev_ids: Tensor,
+               reg_ids: Tensor) -> bool:
+        """Store fresh bytes, compare the region; scramble the device, load, compare."""
+        torch = self.torch
+        fresh = torch.randint(-128, 128, (dev_ids.numel(), device_rows.shape[1]),
+                              dtype=torch.int8, generator=self.generator)
+        device_rows[dev_ids] = fresh.to(device_rows.device)
+        self.jobs(worker, True, dev_ids, reg_ids)
+        stored = bool(torch.equal(view[reg_ids], fresh))
+        device_rows[dev_ids] = 0
+        self.jobs(worker, False, reg_ids, dev_ids)
+        loaded = bool(torch.equal(device_rows[dev_ids].cpu(), fresh))
+        if not (stored and loaded):
+            raise OperationFailedError(
+                f"benchmark self-check failed: the {'load' if stored else 'store'} did not "
+                "copy the bytes it was given; this is a bug, please report it")
+        return True
+
+    # -- one block size ----------------------------------------------------------------------
+
+    def block_size(self, block: int, rows: list[BenchRow],
+                   prefault: list[PrefaultFigure]) -> None:
+        torch = self.torch
+        c = self.config
+        row_stride, num_blocks, n = self.shape(block)
+        baseline = _Baseline(c.device, n * block)
+        region = SharedOffloadRegion(self.engine_id, num_blocks, 0, row_stride, block,
+                                     shm_dir=c.shm_dir, world_size=c.world_size,
+                                     populate_threads=c.populate_threads)
+        worker: CopyWorker | None = None
+        try:
+            stats = region.populate_stats
+            if stats is not None:
+                prefault.append(PrefaultFigure(block, stats.bytes, stats.seconds, stats.gbps,
+                                               stats.method, stats.threads))
+            device_rows = torch.full((num_blocks, block), 0x5A, dtype=torch.int8,
+                                     device=c.device)
+            views = [region.create_next_worker_view(block)]
+            for mode in self.modes:
+                worker = CopyWorker(region, [device_rows], region_views=views,
+                                    pin=mode == "pinned", cuda_strategy=c.cuda_strategy)
+                if mode == "pinned":
+                    self.pinned = worker.pinned
+                    self.pin_warning = worker.pin_warning
+                for pattern in c.patterns:
+                    rows.append(self.measure(worker, baseline, views[0], device_rows, block,
+                                             num_blocks, n, pattern, mode))
+                worker.shutdown()
+                worker = None
+        finally:
+            if worker is not None:
+                worker.shutdown(cancel_pending=True)
+            region.cleanup()
+            gone = not region_path(c.shm_dir, self.engine_id).exists()
+            self.removed = self.removed and gone and not manifest_path(
+                c.shm_dir, self.engine_id).exists()
+
+
+def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> BenchReport:
+    """Measure every block size of `config`; the scratch region never outlives the call."""
+    if config.repeat < 1:
+        raise InvalidInputError("repeat must be at least 1", code="invalid_repeat")
+    if not config.block_sizes:
+        raise InvalidInputError("give at least one block size", code="invalid_size")
+    for pattern in config.patterns:
+        if pattern not in PATTERNS:
+            raise InvalidInputError(f"unknown pattern {pattern!r}; choose from "
+                                    f"{', '.join(PATTERNS)}", code="invalid_pattern")
+    bench = _Bench(config, progress)
+    bench.total = bench.plan_total()  # also validates every size before any region exists
+    rows: list[BenchRow] = []
+    prefault: list[PrefaultFigure] = []
+    for block in config.block_sizes:
+        bench.block_size(block, rows, prefault)
+    torch = bench.torch
+    return BenchReport(
+        engine_id=bench.engine_id, shm_dir=config.shm_dir, device=config.device,
+        device_name=_device_name(config.device), torch_version=str(torch.__version__),
+        torch_threads=torch.get_num_threads(), size_bytes=config.size_bytes,
+        world_size=config.world_size, repeat=config.repeat, patterns=config.patterns,
+        prefault=tuple(prefault), rows=tuple(rows), pinned=bench.pinned,
+        pin_warning=bench.pin_warning, removed=bench.removed,
+        cuda_strategy=config.cuda_strategy if config.device == "cuda" else None,
+        target=target_summary(rows))
+
+
+def target_summary(rows: Sequence[BenchRow]) -> dict[str, Any]:
+    """Does the CPU path meet DESIGN's >= 0.7x memcpy for blocks >= 64 KiB, per pattern?"""
+    judged = [r for r in rows if r.block_bytes >= TARGET_MIN_BLOCK and r.mode == "cpu"]
+    if not judged:
+        return {}
+    worst: dict[str, float] = {}
+    for r in judged:
+        worst[r.pattern] = min(worst.get(r.pattern, r.store.ratio), r.store.ratio,
+                               r.load.ratio)
+    return {"ratio": TARGET_RATIO, "min_block_bytes": TARGET_MIN_BLOCK,
+            "patterns": {p: {"min_ratio": round(v, 3), "met": v >= TARGET_RATIO}
+                         for p, v in worst.items()}}

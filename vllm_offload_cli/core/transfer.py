@@ -1,0 +1,242 @@
+"""CopyWorker: moves KV blocks between device tensors and one worker's slot of a region.
+
+The engine-facing API of DESIGN section 5: `submit_store`/`submit_load` take
+a job id and pairwise (source block, destination block) lists, return at once,
+and every job is later reported exactly once by `get_finished()`, in
+submission order per direction. Block lists are validated before any byte
+moves. The device tensors decide the path: CUDA tensors use the CUDA path
+(transfer_cuda), CPU tensors the CPU path (transfer_cpu), which is real and
+stands in for the GPU in tests and on hosts without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm_offload_cli.core import pinning
+from vllm_offload_cli.core.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.transfer_cpu import CpuBackend, RowPair
+from vllm_offload_cli.core.transfer_cuda import STRATEGIES, CudaBackend, CudaPair, map_into_device
+from vllm_offload_cli.core.transfer_plan import Direction, TransferPlan, plan_transfer
+from vllm_offload_cli.core.transfer_result import ResultSink, TransferResult
+from vllm_offload_cli.core.transfer_views import as_words, byte_rows, word_width
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_offload_cli.core.region import SharedOffloadRegion
+
+__all__ = ["CopyWorker", "Direction", "TransferResult"]
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("worker", "canonical")
+
+
+class CopyWorker:
+    """Store (device -> region) and load (region -> device) KV blocks asynchronously.
+
+    `device_tensors`: one tensor per KV tensor, shape (num_device_blocks, ...),
+    any dtype; a block is one row. Each gets the next page of this worker's
+    slot (`layout="worker"`, vLLM's default) or of every row
+    (`layout="canonical"`); `region_views` passes views carved earlier instead.
+    On CUDA the region is pinned unless `pin=False` (a failure is a warning,
+    see `pinned` and `pin_warning`), and `cuda_strategy` picks how scattered
+    blocks are copied (see transfer_cuda).
+    """
+
+    def __init__(self, region: SharedOffloadRegion, device_tensors: Sequence[torch.Tensor], *,
+                 layout: str = "worker", region_views: Sequence[torch.Tensor] | None = None,
+                 pin: bool = True, cuda_strategy: str = "copy-engine") -> None:
+        tensors = list(device_tensors)
+        if not tensors:
+            raise InvalidInputError("a copy worker needs at least one device tensor",
+                                    code="invalid_tensor")
+        if layout not in LAYOUTS:
+            raise InvalidInputError(f"layout must be one of {', '.join(LAYOUTS)}, "
+                                    f"got {layout!r}", code="invalid_layout")
+        if cuda_strategy not in STRATEGIES:
+            raise InvalidInputError(f"cuda_strategy must be one of {', '.join(STRATEGIES)}, "
+                                    f"got {cuda_strategy!r}", code="invalid_strategy")
+        rows = [byte_rows(t, what=f"device tensor {i}") for i, t in enumerate(tensors)]
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise InvalidInputError("all device tensors must live on one device, got "
+                                    f"{sorted(str(d) for d in devices)}", code="invalid_tensor")
+        self.device: torch.device = tensors[0].device
+        if self.device.type not in ("cpu", "cuda"):
+            raise InvalidInputError(f"device tensors on {self.device} are not supported "
+                                    "(cpu or cuda)", code="invalid_tensor")
+        counts = {r.shape[0] for r in rows}
+        if len(counts) > 1:
+            raise InvalidInputError("all device tensors must have the same number of blocks "
+                                    f"(dim 0), got {sorted(counts)}", code="invalid_tensor")
+        self.num_device_blocks = rows[0].shape[0]
+        self.num_region_blocks = region.num_blocks
+        self.region_views = self._views(region, rows, layout, region_views)
+        self.row_bytes = tuple(r.shape[1] for r in rows)
+        self.bytes_per_block = sum(self.row_bytes)
+        self.cuda_strategy = cuda_strategy if self.device.type == "cuda" else None
+        self.pinned = False
+        self.pin_warning: str | None = None
+        self._pin_state: pinning.PinState | None = None
+        self._region: SharedOffloadRegion | None = region
+        self._lock = threading.Lock()
+        self._closed = False
+        self._sink = ResultSink()
+        self._backend: CpuBackend | CudaBackend
+        if self.device.type == "cpu":
+            self._backend = CpuBackend(self._cpu_pairs(rows), self._sink, self._job_bytes)
+        else:
+            if pin:
+                self._pin(region)
+            self._backend = CudaBackend(self._cuda_pairs(rows), self._sink, self._job_bytes,
+                                        self.device, cuda_strategy)
+        # region.cleanup() calls this before unmapping: no copy may outlive the mapping
+        self._previous_hook = region._unpin
+        region._unpin = self._region_closing
+
+    # -- construction ----------------------------------------------------------------
+
+    @staticmethod
+    def _views(region: SharedOffloadRegion, rows: list[torch.Tensor], layout: str,
+               given: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        torch = import_torch()
+        if given is None:
+            carve = (region.create_next_worker_view if layout == "worker"
+                     else region.create_next_canonical_view)
+            return [carve(r.shape[1]) for r in rows]
+        views = list(given)
+        if len(views) != len(rows):
+            raise InvalidInputError(f"{len(views)} region views for {len(rows)} device tensors",
+                                    code="invalid_tensor")
+        for i, (view, r) in enumerate(zip(views, rows, strict=True)):
+            if view.dtype != torch.int8 or tuple(view.shape) != (region.num_blocks, r.shape[1]):
+                raise InvalidInputError(
+                    f"region view {i} must be int8 of shape ({region.num_blocks}, {r.shape[1]}), "
+                    f"got {view.dtype} {tuple(view.shape)}", code="invalid_tensor")
+        return views
+
+    def _cpu_pairs(self, rows: list[torch.Tensor]) -> list[RowPair]:
+        pairs = []
+        for dev, reg in zip(rows, self.region_views, strict=True):
+            width = word_width(dev, reg)
+            pairs.append(RowPair(as_words(dev, width), as_words(reg, width), dev.shape[1]))
+        return pairs
+
+    def _cuda_pairs(self, rows: list[torch.Tensor]) -> list[CudaPair]:
+        kernel = self.cuda_strategy == "kernel"
+        if kernel and not self.pinned:
+            logger.warning("the kernel copy strategy needs the region pinned; using the "
+                           "copy engines instead")
+            kernel = False
+        pairs = []
+        for dev, reg in zip(rows, self.region_views, strict=True):
+            if kernel:
+                mapped = map_into_device(reg, self.device)
+                width = word_width(dev, reg, limit=8)  # GPU kernels: plain integer words
+                pairs.append(CudaPair(dev, reg, dev.shape[1], as_words(dev, width),
+                                      as_words(mapped, width)))
+            else:
+                pairs.append(CudaPair(dev, reg, dev.shape[1]))
+        return pairs
+
+    def _pin(self, region: SharedOffloadRegion) -> None:
+        if region.is_pinned:  # pinned by another worker of this process: once is enough
+            self.pinned = True
+            return
+        storage = self.region_views[0].untyped_storage()
+        state = pinning.pin(storage.data_ptr(), storage.nbytes(), region.geometry.row_stride,
+                            device_index=self.device.index)
+        if state.pinned:
+            self._pin_state = state
+            self.pinned = region.is_pinned = True
+        else:
+            self.pin_warning = state.warning
+            logger.warning("%s: %s", region.mmap_path, state.warning)
+
+    def _job_bytes(self, plan: TransferPlan) -> int:
+        return plan.num_blocks * self.bytes_per_block
+
+    # -- the engine-facing API ----------------------------------------------------------
+
+    def submit_store(self, job_id: int, src_blocks: Any, dst_blocks: Any) -> None:
+        """Copy device blocks `src_blocks[i]` into region blocks `dst_blocks[i]`."""
+        self._submit(job_id, Direction.STORE, src_blocks, dst_blocks)
+
+    def submit_load(self, job_id: int, src_blocks: Any, dst_blocks: Any) -> None:
+        """Copy region blocks `src_blocks[i]` into device blocks `dst_blocks[i]`."""
+        self._submit(job_id, Direction.LOAD, src_blocks, dst_blocks)
+
+    def _submit(self, job_id: int, direction: Direction, src: Any, dst: Any) -> None:
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise InvalidInputError(f"job id must be an integer, got {job_id!r}",
+                                    code="invalid_job_id")
+        plan = plan_transfer(job_id, direction, src, dst,
+                             device_blocks=self.num_device_blocks,
+                             region_blocks=self.num_region_blocks)
+        with self._lock:
+            if self._closed:
+                raise OperationFailedError("the copy worker is shut down; it takes no more jobs")
+            if self._sink.known(job_id):
+                raise InvalidInputError(f"job id {job_id} is still in flight or its result "
+                                        "was not collected yet", code="duplicate_job_id")
+            self._sink.expect(job_id)
+            self._backend.submit(plan)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of jobs finished since the last call (each job exactly once)."""
+        self._backend.poll()
+        return self._sink.take()
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
+        """Block until the given jobs finished (ids not in flight count as finished).
+
+        Their results are still returned by the next get_finished(). False on timeout.
+        """
+        return self._backend.wait(set(job_ids), timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def shutdown(self, cancel_pending: bool = False) -> None:
+        """Finish (or, on CPU, cancel) queued jobs, release the views and unpin.
+
+        Every job still gets its result: cancelled ones are reported failed.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._backend.close(cancel_pending)
+        self.region_views = []
+        region, self._region = self._region, None
+        if self._pin_state is not None:
+            for problem in pinning.unpin(self._pin_state):
+                logger.warning("%s", problem)
+            self._pin_state = None
+            if region is not None:
+                region.is_pinned = False
+        if region is not None and region._unpin == self._region_closing:
+            region._unpin = self._previous_hook
+
+    def _region_closing(self) -> None:
+        previous = self._previous_hook
+        self.shutdown()
+        if previous is not None:
+            previous()
+
+    def __enter__(self) -> CopyWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"CopyWorker(device={self.device}, tensors={len(self.row_bytes)}, "
+                f"bytes_per_block={self.bytes_per_block}, pinned={self.pinned})")
