@@ -216,6 +216,24 @@ def update(path: str, change: Callable[[Manifest], Manifest],
             raise OperationFailedError(f"gave up updating manifest {path}", path=path)
 
 
+def remove(path: str, *, timeout: float = 10.0) -> None:
+    """Unlink under the same lock `update` takes, so no update resurrects it by rename."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = fsguard.open_existing(path, os.O_RDONLY)
+        except OffloadError:
+            return  # already gone, or not a file we would ever have written
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if fsguard.unlink_if_same(path, fd) or not os.path.lexists(path):
+                return
+        finally:
+            os.close(fd)
+        if time.monotonic() > deadline:
+            raise OperationFailedError(f"gave up removing manifest {path}", path=path)
+
+
 def attach(path: str, attachment: Attachment, **kw: Any) -> Manifest:
     """Record an opener; one entry per (pid, rank)."""
     key = (attachment.pid, attachment.rank)

@@ -304,7 +304,7 @@ class SharedOffloadRegion:
         """Undo a failed open: never leave a stub that joiners would wait on."""
         if self._creator and self.fd is not None:
             if fsguard.unlink_if_same(self.mmap_path, self.fd) and self._manifest_written:
-                _remove_quietly(self.manifest_path)
+                manifest_io.remove(self.manifest_path)
             self._creator = False
         self._close()
 
@@ -386,7 +386,7 @@ class SharedOffloadRegion:
             self._attached = False
         if self._creator and not self.persistent and self.fd is not None:
             if fsguard.unlink_if_same(self.mmap_path, self.fd):
-                _remove_quietly(self.manifest_path)
+                manifest_io.remove(self.manifest_path)
                 logger.info("removed %s", self.mmap_path)
             self._creator = False
         self._close()
@@ -425,8 +425,3 @@ class SharedOffloadRegion:
     def __repr__(self) -> str:
         return (f"SharedOffloadRegion({self.engine_id!r}, rank={self.rank}, "
                 f"geometry={self.geometry}, creator={self._creator})")
-
-
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
