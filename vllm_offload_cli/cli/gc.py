@@ -18,7 +18,6 @@ from vllm_offload_cli.cli.common import (
     shm_dir_checked,
     subcommand,
 )
-from vllm_offload_cli.core.reclaim import collect
 from vllm_offload_cli.core.reclaim_report import DEFAULT_MIN_AGE, GcReport
 from vllm_offload_cli.core.units import format_bytes
 
@@ -77,6 +76,8 @@ def garbage_collect(
     failed, 2 for bad usage.
     """
     shm_dir = shm_dir_checked(inv)
+    from vllm_offload_cli.core.reclaim import collect  # loads discovery: only when run
+
     report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
                      min_age=min_age, include_persistent=include_persistent,
                      all_users=all_users)

@@ -9,7 +9,7 @@ bytes, or the region is not what it claims.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -26,17 +26,12 @@ from vllm_offload_cli.cli.common import (
     subcommand,
 )
 from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.layout_check import LiveCheck, check_region
-from vllm_offload_cli.core.layout_plan import (
-    ENV,
-    PER_PROCESS,
-    LayoutPlan,
-    WorkerPlan,
-    parse_devices,
-    plan_layout,
-)
 from vllm_offload_cli.core.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
 from vllm_offload_cli.core.units import format_bytes, parse_size
+
+if TYPE_CHECKING:  # the planner and checker load only when the command runs
+    from vllm_offload_cli.core.layout_check import LiveCheck
+    from vllm_offload_cli.core.layout_plan import LayoutPlan, WorkerPlan
 
 _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.values())
 
@@ -115,6 +110,8 @@ def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices:
         raise InvalidInputError("plan mode needs --world-size (or give an ENGINE_ID to check "
                                 "a live region)", code="usage")
     source = DEVICE_MODULO if rank_source is None else parse_rank_source(rank_source)
+    from vllm_offload_cli.core.layout_plan import parse_devices, plan_layout
+
     layout = parse_devices(devices, environ=os.environ)
     plan = plan_layout(world_size, source, dp_size=dp_size, devices=layout,
                        dp_suffix=not no_dp_suffix)
@@ -127,6 +124,8 @@ def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices:
 
 
 def _device_text(plan: LayoutPlan, w: WorkerPlan) -> str:
+    from vllm_offload_cli.core.layout_plan import ENV, PER_PROCESS
+
     if plan.devices.kind == PER_PROCESS:
         return f"{w.device.index} (own GPU)"
     if plan.devices.kind == ENV:
@@ -170,6 +169,8 @@ def _render_verdict(out: Console, messages: list[str], good: str) -> None:
 def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | None
           ) -> Outcome:
     shm_dir = shm_dir_checked(inv)
+    from vllm_offload_cli.core.layout_check import check_region
+
     check = check_region(shm_dir, engine_id, world_size=world_size, cpu_page_size=page)
     for note in check.notes:
         inv.warn(note.code, note.message)
