@@ -171,10 +171,7 @@ def _ids_of(entries: list[tuple[int, os.DirEntry[str]]]) -> set[FileId]:
 def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
                   measure: bool) -> tuple[SegmentFile, bool]:
     """lstat, open without following, fstat, residency and a lock probe: (file, locked)."""
-    try:
-        lst = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        raise
+    lst = os.stat(path, follow_symlinks=False)  # FileNotFoundError: vanished, caller skips
     if not stat.S_ISREG(lst.st_mode):
         problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids)
         return SegmentFile(path, segment, None, 0, lst.st_uid, stat.S_IMODE(lst.st_mode),
