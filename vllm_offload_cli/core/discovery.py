@@ -24,7 +24,7 @@ from vllm_offload_cli.core.capacity import ShmUsage, shm_usage
 from vllm_offload_cli.core.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.fsguard import FileId
 from vllm_offload_cli.core.geometry import Geometry
-from vllm_offload_cli.core.manifest import Manifest, ManifestError
+from vllm_offload_cli.core.manifest import Manifest
 from vllm_offload_cli.core.naming import (
     parse_manifest_filename,
     parse_region_filename,
@@ -209,21 +209,9 @@ def _resident(fd: int) -> int | None:
         raise
 
 
-def _read_manifest(path: str | None, allowed_uids: Collection[int] | None
-                   ) -> tuple[Manifest | None, Problem | None]:
-    if path is None:
-        return None, None
-    try:
-        return manifest_io.read(path, allowed_uids=allowed_uids), None
-    except RegionNotFoundError:
-        return None, None
-    except ManifestError as exc:
-        return None, Problem("manifest_corrupt", exc.message)
-    except Exception as exc:
-        return None, Problem("manifest_unreadable", f"manifest {path}: {exc}")
-
-
-def _holders(uses: Iterable[FileUse], manifest: Manifest | None) -> tuple[Holder, ...]:
+def holders_of(uses: Iterable[FileUse], manifest: Manifest | None = None
+               ) -> tuple[Holder, ...]:
+    """One Holder per process, with its rank when the manifest records it."""
     kinds: dict[int, set[str]] = defaultdict(set)
     for use in uses:
         kinds[use.pid].add(use.kind)
@@ -269,8 +257,7 @@ def discover(
         raise InvalidInputError(f"shm directory {shm_dir} does not exist or is not a directory",
                                 path=str(shm_dir), code="bad_shm_dir")
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
-    if allowed_uids is None and os.geteuid() == 0:
-        allowed_uids = fsguard.EVERY_UID
+    allowed_uids = fsguard.inspection_uids(allowed_uids)
     now = time.time()
     scan = scan_processes(shm)  # before we open anything ourselves
     listing = _list_dir(shm)
@@ -321,19 +308,11 @@ def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: Pro
     for seg in segments:
         name = os.path.basename(seg.path)
         problems += [Problem(p.code, f"{name} {p.message}") for p in seg.problems]
-    manifest, mproblem = _read_manifest(mpath, allowed_uids)
+    bare = next((s for s in segments if s.segment == 0), None)
+    manifest, mproblem = (None, None) if mpath is None else manifest_io.read_matching(
+        mpath, None if bare is None else bare.file_id, allowed_uids=allowed_uids)
     if mproblem is not None:
         problems.append(mproblem)
-    bare = next((s for s in segments if s.segment == 0), None)
-    if manifest is not None and (bare is None or bare.file_id is None or
-                                 (manifest.region_dev, manifest.region_ino)
-                                 != (bare.file_id.dev, bare.file_id.ino)):
-        problems.append(Problem(
-            "manifest_mismatch",
-            "the manifest describes another file with this name (an earlier region); "
-            "its geometry is ignored",
-        ))
-        manifest = None
     size = sum(s.size_bytes for s in segments)
     if bare is None:
         problems.append(Problem("missing_segment", "segment files exist without the bare .mmap"))
@@ -348,7 +327,7 @@ def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: Pro
             f"({geometry.num_blocks} rows of {geometry.row_stride})",
         ))
     uses = [u for s in segments if s.file_id is not None for u in scan.holders(s.file_id)]
-    holders = _holders(uses, manifest)
+    holders = holders_of(uses, manifest)
     resident = None if any(s.resident_bytes is None for s in segments) else sum(
         s.resident_bytes or 0 for s in segments)
     mtimes = [s.mtime for s in segments if s.mtime is not None]
@@ -396,7 +375,7 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: Proc
         engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
         segments=(seg,), linked=False, size_bytes=size, resident_bytes=resident, uid=uid,
         mode=mode, age_seconds=None, geometry=None, manifest=None, manifest_path=None,
-        holders=_holders(uses, None), locked=False, state=LIVE, problems=(),
+        holders=holders_of(uses), locked=False, state=LIVE, problems=(),
     )
 
 

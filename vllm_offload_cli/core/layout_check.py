@@ -24,7 +24,6 @@ from vllm_offload_cli.core import fsguard, residency
 from vllm_offload_cli.core import manifest as manifest_io
 from vllm_offload_cli.core.errors import (
     InvalidInputError,
-    OffloadError,
     RegionNotFoundError,
     UnsafeRegionError,
 )
@@ -155,8 +154,7 @@ def check_region(
         if value is not None and value <= 0:
             raise InvalidInputError(f"{option} must be greater than 0, got {value}",
                                     code="invalid_geometry")
-    if allowed_uids is None and os.geteuid() == 0:
-        allowed_uids = fsguard.EVERY_UID
+    allowed_uids = fsguard.inspection_uids(allowed_uids)
     path = str(region_path(shm_dir, engine_id))
     mpath = str(manifest_path(shm_dir, engine_id))
     try:
@@ -245,19 +243,9 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
 def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: Collection[int] | None
                   ) -> tuple[manifest_io.Manifest | None, CheckProblem | None]:
     """The manifest, if it exists, parses, and describes this very file."""
-    try:
-        m = manifest_io.read(mpath, allowed_uids=allowed_uids)
-    except RegionNotFoundError:
-        return None, None
-    except manifest_io.ManifestError as exc:
-        return None, CheckProblem("manifest_corrupt", exc.message)
-    except OffloadError as exc:  # a symlink or foreign file where the manifest should be
-        return None, CheckProblem(f"manifest_{exc.code}", f"manifest: {exc.message}")
-    if (m.region_dev, m.region_ino) != (st.st_dev, st.st_ino):
-        return None, CheckProblem(
-            "manifest_mismatch",
-            f"manifest {mpath} describes an earlier file with this name; it is ignored")
-    return m, None
+    m, problem = manifest_io.read_matching(mpath, fsguard.FileId.of(st),
+                                           allowed_uids=allowed_uids)
+    return m, None if problem is None else CheckProblem(problem.code, problem.message)
 
 
 def _stride_problems(row_stride: int, cpu_page_size: int, world_size: int

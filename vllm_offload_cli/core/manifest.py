@@ -21,9 +21,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from vllm_offload_cli.core import fsguard
-from vllm_offload_cli.core.errors import OffloadError, OperationFailedError, UnsafeRegionError
+from vllm_offload_cli.core.errors import (
+    OffloadError,
+    OperationFailedError,
+    RegionNotFoundError,
+    UnsafeRegionError,
+)
 from vllm_offload_cli.core.geometry import Geometry
 from vllm_offload_cli.core.naming import split_engine_id
+from vllm_offload_cli.core.problems import Problem
 
 MANIFEST_VERSION = 1
 _MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
@@ -173,6 +179,31 @@ def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None) 
     """Parse a manifest already open as `fd`: a caller that also wants to lock
     or later unlink that very inode reads it through the same descriptor."""
     return _parse(fd, path, allowed_uids)
+
+
+def read_matching(path: str, file_id: fsguard.FileId | None, *,
+                  allowed_uids: Collection[int] | None = None
+                  ) -> tuple[Manifest | None, Problem | None]:
+    """The manifest describing the file `file_id`, or the problem that stops us using it.
+
+    (None, None) when there is no manifest (a region made by vLLM). A manifest
+    left from an earlier file of the same name is never trusted.
+    """
+    try:
+        m = read(path, allowed_uids=allowed_uids)
+    except RegionNotFoundError:
+        return None, None
+    except ManifestError as exc:
+        return None, Problem("manifest_corrupt", exc.message)
+    except OffloadError as exc:  # a symlink or someone else's file where ours should be
+        return None, Problem(f"manifest_{exc.code}", f"manifest: {exc.message}")
+    except OSError as exc:
+        return None, Problem("manifest_unreadable", f"manifest {path}: {exc.strerror}")
+    if file_id is None or (m.region_dev, m.region_ino) != (file_id.dev, file_id.ino):
+        return None, Problem("manifest_mismatch",
+                             f"manifest {path} describes an earlier file with this name; "
+                             "its geometry is ignored")
+    return m, None
 
 
 def write(path: str, manifest: Manifest) -> None:

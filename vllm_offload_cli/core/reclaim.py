@@ -47,6 +47,7 @@ from vllm_offload_cli.core.discovery import (
     RegionInfo,
     SegmentFile,
     discover,
+    holders_of,
 )
 from vllm_offload_cli.core.errors import InvalidInputError
 from vllm_offload_cli.core.fsguard import FileId
@@ -333,7 +334,7 @@ class _Run:
     def _decide(self, held: _Locked, uses: list[FileUse]) -> None:
         r = held.region
         if uses:
-            holders = _holders_from(uses)
+            holders = holders_of(uses)
             self._keep(self._kept(r, LIVE, f"held by {_holders_text(holders)} (seen after "
                                   "locking it)", _first_pid(holders)))
             return
@@ -510,13 +511,6 @@ class _Run:
 
 _PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-persistent to "
                     "remove it")
-
-
-def _holders_from(uses: Iterable[FileUse]) -> tuple[Holder, ...]:
-    kinds: dict[int, set[str]] = {}
-    for u in uses:
-        kinds.setdefault(u.pid, set()).add(u.kind)
-    return tuple(Holder(pid, comm(pid), None, tuple(sorted(kinds[pid]))) for pid in sorted(kinds))
 
 
 def _holders_text(holders: Sequence[Holder]) -> str:
