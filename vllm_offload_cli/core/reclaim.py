@@ -35,7 +35,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_offload_cli.core import fsguard, locking
@@ -402,25 +402,14 @@ class _Run:
         for o in orphans:
             if o.uid not in self.owners:
                 continue
-            try:
-                fd = os.open(o.path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
-            except OSError:
-                continue  # gone, or a symlink: never followed, never ours
-            try:
-                st = os.fstat(fd)
-                if (FileId.of(st) != o.file_id or not stat.S_ISREG(st.st_mode)
-                        or st.st_uid not in self.owners
-                        or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age
-                        or not locking.try_lock_exclusive(fd)):
-                    continue
-                if os.path.lexists(region_path(self.shm_dir, o.engine_id)):
-                    continue  # a region came (back) since discovery: not an orphan
-                if self.options.dry_run or fsguard.unlink_if_same(o.path, fd):
-                    self.orphans.append(o.path)
-            except OSError as exc:
-                self._fail(o.path, exc, o.engine_id)
-            finally:
-                os.close(fd)
+            region = str(region_path(self.shm_dir, o.engine_id))
+
+            def still_orphan(region: str = region) -> bool:
+                return not os.path.lexists(region)  # a region came (back) since discovery
+
+            if self._unlink_old(o.path, o.engine_id, expect=o.file_id, lock=True,
+                                still_wanted=still_orphan):
+                self.orphans.append(o.path)
 
     def temp_files(self, wanted: set[str] | None) -> None:
         """manifest.write()'s temporaries left by a writer that died before its rename."""
@@ -436,22 +425,33 @@ class _Run:
                 continue
             if ProcessRef(int(match["pid"]), None).alive():
                 continue  # its writer may be between write and rename
-            self._remove_temp(entry.path)
+            if self._unlink_old(entry.path, None):
+                self.temps.append(entry.path)
 
-    def _remove_temp(self, path: str) -> None:
+    def _unlink_old(self, path: str, engine_id: str | None, *, expect: FileId | None = None,
+                    lock: bool = False, still_wanted: Callable[[], bool] | None = None) -> bool:
+        """Unlink a small file of ours older than --min-age, judged on its descriptor.
+
+        Never follows a link; `expect` pins the inode discovery saw; `lock` takes
+        LOCK_EX first (manifests are updated under it). True when removed (or,
+        in a dry run, when it would be).
+        """
         try:
             fd = os.open(path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
         except OSError:
-            return
+            return False  # gone, or a symlink: never followed, never ours
         try:
             st = os.fstat(fd)
-            if (not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
-                    or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age):
-                return
-            if self.options.dry_run or fsguard.unlink_if_same(path, fd):
-                self.temps.append(path)
+            if ((expect is not None and FileId.of(st) != expect)
+                    or not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
+                    or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age
+                    or (lock and not locking.try_lock_exclusive(fd))
+                    or (still_wanted is not None and not still_wanted())):
+                return False
+            return self.options.dry_run or fsguard.unlink_if_same(path, fd)
         except OSError as exc:
-            self._fail(path, exc, None)
+            self._fail(path, exc, engine_id)
+            return False
         finally:
             os.close(fd)
 
