@@ -19,12 +19,12 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from vllm_offload_cli.core import residency
-from vllm_offload_cli.core.geometry import default_row_stride
-from vllm_offload_cli.core.layout_check import check_region
-from vllm_offload_cli.core.layout_plan import plan_layout
-from vllm_offload_cli.core.ranks import DEVICE_MODULO, WorkerPlace
+from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.layout.check import check_region
+from vllm_offload_cli.core.layout.plan import plan_layout
 from vllm_offload_cli.core.region import SharedOffloadRegion
+from vllm_offload_cli.core.region.geometry import default_row_stride
+from vllm_offload_cli.core.region.ranks import DEVICE_MODULO, WorkerPlace
 
 
 def best_and_median(fn: Callable[[], object], repeat: int) -> tuple[float, float]:

@@ -31,8 +31,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from vllm_offload_cli.core.discovery import discover
-from vllm_offload_cli.core.reclaim import collect
+from vllm_offload_cli.core.host.discovery import discover
+from vllm_offload_cli.core.reclaim.collector import collect
 from vllm_offload_cli.core.region import SharedOffloadRegion
 
 SLOT, WORLD, BLOCKS = 4096, 2, 2

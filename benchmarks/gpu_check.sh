@@ -39,7 +39,7 @@ timeout 150 python3 -m vllm_offload_cli benchmark --device cuda --shm-dir "$SHM"
 echo "== kernel strategy (zero-copy gather/scatter), pinned only"
 timeout 90 python3 - "$SHM" <<'PY' 2>&1 | tee "$OUT/kernel.txt"
 import sys
-from vllm_offload_cli.core.bench import BenchConfig, run_benchmark
+from vllm_offload_cli.core.transfer.bench import BenchConfig, run_benchmark
 report = run_benchmark(BenchConfig(shm_dir=sys.argv[1], device="cuda", size_bytes=1 << 30,
                                    repeat=5, patterns=("contiguous", "scattered"),
                                    cuda_strategy="kernel"))

@@ -23,9 +23,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from vllm_offload_cli.core.discovery import discover
-from vllm_offload_cli.core.geometry import PAGESIZE
+from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.region import SharedOffloadRegion
+from vllm_offload_cli.core.region.geometry import PAGESIZE
 
 HOLDER = """
 import sys, time

@@ -20,9 +20,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from vllm_offload_cli.core.geometry import PAGESIZE, Geometry
-from vllm_offload_cli.core.prefault import populate, slot_ranges
-from vllm_offload_cli.core.units import parse_size
+from vllm_offload_cli.core.base.units import parse_size
+from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
+from vllm_offload_cli.core.region.prefault import populate, slot_ranges
 
 MADV_POPULATE_WRITE = 23
 

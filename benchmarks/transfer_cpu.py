@@ -18,8 +18,13 @@ import sys
 import tempfile
 from collections import defaultdict
 
-from vllm_offload_cli.core.bench import DEFAULT_BLOCK_SIZES, PATTERNS, BenchConfig, run_benchmark
-from vllm_offload_cli.core.units import format_bytes, parse_size
+from vllm_offload_cli.core.base.units import format_bytes, parse_size
+from vllm_offload_cli.core.transfer.bench import (
+    DEFAULT_BLOCK_SIZES,
+    PATTERNS,
+    BenchConfig,
+    run_benchmark,
+)
 
 
 def main() -> int:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from conftest import run_cli_subprocess, wait_until
 
-from vllm_offload_cli.core.bench import PATTERNS, BenchConfig, run_benchmark
-from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.transfer.bench import PATTERNS, BenchConfig, run_benchmark
 
 TINY = ("--size", "1MiB", "--cpu-page-size", "16KiB,64KiB", "--repeat", "1",
         "--blocks-per-transfer", "4")

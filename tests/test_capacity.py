@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_offload_cli.core.capacity import (
+from vllm_offload_cli.core.base.errors import InsufficientSpaceError
+from vllm_offload_cli.core.region.capacity import (
     Capacity,
     ShmUsage,
     cgroup_headroom,
     check_fits,
     measure,
 )
-from vllm_offload_cli.core.errors import InsufficientSpaceError
 
 GiB = 1 << 30
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from conftest import run_cli_subprocess, wait_until
 
-from vllm_offload_cli.core import manifest as manifest_io
-from vllm_offload_cli.core.geometry import PAGESIZE
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.geometry import PAGESIZE
 
 BASE = ("--world-size", "2", "--cpu-page-size", "64KiB")
 

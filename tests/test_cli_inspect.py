@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from conftest import run_cli_subprocess
 
-from vllm_offload_cli.core.geometry import PAGESIZE
+from vllm_offload_cli.core.region.geometry import PAGESIZE
 
 ROW = 2 * PAGESIZE
 GEO = ["4", str(ROW), str(PAGESIZE)]  # after the rank: num_blocks is first

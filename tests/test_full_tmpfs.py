@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core.errors import InsufficientSpaceError
+from vllm_offload_cli.core.base.errors import InsufficientSpaceError
 from vllm_offload_cli.core.region import SharedOffloadRegion
 
 

@@ -15,9 +15,9 @@ import pytest
 from conftest import run_cli_subprocess, wait_until
 from region_files import GEOMETRY, SIZE, SLOT, region_file
 
-from vllm_offload_cli.core import reclaim
-from vllm_offload_cli.core.discovery import discover
-from vllm_offload_cli.core.reclaim_report import GcOptions
+from vllm_offload_cli.core.host.discovery import discover
+from vllm_offload_cli.core.reclaim import collector as reclaim
+from vllm_offload_cli.core.reclaim.report import GcOptions
 
 OTHER_UID = 12345
 

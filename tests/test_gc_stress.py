@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_offload_cli.core.reclaim import collect
+from vllm_offload_cli.core.reclaim.collector import collect
 
 CHURN = Path(__file__).parent / "helpers" / "churn.py"
 SECONDS = float(os.environ.get("VLLM_OFFLOAD_STRESS_SECONDS", "10"))
 
 _COLLECTOR = textwrap.dedent("""
     import json, os, sys
-    from vllm_offload_cli.core.reclaim import collect
+    from vllm_offload_cli.core.reclaim.collector import collect
     cycles = removed = 0
     errors = []
     while not os.path.exists(sys.argv[2]):

@@ -6,9 +6,9 @@ import mmap
 
 import pytest
 
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.geometry import Geometry, default_row_stride, geometry_from_size
-from vllm_offload_cli.core.units import format_bytes, parse_size
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.units import format_bytes, parse_size
+from vllm_offload_cli.core.region.geometry import Geometry, default_row_stride, geometry_from_size
 
 P = mmap.PAGESIZE
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.layout_plan import (
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.layout.plan import (
     MAX_WORKERS,
     LayoutPlan,
     WorkerRef,
@@ -13,7 +13,7 @@ from vllm_offload_cli.core.layout_plan import (
     parse_devices,
     plan_layout,
 )
-from vllm_offload_cli.core.ranks import DEVICE_INDEX, DEVICE_MODULO, LOGICAL
+from vllm_offload_cli.core.region.ranks import DEVICE_INDEX, DEVICE_MODULO, LOGICAL
 
 
 def _slots(plan: LayoutPlan) -> list[list[int]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.naming import (
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.region.naming import (
     MAX_ENGINE_ID_LEN,
     manifest_path,
     parse_manifest_filename,

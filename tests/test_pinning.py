@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from vllm_offload_cli.core.pinning import MAX_PIN_CHUNK, PinState, pin, pin_chunks, unpin
+from vllm_offload_cli.core.transfer.pinning import MAX_PIN_CHUNK, PinState, pin, pin_chunks, unpin
 
 GiB = 1024**3
 

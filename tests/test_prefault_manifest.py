@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_offload_cli.core import manifest as manifest_io
-from vllm_offload_cli.core import residency
-from vllm_offload_cli.core.geometry import PAGESIZE, Geometry
-from vllm_offload_cli.core.prefault import _touch, populate, slot_ranges
+from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.region import SharedOffloadRegion
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
+from vllm_offload_cli.core.region.prefault import _touch, populate, slot_ranges
 
 
 def test_slot_ranges_match_vllms_per_row_loop() -> None:

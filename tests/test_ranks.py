@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_offload_cli.core import ranks
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.naming import manifest_path, region_path
-from vllm_offload_cli.core.ranks import (
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.region import SharedOffloadRegion, ranks
+from vllm_offload_cli.core.region.naming import manifest_path, region_path
+from vllm_offload_cli.core.region.ranks import (
     DEVICE_INDEX,
     DEVICE_MODULO,
     LOGICAL,
@@ -20,7 +20,6 @@ from vllm_offload_cli.core.ranks import (
     parse_rank_source,
     slot_for,
 )
-from vllm_offload_cli.core.region import SharedOffloadRegion
 
 
 @pytest.mark.parametrize(("device", "world", "slot"), [

@@ -9,9 +9,7 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core import locking, residency
-from vllm_offload_cli.core import manifest as manifest_io
-from vllm_offload_cli.core.errors import (
+from vllm_offload_cli.core.base.errors import (
     InsufficientSpaceError,
     InvalidInputError,
     OperationFailedError,
@@ -19,8 +17,10 @@ from vllm_offload_cli.core.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.geometry import PAGESIZE
-from vllm_offload_cli.core.region import SharedOffloadRegion
+from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.region import SharedOffloadRegion, locking
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.geometry import PAGESIZE
 
 ROW = 4 * PAGESIZE  # world 2 x 2 pages
 

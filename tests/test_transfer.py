@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core.errors import InvalidInputError, OperationFailedError
-from vllm_offload_cli.core.geometry import default_row_stride
+from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import SharedOffloadRegion
-from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.region.geometry import default_row_stride
 from vllm_offload_cli.core.transfer import CopyWorker, Direction, TransferResult
-from vllm_offload_cli.core.transfer_cpu import METHODS, RowPair, Staging, copy_rows
-from vllm_offload_cli.core.transfer_plan import plan_transfer
-from vllm_offload_cli.core.transfer_views import as_words, complex_copies_exact, word_width
+from vllm_offload_cli.core.transfer.cpu import METHODS, RowPair, Staging, copy_rows
+from vllm_offload_cli.core.transfer.plan import plan_transfer
+from vllm_offload_cli.core.transfer.views import as_words, complex_copies_exact, word_width
 
 torch = import_torch()
 
@@ -463,7 +463,7 @@ def test_region_cleanup_drains_the_worker_first(regions: Factory, shm_dir: Path,
 @pytest.mark.parametrize("how", ["engine", "kernel"])
 def test_cuda_copy_plans_are_exact_on_cpu_tensors(dense: bool, case: str, how: str) -> None:
     """engine_copy / kernel_copy only slice and index: prove their plans on CPU tensors."""
-    from vllm_offload_cli.core.transfer_cuda import CudaPair, engine_copy, kernel_copy
+    from vllm_offload_cli.core.transfer.cuda import CudaPair, engine_copy, kernel_copy
 
     g = torch.Generator().manual_seed(5)
     n_dev, n_reg, width = 30, 40, 64
@@ -514,7 +514,7 @@ def test_cuda_copy_plans_are_exact_on_cpu_tensors(dense: bool, case: str, how: s
 ])
 def test_the_cost_model_picks_the_expected_method(src: Any, dst: Any, row_bytes: int,
                                                   expected: str) -> None:
-    from vllm_offload_cli.core.transfer_cpu import choose_method
+    from vllm_offload_cli.core.transfer.cpu import choose_method
 
     g = torch.Generator().manual_seed(1)
     n = len(dst) if src == "perm" and dst != "perm" else len(src) if src != "perm" else 100
@@ -531,7 +531,7 @@ def test_the_cost_model_picks_the_expected_method(src: Any, dst: Any, row_bytes:
 def test_copy_threads_run_torch_single_threaded_and_leave_others_alone() -> None:
     import threading
 
-    from vllm_offload_cli.core.openmp import single_threaded_torch
+    from vllm_offload_cli.core.transfer.openmp import single_threaded_torch
 
     before = torch.get_num_threads()
     seen: dict[str, Any] = {}
@@ -553,7 +553,7 @@ def test_copy_threads_run_torch_single_threaded_and_leave_others_alone() -> None
 
 
 def test_deal_cuts_work_into_ordered_shares_of_similar_size() -> None:
-    from vllm_offload_cli.core.transfer_cpu import Unit, deal
+    from vllm_offload_cli.core.transfer.cpu import Unit, deal
 
     work = [Unit(n, lambda staging: None) for n in (5, 1, 1, 1, 4, 4, 2, 2)]
     shares = deal(work, 2)

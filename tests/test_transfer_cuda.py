@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core.geometry import default_row_stride
+from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import SharedOffloadRegion
-from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.region.geometry import default_row_stride
 from vllm_offload_cli.core.transfer import CopyWorker, Direction
 
 torch = import_torch()

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core.torch_import import import_torch
-from vllm_offload_cli.core.transfer_cuda import CudaBackend, CudaPair
-from vllm_offload_cli.core.transfer_plan import Direction, plan_transfer
-from vllm_offload_cli.core.transfer_result import ResultSink
+from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.transfer.cuda import CudaBackend, CudaPair
+from vllm_offload_cli.core.transfer.plan import Direction, plan_transfer
+from vllm_offload_cli.core.transfer.result import ResultSink
 
 torch = import_torch()
 

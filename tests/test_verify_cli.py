@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from conftest import Holder, run_cli_subprocess
 
-from vllm_offload_cli.core import residency
-from vllm_offload_cli.core.naming import region_path
+from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.region.naming import region_path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -117,7 +117,7 @@ def _session(shm_dir: str, results: str, n: int, seed: int) -> None:
 def main() -> None:
     shm_dir, results = sys.argv[1], sys.argv[2]
     seconds, concurrency, seed = float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-    import vllm_offload_cli.core.region  # noqa: F401  # imported once, before forking
+    import vllm_offload_cli.core.region.shared_region  # noqa: F401  # imported once, before forking
 
     deadline = time.monotonic() + seconds
     children: set[int] = set()

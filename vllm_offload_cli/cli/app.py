@@ -1,7 +1,8 @@
 """The `vllm-offload` command tree and its entry point.
 
-Subcommand modules are imported here only to register themselves; none of
-them imports torch at module level, so `--help` stays fast.
+Subcommand modules build their commands; this module adds them to the app, so
+imports run one way. None of them imports torch at module level, so `--help`
+stays fast.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typer.core import TyperGroup, _main
 from typer.exceptions import Abort
 
 from vllm_offload_cli import __version__
+from vllm_offload_cli.cli import benchmark, create, gc, inspect, verify
 from vllm_offload_cli.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
@@ -88,12 +90,9 @@ def _root(
     """Inspect, verify, benchmark and safely reclaim vLLM's KV offload regions."""
 
 
-def _register() -> None:
-    # imported for their side effect: each module registers its subcommand
-    from vllm_offload_cli.cli import benchmark, create, gc, inspect, verify  # noqa: F401
-
-
-_register()
+for _command in (benchmark.benchmark_cmd, create.create, gc.garbage_collect,
+                 inspect.inspect_cmd, verify.verify_rank_layout):
+    _command.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

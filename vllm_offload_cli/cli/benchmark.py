@@ -18,13 +18,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from vllm_offload_cli.cli.app import app
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.units import format_bytes, parse_size
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
-    from vllm_offload_cli.core.bench import BenchReport
+    from vllm_offload_cli.core.transfer.bench import BenchReport
 
 DEFAULT_SIZES = "16KiB,64KiB,256KiB,1MiB,2MiB"  # mirrors core.bench.DEFAULT_BLOCK_SIZES
 
@@ -75,7 +74,7 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-@subcommand(app, "benchmark", help="Measure pre-fault, store and load throughput of the copy "
+@subcommand("benchmark", help="Measure pre-fault, store and load throughput of the copy "
             "workers against a plain memcpy.")
 def benchmark_cmd(
     inv: Invocation,
@@ -108,7 +107,7 @@ def benchmark_cmd(
     bytes as the baseline; on CUDA both pinned and pageable. The region is removed at the
     end, also on Ctrl-C or SIGTERM.
     """
-    from vllm_offload_cli.core.bench import BenchConfig, resolve_device, run_benchmark
+    from vllm_offload_cli.core.transfer.bench import BenchConfig, resolve_device, run_benchmark
 
     shm_dir = shm_dir_checked(inv)
     size_bytes = parse_size(size, what="--size")

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +24,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from vllm_offload_cli.core import errors
+from vllm_offload_cli.core.base import errors
 
 SCHEMA_VERSION = 1
 SHM_DIR_ENV = "VLLM_OFFLOAD_SHM_DIR"
@@ -229,11 +229,31 @@ def make_invocation(command: str, *, shm_dir: Path, json_output: bool, verbose: 
     )
 
 
-def subcommand(app: typer.Typer, name: str, *, aliases: tuple[str, ...] = (),
-               **typer_kw: Any) -> Callable[[Callable[..., Outcome]], Callable[..., Outcome]]:
-    """Register `fn(inv, **opts) -> Outcome` as a subcommand with the common options."""
+@dataclass(frozen=True)
+class Subcommand:
+    """A subcommand with the common options, ready for `cli.app` to add.
 
-    def register(fn: Callable[..., Outcome]) -> Callable[..., Outcome]:
+    Subcommand modules only build these; `cli.app` imports them and registers
+    each, so imports run one way (app -> subcommands -> common).
+    """
+
+    name: str
+    callback: Callable[..., None]
+    aliases: tuple[str, ...] = ()
+    typer_kw: Mapping[str, Any] = field(default_factory=dict)
+
+    def register(self, app: typer.Typer) -> None:
+        app.command(self.name, **self.typer_kw)(self.callback)
+        alias_kw = {k: v for k, v in self.typer_kw.items() if k != "hidden"}
+        for alias in self.aliases:
+            app.command(alias, hidden=True, **alias_kw)(self.callback)
+
+
+def subcommand(name: str, *, aliases: tuple[str, ...] = (),
+               **typer_kw: Any) -> Callable[[Callable[..., Outcome]], Subcommand]:
+    """Wrap `fn(inv, **opts) -> Outcome` as a subcommand with the common options."""
+
+    def build(fn: Callable[..., Outcome]) -> Subcommand:
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
                if p.name != "inv"]
 
@@ -248,13 +268,9 @@ def subcommand(app: typer.Typer, name: str, *, aliases: tuple[str, ...] = (),
         del command.__wrapped__  # typer must see the new signature, not fn's
         command.__signature__ = inspect.Signature(own + _COMMON)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in own + _COMMON}
-        app.command(name, **typer_kw)(command)
-        for alias in aliases:
-            app.command(alias, hidden=True, **{k: v for k, v in typer_kw.items()
-                                               if k != "hidden"})(command)
-        return fn
+        return Subcommand(name, command, aliases, dict(typer_kw))
 
-    return register
+    return build
 
 
 def shm_dir_checked(inv: Invocation) -> str:

@@ -10,12 +10,11 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from vllm_offload_cli.cli.app import app
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.geometry import Geometry, geometry_from_size
-from vllm_offload_cli.core.naming import with_dp_rank
-from vllm_offload_cli.core.units import format_bytes, parse_size
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.units import format_bytes, parse_size
+from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
+from vllm_offload_cli.core.region.naming import with_dp_rank
 
 
 class _Released(Exception):  # noqa: N818 - a signal, not an error
@@ -59,7 +58,7 @@ def _geometry(world_size: int, cpu_page_size: str, num_blocks: int | None,
     return geometry
 
 
-@subcommand(app, "create")
+@subcommand("create")
 def create(
     inv: Invocation,
     engine_id: Annotated[str, typer.Argument(help="Engine id (base id with --dp-rank).",
@@ -86,7 +85,9 @@ def create(
     Without --hold the region stays and is marked persistent, pre-provisioned for
     an engine to join; `gc` keeps it unless given --include-persistent.
     """
-    from vllm_offload_cli.core.region import SharedOffloadRegion  # not needed by --help
+    from vllm_offload_cli.core.region.shared_region import (
+        SharedOffloadRegion,  # not needed by --help
+    )
 
     full_id = with_dp_rank(engine_id, dp_rank)
     geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)

@@ -9,7 +9,6 @@ import typer
 from rich.console import Console
 
 from vllm_offload_cli.cli import metrics
-from vllm_offload_cli.cli.app import app
 from vllm_offload_cli.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -18,8 +17,8 @@ from vllm_offload_cli.cli.common import (
     shm_dir_checked,
     subcommand,
 )
-from vllm_offload_cli.core.reclaim_report import DEFAULT_MIN_AGE, GcReport
-from vllm_offload_cli.core.units import format_bytes
+from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcReport
 
 
 def report_data(report: GcReport) -> dict[str, Any]:
@@ -45,7 +44,7 @@ def report_data(report: GcReport) -> dict[str, Any]:
     }
 
 
-@subcommand(app, "garbage-collect", aliases=("gc",),
+@subcommand("garbage-collect", aliases=("gc",),
             help="Remove provably stale regions and orphaned manifests (alias: gc).")
 def garbage_collect(
     inv: Invocation,
@@ -76,7 +75,7 @@ def garbage_collect(
     failed, 2 for bad usage.
     """
     shm_dir = shm_dir_checked(inv)
-    from vllm_offload_cli.core.reclaim import collect  # loads discovery: only when run
+    from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: only when run
 
     report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
                      min_age=min_age, include_persistent=include_persistent,

@@ -12,11 +12,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from vllm_offload_cli.cli import metrics
-from vllm_offload_cli.cli.app import app
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.core.discovery import Inventory, RegionInfo, discover
-from vllm_offload_cli.core.errors import InvalidInputError, RegionNotFoundError
-from vllm_offload_cli.core.units import format_bytes
+from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
+from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 
 
 class Format(str, enum.Enum):
@@ -35,7 +34,7 @@ def inventory_data(inv: Inventory) -> dict[str, Any]:
     }
 
 
-@subcommand(app, "inspect")
+@subcommand("inspect")
 def inspect_cmd(
     inv: Invocation,
     engine_ids: Annotated[list[str] | None, typer.Argument(

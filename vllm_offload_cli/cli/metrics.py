@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_offload_cli.core.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from vllm_offload_cli.cli.app import app
 from vllm_offload_cli.cli.common import (
     EXIT_OK,
     EXIT_VERIFY,
@@ -25,18 +24,18 @@ from vllm_offload_cli.cli.common import (
     shm_dir_checked,
     subcommand,
 )
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
-from vllm_offload_cli.core.units import format_bytes, parse_size
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.units import format_bytes, parse_size
+from vllm_offload_cli.core.region.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
 
 if TYPE_CHECKING:  # the planner and checker load only when the command runs
-    from vllm_offload_cli.core.layout_check import LiveCheck
-    from vllm_offload_cli.core.layout_plan import LayoutPlan, WorkerPlan
+    from vllm_offload_cli.core.layout.check import LiveCheck
+    from vllm_offload_cli.core.layout.plan import LayoutPlan, WorkerPlan
 
 _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.values())
 
 
-@subcommand(app, "verify-rank-layout",
+@subcommand("verify-rank-layout",
             help="Prove that no two workers share bytes: plan a layout, or check a live region.")
 def verify_rank_layout(
     inv: Invocation,
@@ -110,7 +109,7 @@ def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices:
         raise InvalidInputError("plan mode needs --world-size (or give an ENGINE_ID to check "
                                 "a live region)", code="usage")
     source = DEVICE_MODULO if rank_source is None else parse_rank_source(rank_source)
-    from vllm_offload_cli.core.layout_plan import parse_devices, plan_layout
+    from vllm_offload_cli.core.layout.plan import parse_devices, plan_layout
 
     layout = parse_devices(devices, environ=os.environ)
     plan = plan_layout(world_size, source, dp_size=dp_size, devices=layout,
@@ -124,7 +123,7 @@ def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices:
 
 
 def _device_text(plan: LayoutPlan, w: WorkerPlan) -> str:
-    from vllm_offload_cli.core.layout_plan import ENV, PER_PROCESS
+    from vllm_offload_cli.core.layout.plan import ENV, PER_PROCESS
 
     if plan.devices.kind == PER_PROCESS:
         return f"{w.device.index} (own GPU)"
@@ -169,7 +168,7 @@ def _render_verdict(out: Console, messages: list[str], good: str) -> None:
 def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | None
           ) -> Outcome:
     shm_dir = shm_dir_checked(inv)
-    from vllm_offload_cli.core.layout_check import check_region
+    from vllm_offload_cli.core.layout.check import check_region
 
     check = check_region(shm_dir, engine_id, world_size=world_size, cpu_page_size=page)
     for note in check.notes:

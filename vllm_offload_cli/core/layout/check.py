@@ -20,17 +20,18 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_offload_cli.core import fsguard, residency
-from vllm_offload_cli.core import manifest as manifest_io
-from vllm_offload_cli.core.errors import (
+from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     RegionNotFoundError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.geometry import PAGESIZE, Geometry, default_row_stride
-from vllm_offload_cli.core.naming import manifest_path, region_path, validate_engine_id
-from vllm_offload_cli.core.procfs import ProcessRef
-from vllm_offload_cli.core.ranks import RANK_SOURCES
+from vllm_offload_cli.core.base.procfs import ProcessRef
+from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.region import fsguard
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, default_row_stride
+from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
+from vllm_offload_cli.core.region.ranks import RANK_SOURCES
 
 
 @dataclass(frozen=True)

@@ -16,19 +16,19 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm_offload_cli.core import pinning
-from vllm_offload_cli.core.errors import InvalidInputError, OperationFailedError
-from vllm_offload_cli.core.torch_import import import_torch
-from vllm_offload_cli.core.transfer_cpu import CpuBackend, RowPair
-from vllm_offload_cli.core.transfer_cuda import STRATEGIES, CudaBackend, CudaPair, map_into_device
-from vllm_offload_cli.core.transfer_plan import Direction, TransferPlan, plan_transfer
-from vllm_offload_cli.core.transfer_result import ResultSink, TransferResult
-from vllm_offload_cli.core.transfer_views import as_words, byte_rows, word_width
+from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.transfer import pinning
+from vllm_offload_cli.core.transfer.cpu import CpuBackend, RowPair
+from vllm_offload_cli.core.transfer.cuda import STRATEGIES, CudaBackend, CudaPair, map_into_device
+from vllm_offload_cli.core.transfer.plan import Direction, TransferPlan, plan_transfer
+from vllm_offload_cli.core.transfer.result import ResultSink, TransferResult
+from vllm_offload_cli.core.transfer.views import as_words, byte_rows, word_width
 
 if TYPE_CHECKING:
     import torch
 
-    from vllm_offload_cli.core.region import SharedOffloadRegion
+    from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 
 __all__ = ["CopyWorker", "Direction", "TransferResult"]
 

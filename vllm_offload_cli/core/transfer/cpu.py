@@ -37,11 +37,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_offload_cli.core.openmp import single_threaded_torch
-from vllm_offload_cli.core.torch_import import import_torch
-from vllm_offload_cli.core.transfer_plan import Direction, TransferPlan
-from vllm_offload_cli.core.transfer_result import ResultSink, TransferResult
-from vllm_offload_cli.core.transfer_views import copy_many
+from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.transfer.openmp import single_threaded_torch
+from vllm_offload_cli.core.transfer.plan import Direction, TransferPlan
+from vllm_offload_cli.core.transfer.result import ResultSink, TransferResult
+from vllm_offload_cli.core.transfer.views import copy_many
 
 if TYPE_CHECKING:
     import torch

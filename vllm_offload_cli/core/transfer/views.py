@@ -13,8 +13,8 @@ import functools
 import struct
 from typing import TYPE_CHECKING
 
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.torch_import import import_torch
 
 if TYPE_CHECKING:
     import torch

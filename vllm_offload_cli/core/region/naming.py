@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.base.errors import InvalidInputError
 
 DEFAULT_SHM_DIR = "/dev/shm"
 PREFIX = "vllm_offload_"

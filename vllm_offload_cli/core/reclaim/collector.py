@@ -38,9 +38,9 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_offload_cli.core import fsguard, locking
-from vllm_offload_cli.core import manifest as manifest_io
-from vllm_offload_cli.core.discovery import (
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.procfs import ProcessRef, comm
+from vllm_offload_cli.core.host.discovery import (
     Holder,
     Inventory,
     OrphanManifest,
@@ -49,19 +49,8 @@ from vllm_offload_cli.core.discovery import (
     discover,
     holders_of,
 )
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.fsguard import FileId
-from vllm_offload_cli.core.manifest import Manifest
-from vllm_offload_cli.core.naming import (
-    MANIFEST_SUFFIX,
-    PREFIX,
-    engine_id_problem,
-    manifest_path,
-    region_path,
-)
-from vllm_offload_cli.core.procfs import ProcessRef, comm
-from vllm_offload_cli.core.procscan import FileUse, flock_holders, users_of
-from vllm_offload_cli.core.reclaim_report import (
+from vllm_offload_cli.core.host.procscan import FileUse, flock_holders, users_of
+from vllm_offload_cli.core.reclaim.report import (
     BUSY,
     CHANGED,
     DEFAULT_MIN_AGE,
@@ -80,6 +69,17 @@ from vllm_offload_cli.core.reclaim_report import (
     GcReport,
     KeptRegion,
     RemovedRegion,
+)
+from vllm_offload_cli.core.region import fsguard, locking
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.fsguard import FileId
+from vllm_offload_cli.core.region.manifest import Manifest
+from vllm_offload_cli.core.region.naming import (
+    MANIFEST_SUFFIX,
+    PREFIX,
+    engine_id_problem,
+    manifest_path,
+    region_path,
 )
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.base.errors import InvalidInputError
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.ranks import RankSource, WorkerPlace
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.region.ranks import RankSource, WorkerPlace
 
 MAX_WORKERS = 65536  # a plan bigger than any host is a typo, not a layout
 BASE_PLACEHOLDER = "<engine_id>"

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_offload_cli.core.errors import InsufficientSpaceError
-from vllm_offload_cli.core.units import format_bytes
+from vllm_offload_cli.core.base.errors import InsufficientSpaceError
+from vllm_offload_cli.core.base.units import format_bytes
 
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge number
 

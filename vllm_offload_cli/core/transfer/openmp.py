@@ -20,7 +20,7 @@ import functools
 import logging
 import re
 
-from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.base.torch_import import import_torch
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.base.errors import InvalidInputError
 
 _UNITS = {
     "": 1,

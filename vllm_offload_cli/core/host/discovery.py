@@ -18,22 +18,23 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 
-from vllm_offload_cli.core import fsguard, locking, residency
-from vllm_offload_cli.core import manifest as manifest_io
-from vllm_offload_cli.core.capacity import ShmUsage, shm_usage
-from vllm_offload_cli.core.errors import InvalidInputError, RegionNotFoundError
-from vllm_offload_cli.core.fsguard import FileId
-from vllm_offload_cli.core.geometry import Geometry
-from vllm_offload_cli.core.manifest import Manifest
-from vllm_offload_cli.core.naming import (
+from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
+from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.base.procfs import ProcessRef, comm
+from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
+from vllm_offload_cli.core.region import fsguard, locking
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
+from vllm_offload_cli.core.region.fsguard import FileId
+from vllm_offload_cli.core.region.geometry import Geometry
+from vllm_offload_cli.core.region.manifest import Manifest
+from vllm_offload_cli.core.region.naming import (
     parse_manifest_filename,
     parse_region_filename,
     split_engine_id,
     validate_engine_id,
 )
-from vllm_offload_cli.core.problems import Problem
-from vllm_offload_cli.core.procfs import ProcessRef, comm
-from vllm_offload_cli.core.procscan import FileUse, ProcessScan, scan_processes
 
 LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
 

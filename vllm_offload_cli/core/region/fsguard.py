@@ -13,12 +13,12 @@ import stat
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.errors import (
+from vllm_offload_cli.core.base.errors import (
     OperationFailedError,
     RegionNotFoundError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.problems import Problem
+from vllm_offload_cli.core.base.problems import Problem
 
 OPEN_EXISTING_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 

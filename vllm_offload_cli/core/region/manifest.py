@@ -20,16 +20,16 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from vllm_offload_cli.core import fsguard
-from vllm_offload_cli.core.errors import (
+from vllm_offload_cli.core.base.errors import (
     OffloadError,
     OperationFailedError,
     RegionNotFoundError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.geometry import Geometry
-from vllm_offload_cli.core.naming import split_engine_id
-from vllm_offload_cli.core.problems import Problem
+from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.region import fsguard
+from vllm_offload_cli.core.region.geometry import Geometry
+from vllm_offload_cli.core.region.naming import split_engine_id
 
 MANIFEST_VERSION = 1
 _MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours

@@ -11,7 +11,7 @@ import errno
 import fcntl
 import time
 
-from vllm_offload_cli.core.errors import RegionTimeoutError
+from vllm_offload_cli.core.base.errors import RegionTimeoutError
 
 
 def try_lock_exclusive(fd: int) -> bool:

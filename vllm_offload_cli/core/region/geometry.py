@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 from dataclasses import asdict, dataclass
 
-from vllm_offload_cli.core.errors import InvalidInputError
+from vllm_offload_cli.core.base.errors import InvalidInputError
 
 PAGESIZE = mmap.PAGESIZE
 

@@ -16,8 +16,8 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_offload_cli.core.fsguard import FileId
-from vllm_offload_cli.core.naming import PREFIX
+from vllm_offload_cli.core.region.fsguard import FileId
+from vllm_offload_cli.core.region.naming import PREFIX
 
 _DELETED = " (deleted)"
 

@@ -23,16 +23,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_offload_cli.core.errors import (
+from vllm_offload_cli.core.base.errors import (
     DeviceUnavailableError,
     InvalidInputError,
     OperationFailedError,
 )
-from vllm_offload_cli.core.geometry import default_row_stride
-from vllm_offload_cli.core.naming import manifest_path, region_path
-from vllm_offload_cli.core.region import SharedOffloadRegion
-from vllm_offload_cli.core.torch_import import import_torch
-from vllm_offload_cli.core.transfer import CopyWorker
+from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.region.geometry import default_row_stride
+from vllm_offload_cli.core.region.naming import manifest_path, region_path
+from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
+from vllm_offload_cli.core.transfer.worker import CopyWorker
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from vllm_offload_cli.core.errors import InvalidInputError
-from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.torch_import import import_torch
 
 if TYPE_CHECKING:
     import torch

@@ -26,9 +26,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_offload_cli.core import capacity, fsguard, locking
-from vllm_offload_cli.core import manifest as manifest_io
-from vllm_offload_cli.core.errors import (
+from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OffloadError,
     OperationFailedError,
@@ -37,12 +35,14 @@ from vllm_offload_cli.core.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.geometry import PAGESIZE, Geometry, check_rank
-from vllm_offload_cli.core.naming import DEFAULT_SHM_DIR, manifest_path, region_path
-from vllm_offload_cli.core.prefault import PopulateStats, Progress, populate, slot_ranges
-from vllm_offload_cli.core.procfs import ProcessRef, hostname
-from vllm_offload_cli.core.ranks import RankSource, parse_rank_source
-from vllm_offload_cli.core.torch_import import import_torch
+from vllm_offload_cli.core.base.procfs import ProcessRef, hostname
+from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.region import capacity, fsguard, locking
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, check_rank
+from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR, manifest_path, region_path
+from vllm_offload_cli.core.region.prefault import PopulateStats, Progress, populate, slot_ranges
+from vllm_offload_cli.core.region.ranks import RankSource, parse_rank_source
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,1 @@
+"""Looking at a host from outside: /proc scans for holders, page residency, region discovery."""

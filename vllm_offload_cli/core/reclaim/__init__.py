@@ -1,0 +1,1 @@
+"""Garbage collection: remove only provably stale regions, and report what was kept and why."""

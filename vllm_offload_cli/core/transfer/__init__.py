@@ -1,0 +1,7 @@
+"""Moving bytes: the copy worker, its CPU and CUDA backends, pinning and the benchmark."""
+
+from vllm_offload_cli.core.transfer.plan import Direction
+from vllm_offload_cli.core.transfer.result import TransferResult
+from vllm_offload_cli.core.transfer.worker import CopyWorker
+
+__all__ = ["CopyWorker", "Direction", "TransferResult"]
