@@ -1,0 +1,238 @@
+"""Where a region's pages really are: NUMA node per byte and huge pages, observed.
+
+Two sources, in order:
+
+* a holder's /proc/PID/smaps and numa_maps: the kernel's own account of the
+  pages that process maps (ShmemPmdMapped/FilePmdMapped for huge pages,
+  N<node>= per node). Mappings are matched by (dev, ino), so an unlinked
+  region's `(deleted)` mapping counts. Of several holders the one mapping the
+  most is used (a rank-less opener maps every slot, a worker only its own);
+* for a region nobody maps: our own read-only mapping of the pages mincore
+  says are resident, faulted in for reading (which allocates nothing: the
+  pages exist) and asked with move_pages(2) which node holds them. Large
+  regions are sampled (at most SAMPLE_PAGES pages, spread evenly).
+
+On a one-node host the answer needs no system call: every resident byte is
+on that node. Nothing here writes to a region or imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vllm_offload_cli.core.base import libc, numa
+from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.region.fsguard import FileId
+from vllm_offload_cli.core.region.geometry import PAGESIZE
+from vllm_offload_cli.core.region.placement import ThpSupport, pmd_mapped, thp_support
+
+SAMPLE_PAGES = 4096
+
+_HEADER = re.compile(
+    rb"^([0-9a-f]+)-([0-9a-f]+) \S+ [0-9a-f]+ ([0-9a-f]+):([0-9a-f]+) (\d+)")
+_NODE = re.compile(rb"\bN(\d+)=(\d+)")
+_KPAGE = re.compile(rb"\bkernelpagesize_kB=(\d+)")
+
+
+@dataclass(frozen=True)
+class HolderPages:
+    """What one process maps of one file: bytes per node and PMD-mapped (huge) bytes."""
+
+    pid: int
+    mapped_bytes: int  # Rss of the matching mappings
+    huge_bytes: int  # ShmemPmdMapped + FilePmdMapped
+    nodes: dict[int, int]  # node -> bytes, from numa_maps (empty if unreadable)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A region's observed placement; `source` says how it was learned."""
+
+    numa_nodes: dict[int, int] | None  # node -> bytes; None when unknown
+    huge_page_bytes: int | None  # bytes mapped with PMD (2 MiB) pages; None when unknown
+    source: str  # "numa_maps", "move_pages", "single_node" or "unknown"
+    pid: int | None = None  # the holder whose maps were read
+    sampled_pages: int | None = None  # move_pages: pages asked (fewer than resident: sampled)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "numa_nodes": None if self.numa_nodes is None else {
+                str(n): b for n, b in sorted(self.numa_nodes.items())},
+            "huge_page_bytes": self.huge_page_bytes,
+            "source": self.source,
+            "pid": self.pid,
+            "sampled_pages": self.sampled_pages,
+        }
+
+
+def holder_pages(pid: int, files: Iterable[FileId], proc: str = "/proc") -> HolderPages | None:
+    """Parse smaps and numa_maps of `pid` for mappings of `files`; None if unreadable."""
+    wanted = {(f.dev, f.ino) for f in files}
+    starts: set[int] = set()
+    rss = huge = 0
+    try:
+        with open(f"{proc}/{pid}/smaps", "rb") as f:
+            inside = False
+            for line in f:
+                m = _HEADER.match(line)
+                if m is not None:
+                    dev = os.makedev(int(m.group(3), 16), int(m.group(4), 16))
+                    inside = (dev, int(m.group(5))) in wanted
+                    if inside:
+                        starts.add(int(m.group(1), 16))
+                    continue
+                if inside:
+                    key, _, rest = line.partition(b":")
+                    if key in (b"Rss", b"ShmemPmdMapped", b"FilePmdMapped"):
+                        kib = int(rest.split()[0]) * 1024
+                        if key == b"Rss":
+                            rss += kib
+                        else:
+                            huge += kib
+    except (OSError, ValueError, IndexError):
+        return None
+    if not starts:
+        return None
+    return HolderPages(pid, rss, huge, _numa_maps(pid, starts, proc))
+
+
+def _numa_maps(pid: int, starts: set[int], proc: str) -> dict[int, int]:
+    nodes: dict[int, int] = defaultdict(int)
+    try:
+        with open(f"{proc}/{pid}/numa_maps", "rb") as f:
+            for line in f:
+                addr, _, rest = line.partition(b" ")
+                try:
+                    if int(addr, 16) not in starts:
+                        continue
+                except ValueError:
+                    continue
+                kpage = _KPAGE.search(rest)
+                unit = int(kpage.group(1)) * 1024 if kpage else PAGESIZE
+                for node, pages in _NODE.findall(rest):
+                    nodes[int(node)] += int(pages) * unit
+    except OSError:
+        return {}
+    return dict(nodes)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """Placement of a file's resident pages as seen through our own mapping."""
+
+    nodes: dict[int, int]  # node -> bytes, scaled from the sample
+    huge_bytes: int | None  # estimated bytes in PMD-mapped huge pages; None if unknown
+    asked: int  # pages sampled
+
+
+_PMD = 2 * 1024 * 1024
+
+
+def sample_resident(fd: int, length: int, *, sample: int = SAMPLE_PAGES,
+                    pages: bytes | None = None) -> Sampled:
+    """Nodes (and huge pages) of the resident pages of the first `length` bytes of `fd`.
+
+    Pages are faulted into our own read-only mapping first (move_pages only
+    sees mapped pages); only pages mincore calls resident are touched, so
+    nothing is allocated. The mapping asks for huge pages, so a sample that
+    lies in a huge page is mapped by one PMD: the share of sampled 2 MiB
+    windows that smaps reports PMD-mapped estimates the huge bytes.
+    """
+    if pages is None:
+        pages = residency.page_map(fd, 0, length)
+    resident = [i for i, v in enumerate(pages) if v]
+    if not resident:
+        return Sampled({}, 0, 0)
+    picked = resident if len(resident) <= sample else [
+        resident[(k * len(resident)) // sample] for k in range(sample)]
+    addr = libc.map_readonly(fd, length)
+    try:
+        with contextlib.suppress(OSError):  # THP not configured: no huge pages to see
+            libc.madvise(addr, length, libc.MADV_HUGEPAGE)
+        addrs = [addr + i * PAGESIZE for i in picked]
+        for a in addrs:
+            libc.madvise(a, PAGESIZE, libc.MADV_POPULATE_READ)
+        status = libc.page_nodes(addrs)
+        pmd = pmd_mapped(os.getpid(), addr)
+    finally:
+        libc.unmap(addr, length)
+    total = min(len(resident) * PAGESIZE, length)
+    windows = {(addr + i * PAGESIZE) // _PMD for i in picked}
+    huge = None if pmd is None else min(total, total * (pmd // _PMD) // len(windows))
+    counts: dict[int, int] = defaultdict(int)
+    for node in status:
+        if node >= 0:
+            counts[node] += 1
+    known = sum(counts.values())
+    if not known:
+        return Sampled({}, huge, len(picked))
+    out = {n: total * c // known for n, c in counts.items()}
+    # give rounding leftovers to the largest node, so the parts add up to the whole
+    top = max(out, key=lambda n: out[n])
+    out[top] += total - sum(out.values())
+    return Sampled(dict(out), huge, len(picked))
+
+
+def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[int],
+            resident_bytes: int | None, *, topo: numa.Topology | None = None,
+            thp: ThpSupport | None = None, measure: bool = True) -> Placement:
+    """Placement of one region: `files` are its (path, identity, size) segments.
+
+    `topo` and `thp` may be passed in by a caller observing many regions.
+    """
+    ids = [fid for _, fid, _ in files if fid is not None]
+    best: HolderPages | None = None
+    for holder in holder_pids:
+        found = holder_pages(holder, ids)
+        if found is not None and (best is None or found.mapped_bytes > best.mapped_bytes):
+            best = found
+    if best is not None and best.nodes:
+        return Placement(best.nodes, best.huge_bytes, "numa_maps", best.pid)
+    pid = None if best is None else best.pid
+    topo = topo or numa.topology()
+    if thp is None and files:
+        thp = thp_support(os.path.dirname(files[0][0]))
+    no_huge = thp is not None and not thp.allowed
+    if resident_bytes is not None and topo.single_node and no_huge:
+        nodes = {topo.nodes[0]: resident_bytes} if resident_bytes else {}
+        return Placement(nodes, 0, "single_node", pid)
+    if not measure or not libc.numa_syscalls_available():
+        return Placement(None, 0 if no_huge else None, "unknown", pid)
+    return _sample_files(files, pid) or Placement(None, 0 if no_huge else None, "unknown", pid)
+
+
+def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
+                  ) -> Placement | None:
+    """Sample every segment through our own mapping; None when one cannot be read."""
+    totals: dict[int, int] = defaultdict(int)
+    asked = 0
+    huge: int | None = 0
+    for path, fid, size in files:
+        if fid is None or size <= 0:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if FileId.of(os.fstat(fd)) != fid:
+                return None
+            got = sample_resident(fd, size, sample=max(1, SAMPLE_PAGES // len(files)))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL,
+                             errno.ENOMEM, errno.ENODEV):
+                return None
+            raise
+        finally:
+            os.close(fd)
+        asked += got.asked
+        huge = None if got.huge_bytes is None or huge is None else huge + got.huge_bytes
+        for node, b in got.nodes.items():
+            totals[node] += b
+    return Placement(dict(totals), huge, "move_pages", pid, asked)
