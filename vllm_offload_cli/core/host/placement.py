@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from vllm_offload_cli.core.base import libc, numa
 from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.host.discovery import RegionInfo
 from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 from vllm_offload_cli.core.region.placement import ThpSupport, pmd_mapped, thp_support
@@ -236,3 +237,20 @@ def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
         for node, b in got.nodes.items():
             totals[node] += b
     return Placement(dict(totals), huge, "move_pages", pid, asked)
+
+
+def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
+                ) -> dict[str, Placement]:
+    """Placement of each region, keyed by its first path (unique per region)."""
+    topo = numa.topology()
+    thp: dict[str, ThpSupport] = {}
+    out: dict[str, Placement] = {}
+    for r in regions:
+        files = [(s.path, s.file_id, s.size_bytes) for s in r.segments]
+        directory = os.path.dirname(r.segments[0].path)
+        if directory not in thp:
+            thp[directory] = thp_support(directory)
+        out[r.segments[0].path] = observe(
+            files, [h.pid for h in r.holders], r.resident_bytes, topo=topo,
+            thp=thp[directory], measure=measure and r.linked)
+    return out
