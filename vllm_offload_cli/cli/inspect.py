@@ -118,17 +118,14 @@ _STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red"}
 
 
 def _numa_text(p: Placement | None) -> str:
-    """'0:100%' or '0:62% 1:38%'; '-' when unknown or nothing is resident."""
+    """Resident share per node, then the huge-page share if any: 'n0:62% n1:38% thp:100%'."""
     if p is None or not p.numa_nodes:
         return "-"
     total = sum(p.numa_nodes.values())
-    return " ".join(f"{n}:{b * 100 / total:.0f}%" for n, b in sorted(p.numa_nodes.items()))
-
-
-def _huge_text(p: Placement | None) -> str:
-    if p is None or p.huge_page_bytes is None:
-        return "-"
-    return format_bytes(p.huge_page_bytes) if p.huge_page_bytes else "0"
+    parts = [f"n{n}:{b * 100 / total:.0f}%" for n, b in sorted(p.numa_nodes.items())]
+    if p.huge_page_bytes:
+        parts.append(f"thp:{min(100.0, p.huge_page_bytes * 100 / total):.0f}%")
+    return " ".join(parts)
 
 
 def render_table(out: Console, found: Inventory,
@@ -137,10 +134,10 @@ def render_table(out: Console, found: Inventory,
         out.print(f"No offload regions in {found.shm_dir}.")
     else:
         table = Table(box=None, header_style="bold", pad_edge=False)
-        for col in ("ENGINE ID", "DP", "STATE", "SIZE", "RESIDENT", "NUMA", "HUGE", "AGE",
-                    "HOLDERS", "PROBLEMS"):
-            table.add_column(col, no_wrap=col in ("SIZE", "RESIDENT", "AGE", "STATE", "NUMA",
-                                                  "HUGE"))
+        for col in ("ENGINE ID", "DP", "STATE", "SIZE", "RESIDENT", "NUMA", "AGE", "HOLDERS",
+                    "PROBLEMS"):
+            table.add_column(col, no_wrap=col in ("ENGINE ID", "SIZE", "RESIDENT", "NUMA", "AGE",
+                                                  "STATE"))
         for r in found.regions:
             name = r.engine_id if r.linked else f"{r.engine_id} (unlinked)"
             state = f"[{_STATE_STYLE.get(r.state, '')}]{r.state}[/]"
@@ -148,7 +145,7 @@ def render_table(out: Console, found: Inventory,
             where = None if placed is None else placed.get(r.paths[0])
             table.add_row(name, "-" if r.dp_rank is None else str(r.dp_rank), state,
                           format_bytes(r.size_bytes), format_bytes(r.resident_bytes),
-                          _numa_text(where), _huge_text(where), _age(r.age_seconds), _holders_text(r),
+                          _numa_text(where), _age(r.age_seconds), _holders_text(r),
                           problems)
         out.print(table)
         for r in found.regions:

@@ -147,7 +147,12 @@ def sample_resident(fd: int, length: int, *, sample: int = SAMPLE_PAGES,
     """
     if pages is None:
         pages = residency.page_map(fd, 0, length)
-    resident = [i for i, v in enumerate(pages) if v]
+    return sample_pages(fd, length, [i for i, v in enumerate(pages) if v], sample=sample)
+
+
+def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAMPLE_PAGES
+                 ) -> Sampled:
+    """Like sample_resident, for the given resident page indices only (e.g. one slot's)."""
     if not resident:
         return Sampled({}, 0, 0)
     picked = resident if len(resident) <= sample else [
