@@ -20,9 +20,9 @@ def parse_cpulist(text: str) -> frozenset[int]:
         part = part.strip()
         if not part:
             continue
-        first, _, last = part.partition("-")
+        first, dash, last = part.partition("-")
         lo = int(first)
-        hi = int(last) if last else lo
+        hi = int(last) if dash else lo
         if hi < lo:
             raise ValueError(f"bad CPU range {part!r}")
         out.update(range(lo, hi + 1))
