@@ -25,7 +25,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--device --size --cpu-page-size --world-size --blocks-per-transfer --repeat --pattern --threads --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--device --size --cpu-page-size --world-size --blocks-per-transfer --repeat --pattern --threads --huge-pages --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         fi ;;
     create)
         case "$prev" in

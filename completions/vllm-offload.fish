@@ -21,6 +21,7 @@ complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark' -l blocks-pe
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark' -l repeat -r -d 'Timed rounds per figure (each: 2 memcpys, then 2 jobs in flight); the best round is shown, the median is also in --json.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark' -l pattern -r -d 'Block-id patterns to measure (repeatable).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark' -l threads -r -d 'Pre-fault threads.'
+complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark' -l huge-pages -d 'Also measure pre-fault and contiguous copies with normal and with transparent huge pages (largest block size) and report the ratio.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark' -l shm-dir -r -F -d 'Directory that holds the regions.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark' -l json -d 'Print exactly one JSON document on stdout (see the man page for its schema).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark' -l verbose -s v -d 'More diagnostics on stderr (repeatable).'

@@ -466,3 +466,52 @@ def test_vanished_worker_has_unknown_affinity(shm_dir: Path, holders: Any) -> No
     finally:
         os.close(fd)
     assert gone.cpu_nodes is None and gone.remote is False
+
+
+# -- benchmark --huge-pages ------------------------------------------------------------------
+
+_BENCH = ("benchmark", "--device", "cpu", "--size", "8MiB", "--cpu-page-size", "2MiB",
+          "--repeat", "1", "--pattern", "contiguous", "--huge-pages", "--json")
+
+
+def test_benchmark_says_why_huge_pages_were_not_measured(cli: Any, shm_dir: Path) -> None:
+    support = placement.thp_support(shm_dir)
+    if support.allowed:
+        pytest.skip(f"this host gives huge pages in {shm_dir}")
+    result = cli(*_BENCH, "--shm-dir", str(shm_dir))
+    assert result.exit_code == 0, result.stdout
+    huge = result.json["data"]["huge_pages"]
+    assert huge["available"] is False and huge["reason"] == support.reason
+    assert huge["ratio"] is None and huge["huge"] is None
+    assert result.json["data"]["rows"]  # the rest of the benchmark ran
+    assert list(shm_dir.iterdir()) == []
+
+
+_BENCH_SCRIPT = f"""
+import sys
+from typer.testing import CliRunner
+from vllm_offload_cli.cli.app import app
+from vllm_offload_cli.core.region.placement import thp_support
+if not thp_support(sys.argv[1]).allowed:
+    sys.exit(99)
+r = CliRunner().invoke(app, [*{list(_BENCH)!r}, "--shm-dir", sys.argv[1]])
+print(r.stdout)
+import os
+print(sorted(os.listdir(sys.argv[1])), file=sys.stderr)
+"""
+
+
+def test_benchmark_compares_normal_and_huge_pages(tmp_path: Path) -> None:
+    proc = _in_private_thp_mount(tmp_path, _BENCH_SCRIPT)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["exit_code"] == 0
+    huge = doc["data"]["huge_pages"]
+    assert huge["available"] is True and huge["block_bytes"] == 2 * 1024 * 1024
+    assert huge["huge"]["huge_page_bytes"] == 8 * 1024 * 1024  # the kernel gave them
+    assert not huge["normal"]["huge_page_bytes"]
+    for key in ("prefault", "store", "load"):
+        assert huge["ratio"][key] > 0
+        assert huge["normal"][f"{key}_gbps"] > 0 and huge["huge"][f"{key}_gbps"] > 0
+    assert doc["data"]["removed"] is True
+    assert proc.stderr.strip().endswith("[]")  # nothing left in the tmpfs
