@@ -312,8 +312,12 @@ for name, mode in (("big", "always"), ("small", "never")):
     r = run(app, ["create", name, "--world-size", "1", "--cpu-page-size", "2MiB", "--size",
                   "16MiB", "--shm-dir", shm, "--huge-pages", mode, "--json"])
     out[name] = json.loads(r.stdout)
+from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
+held = SharedOffloadRegion("held", 8, None, 2 << 20, 2 << 20, shm_dir=shm, world_size=1,
+                           huge_pages="always")  # this process is its holder
 r = run(app, ["inspect", "--shm-dir", shm, "--json"])
 out["inspect"] = json.loads(r.stdout)
+held.cleanup()
 r = run(app, ["inspect", "--shm-dir", shm])
 out["table"] = r.stdout
 print(json.dumps(out))
@@ -334,6 +338,12 @@ def test_huge_pages_on_a_tmpfs_that_allows_them(tmp_path: Path) -> None:
     assert regions["big"]["huge_page_bytes"] == 16 * 1024 * 1024
     assert regions["big"]["numa_nodes"] == {str(FIRST_NODE): 16 * 1024 * 1024}
     assert regions["small"]["huge_page_bytes"] == 0
+    # a holder's own account: its smaps and numa_maps, matched by inode
+    held = regions["held"]
+    assert held["placement"]["source"] == "numa_maps"
+    assert held["numa_nodes"] == {str(FIRST_NODE): 16 * 1024 * 1024}
+    assert held["huge_page_bytes"] == 16 * 1024 * 1024
+    assert held["placement"]["requested"]["huge_pages"] == "always"
     assert "thp:100%" in out["table"]
 
 
@@ -392,10 +402,16 @@ def test_inspect_shows_placement_of_held_unheld_and_empty_regions(
     full, empty, held = regions["full"], regions["empty"], regions["held"]
     assert full["numa_nodes"] == {str(FIRST_NODE): full["resident_bytes"]} != {}
     assert empty["numa_nodes"] == {} and empty["resident_bytes"] == 0
-    # the worker pre-faulted only its slot: numa_maps counts the pages it maps
-    assert held["placement"]["source"] == "numa_maps"
-    assert held["placement"]["pid"] == worker.pid
-    assert held["numa_nodes"] == {str(FIRST_NODE): 4 * PAGE}
+    if TOPO.single_node and not placement.thp_support(shm_dir).allowed:
+        # nothing to read: every resident byte is on the one node, none in huge pages
+        assert held["placement"]["source"] == "single_node"
+        assert held["numa_nodes"] == {str(FIRST_NODE): held["resident_bytes"]}
+        assert held["huge_page_bytes"] == 0
+    else:
+        # the worker pre-faulted only its slot: numa_maps counts the pages it maps
+        assert held["placement"]["source"] == "numa_maps"
+        assert held["placement"]["pid"] == worker.pid
+        assert held["numa_nodes"] == {str(FIRST_NODE): 4 * PAGE}
     for r in regions.values():
         assert r["huge_page_bytes"] in (0, None) or r["huge_page_bytes"] >= 0
     table = cli("inspect", "--shm-dir", str(shm_dir))

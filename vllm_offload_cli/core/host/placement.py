@@ -74,53 +74,78 @@ class Placement:
 
 def holder_pages(pid: int, files: Iterable[FileId], proc: str = "/proc") -> HolderPages | None:
     """Parse smaps and numa_maps of `pid` for mappings of `files`; None if unreadable."""
-    wanted = {(f.dev, f.ino) for f in files}
-    starts: set[int] = set()
-    rss = huge = 0
+    ids = {(f.dev, f.ino) for f in files}
+    return merge(pid, scan_holder(pid, ids, proc), ids)
+
+
+def merge(pid: int, found: dict[tuple[int, int], HolderPages] | None,
+          ids: Iterable[tuple[int, int]]) -> HolderPages | None:
+    """One region's share of a scan_holder() result (its segments added up)."""
+    parts = [found[i] for i in ids if found and i in found]
+    if not parts:
+        return None
+    nodes: dict[int, int] = defaultdict(int)
+    for part in parts:
+        for n, b in part.nodes.items():
+            nodes[n] += b
+    return HolderPages(pid, sum(p.mapped_bytes for p in parts),
+                       sum(p.huge_bytes for p in parts), dict(nodes))
+
+
+def scan_holder(pid: int, wanted: set[tuple[int, int]], proc: str = "/proc"
+                ) -> dict[tuple[int, int], HolderPages] | None:
+    """Per (dev, ino) in `wanted`: what `pid` maps of it; one pass over smaps and numa_maps
+    (the kernel walks every page table to produce them, so callers read each once)."""
+    starts: dict[int, tuple[int, int]] = {}
+    rss: dict[tuple[int, int], int] = defaultdict(int)
+    huge: dict[tuple[int, int], int] = defaultdict(int)
     try:
         with open(f"{proc}/{pid}/smaps", "rb") as f:
-            inside = False
+            current: tuple[int, int] | None = None
             for line in f:
                 m = _HEADER.match(line)
                 if m is not None:
-                    dev = os.makedev(int(m.group(3), 16), int(m.group(4), 16))
-                    inside = (dev, int(m.group(5))) in wanted
-                    if inside:
-                        starts.add(int(m.group(1), 16))
+                    key = (os.makedev(int(m.group(3), 16), int(m.group(4), 16)),
+                           int(m.group(5)))
+                    current = key if key in wanted else None
+                    if current is not None:
+                        starts[int(m.group(1), 16)] = current
                     continue
-                if inside:
-                    key, _, rest = line.partition(b":")
-                    if key in (b"Rss", b"ShmemPmdMapped", b"FilePmdMapped"):
-                        kib = int(rest.split()[0]) * 1024
-                        if key == b"Rss":
-                            rss += kib
-                        else:
-                            huge += kib
+                if current is not None:
+                    name, _, rest = line.partition(b":")
+                    if name == b"Rss":
+                        rss[current] += int(rest.split()[0]) * 1024
+                    elif name in (b"ShmemPmdMapped", b"FilePmdMapped"):
+                        huge[current] += int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     if not starts:
-        return None
-    return HolderPages(pid, rss, huge, _numa_maps(pid, starts, proc))
+        return {}
+    nodes = _numa_maps(pid, starts, proc)
+    return {key: HolderPages(pid, rss[key], huge[key], dict(nodes.get(key, {})))
+            for key in set(starts.values())}
 
 
-def _numa_maps(pid: int, starts: set[int], proc: str) -> dict[int, int]:
-    nodes: dict[int, int] = defaultdict(int)
+def _numa_maps(pid: int, starts: dict[int, tuple[int, int]], proc: str
+               ) -> dict[tuple[int, int], dict[int, int]]:
+    nodes: dict[tuple[int, int], dict[int, int]] = defaultdict(lambda: defaultdict(int))
     try:
         with open(f"{proc}/{pid}/numa_maps", "rb") as f:
             for line in f:
                 addr, _, rest = line.partition(b" ")
                 try:
-                    if int(addr, 16) not in starts:
-                        continue
+                    key = starts.get(int(addr, 16))
                 except ValueError:
+                    continue
+                if key is None:
                     continue
                 kpage = _KPAGE.search(rest)
                 unit = int(kpage.group(1)) * 1024 if kpage else PAGESIZE
                 for node, pages in _NODE.findall(rest):
-                    nodes[int(node)] += int(pages) * unit
+                    nodes[key][int(node)] += int(pages) * unit
     except OSError:
         return {}
-    return dict(nodes)
+    return nodes
 
 
 @dataclass(frozen=True)
@@ -185,29 +210,37 @@ def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAM
     return Sampled(dict(out), huge, len(picked))
 
 
+HolderScans = dict[int, "dict[tuple[int, int], HolderPages] | None"]
+
+
 def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[int],
             resident_bytes: int | None, *, topo: numa.Topology | None = None,
-            thp: ThpSupport | None = None, measure: bool = True) -> Placement:
+            thp: ThpSupport | None = None, measure: bool = True,
+            scans: HolderScans | None = None) -> Placement:
     """Placement of one region: `files` are its (path, identity, size) segments.
 
-    `topo` and `thp` may be passed in by a caller observing many regions.
+    `topo`, `thp` and `scans` (scan_holder() results by pid) may be passed in by
+    a caller observing many regions. On a one-node host whose mount gives no
+    huge pages the answer is known without reading any holder.
     """
-    ids = [fid for _, fid, _ in files if fid is not None]
-    best: HolderPages | None = None
-    for holder in holder_pids:
-        found = holder_pages(holder, ids)
-        if found is not None and (best is None or found.mapped_bytes > best.mapped_bytes):
-            best = found
-    if best is not None and best.nodes:
-        return Placement(best.nodes, best.huge_bytes, "numa_maps", best.pid)
-    pid = None if best is None else best.pid
     topo = topo or numa.topology()
     if thp is None and files:
         thp = thp_support(os.path.dirname(files[0][0]))
     no_huge = thp is not None and not thp.allowed
     if resident_bytes is not None and topo.single_node and no_huge:
         nodes = {topo.nodes[0]: resident_bytes} if resident_bytes else {}
-        return Placement(nodes, 0, "single_node", pid)
+        return Placement(nodes, 0, "single_node")
+    ids = {(fid.dev, fid.ino) for _, fid, _ in files if fid is not None}
+    best: HolderPages | None = None
+    for holder in holder_pids:
+        scan = scans[holder] if scans is not None and holder in scans else scan_holder(
+            holder, ids)
+        found = merge(holder, scan, ids)
+        if found is not None and (best is None or found.mapped_bytes > best.mapped_bytes):
+            best = found
+    if best is not None and best.nodes:
+        return Placement(best.nodes, best.huge_bytes, "numa_maps", best.pid)
+    pid = None if best is None else best.pid
     if not measure or not libc.numa_syscalls_available():
         return Placement(None, 0 if no_huge else None, "unknown", pid)
     return _sample_files(files, pid) or Placement(None, 0 if no_huge else None, "unknown", pid)
@@ -247,15 +280,25 @@ def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
 def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
                 ) -> dict[str, Placement]:
     """Placement of each region, keyed by its first path (unique per region)."""
+    regions = list(regions)
     topo = numa.topology()
     thp: dict[str, ThpSupport] = {}
-    out: dict[str, Placement] = {}
     for r in regions:
-        files = [(s.path, s.file_id, s.size_bytes) for s in r.segments]
         directory = os.path.dirname(r.segments[0].path)
         if directory not in thp:
             thp[directory] = thp_support(directory)
+    easy = topo.single_node and not any(t.allowed for t in thp.values())
+    scans: HolderScans = {}
+    if not easy:  # each holder's smaps and numa_maps once, for every region it maps
+        wanted = {(s.file_id.dev, s.file_id.ino) for r in regions for s in r.segments
+                  if s.file_id is not None}
+        for pid in {h.pid for r in regions for h in r.holders}:
+            scans[pid] = scan_holder(pid, wanted)
+    out: dict[str, Placement] = {}
+    for r in regions:
+        files = [(s.path, s.file_id, s.size_bytes) for s in r.segments]
         out[r.segments[0].path] = observe(
             files, [h.pid for h in r.holders], r.resident_bytes, topo=topo,
-            thp=thp[directory], measure=measure and r.linked)
+            thp=thp[os.path.dirname(r.segments[0].path)], measure=measure and r.linked,
+            scans=scans)
     return out
