@@ -25,7 +25,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--device --size --cpu-page-size --world-size --blocks-per-transfer --repeat --pattern --threads --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--device --size --cpu-page-size --world-size --blocks-per-transfer --repeat --pattern --threads --huge-pages --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         fi ;;
     create)
         case "$prev" in
@@ -35,10 +35,13 @@ _vllm_offload() {
             --num-blocks) COMPREPLY=(); return ;;
             --size) COMPREPLY=(); return ;;
             --threads) COMPREPLY=(); return ;;
+            --numa-node) COMPREPLY=(); return ;;
+            --numa-policy) COMPREPLY=($(compgen -W "bind interleave preferred" -- "$cur")); return ;;
+            --huge-pages) COMPREPLY=($(compgen -W "never auto always" -- "$cur")); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --numa-node --numa-policy --huge-pages --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -101,6 +101,9 @@ def benchmark_cmd(
     threads: Annotated[int | None, typer.Option(
         "--threads", min=1, help="Pre-fault threads.", show_default="CPUs, at most 8")
     ] = None,
+    huge_pages: Annotated[bool, typer.Option(
+        "--huge-pages", help="Also measure pre-fault and contiguous copies with normal and "
+        "with transparent huge pages (largest block size) and report the ratio.")] = False,
 ) -> Outcome:
     """Create a scratch region, measure pre-fault and the copy workers' store and load
     throughput for each block size and block-id pattern, and a plain memcpy of the same
@@ -118,7 +121,8 @@ def benchmark_cmd(
     config = BenchConfig(
         shm_dir=shm_dir, device=resolved, size_bytes=size_bytes, block_sizes=blocks,
         world_size=world_size, blocks_per_transfer=blocks_per_transfer, repeat=repeat,
-        patterns=patterns, populate_threads=threads or max(1, min(8, os.cpu_count() or 1)))
+        patterns=patterns, populate_threads=threads or max(1, min(8, os.cpu_count() or 1)),
+        huge_pages=huge_pages)
     inv.info(f"benchmarking on {resolved}, block sizes "
              f"{', '.join(format_bytes(b) for b in blocks)}")
     with _sigterm_interrupts(), inv.progress("benchmark", 1) as update:
@@ -160,6 +164,16 @@ def _render(out: Console, report: BenchReport) -> None:
                       _gbps(r.load.gbps), _gbps(r.load.memcpy_gbps), f"{r.load.ratio:.2f}x",
                       f"{r.store.method}/{r.load.method}")
     out.print(table)
+    huge = report.huge_pages
+    if huge is not None:
+        if not huge.available or huge.huge is None or huge.ratios is None:
+            out.print(f"Huge pages not measured: {huge.reason}", highlight=False, markup=False)
+        else:
+            q = huge.ratios
+            out.print(f"Huge pages {format_bytes(huge.block_bytes)} blocks, huge / normal: "
+                      f"pre-fault {q['prefault']:.2f}x, store {q['store']:.2f}x, load "
+                      f"{q['load']:.2f}x ({format_bytes(huge.huge.huge_page_bytes)} mapped "
+                      "huge)", highlight=False, markup=False)
     target = report.target
     if target:
         verdicts = "; ".join(

@@ -101,7 +101,8 @@ class Invocation:
 
     @property
     def show_progress(self) -> bool:
-        return self.verbosity >= 0 and self.err.is_terminal
+        # --json promises one document and nothing else: no bar either
+        return self.verbosity >= 0 and not self.json_output and self.err.is_terminal
 
     @contextmanager
     def progress(self, description: str, total: int) -> Iterator[Callable[[int, int], None]]:

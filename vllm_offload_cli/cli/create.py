@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 from types import FrameType
@@ -12,6 +13,7 @@ from rich.console import Console
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.numa import parse_cpulist
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
@@ -23,6 +25,31 @@ class _Released(Exception):  # noqa: N818 - a signal, not an error
 
 def _release(signum: int, frame: FrameType | None) -> None:
     raise _Released(signal.Signals(signum).name)
+
+
+class NumaPolicy(str, enum.Enum):
+    bind = "bind"
+    interleave = "interleave"
+    preferred = "preferred"
+
+
+class HugePages(str, enum.Enum):
+    never = "never"
+    auto = "auto"
+    always = "always"
+
+
+def _nodes(spec: str | None) -> tuple[int, ...] | None:
+    if spec is None:
+        return None
+    try:
+        nodes = parse_cpulist(spec)
+    except ValueError:
+        nodes = frozenset()
+    if not nodes:
+        raise InvalidInputError(f"--numa-node {spec!r} is not a node number or list (e.g. 0, "
+                                "0,1 or 0-3)", code="invalid_numa_node")
+    return tuple(sorted(nodes))
 
 
 def default_threads() -> int:
@@ -79,6 +106,17 @@ def create(
                                        "then remove it.")] = False,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Pre-fault "
                                                 "threads (default: min(8, CPUs)).")] = None,
+    numa_node: Annotated[str | None, typer.Option(
+        "--numa-node", metavar="NODES", show_default=False,
+        help="Place the region's pages on this NUMA node (or list, e.g. 0-1 for "
+        "interleave) before pre-fault.")] = None,
+    numa_policy: Annotated[NumaPolicy | None, typer.Option(
+        "--numa-policy", show_default="bind with --numa-node",
+        help="bind: only these nodes; interleave: round-robin over them (default: all "
+        "nodes); preferred: this node first.")] = None,
+    huge_pages: Annotated[HugePages, typer.Option(
+        "--huge-pages", help="Transparent huge pages: always (error, exit 5, where the "
+        "kernel refuses), auto (warn and continue), never.")] = HugePages.never,
 ) -> Outcome:
     """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
 
@@ -92,12 +130,15 @@ def create(
     full_id = with_dp_rank(engine_id, dp_rank)
     geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)
     shm_dir = shm_dir_checked(inv)
+    nodes = _nodes(numa_node)
     with inv.progress("pre-faulting", geometry.size_bytes) as progress:
         region = SharedOffloadRegion(
             full_id, geometry.num_blocks, None, geometry.row_stride, geometry.cpu_page_size,
             shm_dir=shm_dir, world_size=geometry.world_size, create_only=True,
             persistent=not hold, populate_pages=not no_populate,
             populate_threads=threads or default_threads(), progress=progress,
+            numa_node=nodes, numa_policy=None if numa_policy is None else numa_policy.value,
+            huge_pages=huge_pages.value,
         )
     stats = region.populate_stats
     data: dict[str, Any] = {
@@ -112,7 +153,12 @@ def create(
         "populate_threads": None if stats is None else stats.threads,
         "persistent": not hold,
         "held": hold,
+        "placement": {**region.placement.to_record(),
+                      "huge_page_bytes": region.huge_page_bytes},
     }
+    if huge_pages is HugePages.always and stats is not None and not region.huge_page_bytes:
+        inv.warn("no_huge_pages", "--huge-pages always: the kernel allows huge pages here but "
+                 "mapped none (fragmented memory, or the region is smaller than 2 MiB)")
     if not hold:
         region.cleanup()  # persistent: closes without unlinking
         return Outcome(data, render=lambda out: _render(out, data))
@@ -148,5 +194,14 @@ def _render(out: Console, data: dict[str, Any]) -> None:
                   f"({data['populate_gbps']:.2f} GB/s, {data['populate_threads']} thread(s))")
     else:
         out.print("  pre-fault skipped (--no-populate)")
+    p = data["placement"]
+    if p["numa_policy"] is not None:
+        out.print(f"  numa      {p['numa_policy']} node(s) "
+                  f"{','.join(str(n) for n in p['numa_nodes'])}")
+    if p["huge_pages"] != "never":
+        got = p["huge_page_bytes"]
+        out.print(f"  huge pages {p['huge_pages']}: " + (
+            "not available (normal pages)" if not p["huge_pages_advised"] else
+            f"{format_bytes(got)} mapped with 2 MiB pages" if got is not None else "advised"))
     if data["persistent"]:
         out.print("  persistent: kept until removed with `vllm-offload gc --include-persistent`")

@@ -16,6 +16,7 @@ from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, su
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
+from vllm_offload_cli.core.host.placement import Placement, observe_all
 
 
 class Format(str, enum.Enum):
@@ -24,14 +25,27 @@ class Format(str, enum.Enum):
     prometheus = "prometheus"
 
 
-def inventory_data(inv: Inventory) -> dict[str, Any]:
+def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
+                   ) -> dict[str, Any]:
     return {
         "shm_dir": inv.shm_dir,
-        "regions": [r.to_dict() for r in inv.regions],
+        "regions": [_region_dict(r, placed) for r in inv.regions],
         "orphan_manifests": [o.path for o in inv.orphan_manifests],
         "shm": {"total_bytes": inv.shm.total_bytes, "free_bytes": inv.shm.free_bytes},
         "uninspectable_processes": inv.uninspectable_processes,
     }
+
+
+def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None) -> dict[str, Any]:
+    doc = r.to_dict()
+    p = None if placed is None else placed.get(r.paths[0])
+    if p is not None:
+        pd = p.to_dict()
+        doc["numa_nodes"] = pd.pop("numa_nodes")
+        doc["huge_page_bytes"] = pd.pop("huge_page_bytes")
+        doc["placement"] = {**pd, "requested": None if r.manifest is None
+                            else r.manifest.placement}
+    return doc
 
 
 @subcommand("inspect")
@@ -70,16 +84,17 @@ def inspect_cmd(
         inv.warn("uninspectable_processes",
                  f"{found.uninspectable_processes} process(es) could not be inspected "
                  "(permission denied); regions they use may show fewer holders")
-    data = inventory_data(found)
+    placed = observe_all(found.regions, measure=not no_residency)
+    data = inventory_data(found, placed)
     if fmt is Format.prometheus:
-        metrics.emit(_registry(found), output)
+        metrics.emit(_registry(found, placed), output)
         if output is not None:
             data["output"] = str(output)
         return Outcome(data, render=None if output is None else
                        lambda out: out.print(f"Wrote {output}"))
     if fmt is Format.json:
         inv.json_output = True
-    return Outcome(data, render=lambda out: render_table(out, found))
+    return Outcome(data, render=lambda out: render_table(out, found, placed))
 
 
 def _holders_text(r: RegionInfo) -> str:
@@ -102,21 +117,36 @@ def _age(seconds: float | None) -> str:
 _STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red"}
 
 
-def render_table(out: Console, found: Inventory) -> None:
+def _numa_text(p: Placement | None) -> str:
+    """Resident share per node, then the huge-page share if any: 'n0:62% n1:38% thp:100%'."""
+    if p is None or not p.numa_nodes:
+        return "-"
+    total = sum(p.numa_nodes.values())
+    parts = [f"n{n}:{b * 100 / total:.0f}%" for n, b in sorted(p.numa_nodes.items())]
+    if p.huge_page_bytes:
+        parts.append(f"thp:{min(100.0, p.huge_page_bytes * 100 / total):.0f}%")
+    return " ".join(parts)
+
+
+def render_table(out: Console, found: Inventory,
+                 placed: dict[str, Placement] | None = None) -> None:
     if not found.regions:
         out.print(f"No offload regions in {found.shm_dir}.")
     else:
         table = Table(box=None, header_style="bold", pad_edge=False)
-        for col in ("ENGINE ID", "DP", "STATE", "SIZE", "RESIDENT", "AGE", "HOLDERS",
+        for col in ("ENGINE ID", "DP", "STATE", "SIZE", "RESIDENT", "NUMA", "AGE", "HOLDERS",
                     "PROBLEMS"):
-            table.add_column(col, no_wrap=col in ("SIZE", "RESIDENT", "AGE", "STATE"))
+            table.add_column(col, no_wrap=col in ("ENGINE ID", "SIZE", "RESIDENT", "NUMA", "AGE",
+                                                  "STATE"))
         for r in found.regions:
             name = r.engine_id if r.linked else f"{r.engine_id} (unlinked)"
             state = f"[{_STATE_STYLE.get(r.state, '')}]{r.state}[/]"
             problems = "; ".join(p.code for p in r.problems) or "-"
+            where = None if placed is None else placed.get(r.paths[0])
             table.add_row(name, "-" if r.dp_rank is None else str(r.dp_rank), state,
                           format_bytes(r.size_bytes), format_bytes(r.resident_bytes),
-                          _age(r.age_seconds), _holders_text(r), problems)
+                          _numa_text(where), _age(r.age_seconds), _holders_text(r),
+                          problems)
         out.print(table)
         for r in found.regions:
             for p in r.problems:
@@ -129,7 +159,7 @@ def render_table(out: Console, found: Inventory) -> None:
         out.print(f"  orphaned manifest: {o.path}", highlight=False, markup=False)
 
 
-def _registry(found: Inventory) -> Any:
+def _registry(found: Inventory, placed: dict[str, Placement] | None = None) -> Any:
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
@@ -145,6 +175,9 @@ def _registry(found: Inventory) -> Any:
     state = gauge("vllm_offload_region_state", "1 for the region's current state.", ("state",))
     problems = gauge("vllm_offload_region_problems", "Problems found in the region.")
     linked = gauge("vllm_offload_region_linked", "1 if the region still has a name.")
+    numa_bytes = gauge("vllm_offload_region_numa_bytes", "Resident bytes on each NUMA node.",
+                       ("node",))
+    huge = gauge("vllm_offload_region_huge_page_bytes", "Bytes mapped with huge pages.")
     for r in found.regions:
         key = (r.engine_id, r.base_engine_id, "" if r.dp_rank is None else str(r.dp_rank))
         size.labels(*key).set(r.size_bytes)
@@ -157,6 +190,12 @@ def _registry(found: Inventory) -> Any:
             state.labels(*key, s).set(1 if r.state == s else 0)
         problems.labels(*key).set(len(r.problems))
         linked.labels(*key).set(1 if r.linked else 0)
+        p = None if placed is None else placed.get(r.paths[0])
+        if p is not None:
+            for node, b in (p.numa_nodes or {}).items():
+                numa_bytes.labels(*key, str(node)).set(b)
+            if p.huge_page_bytes is not None:
+                huge.labels(*key).set(p.huge_page_bytes)
     count = Gauge("vllm_offload_regions", "Regions by state.", ["state"], registry=registry)
     for s in ("live", "persistent", "stale"):
         count.labels(s).set(sum(r.state == s for r in found.regions))

@@ -9,9 +9,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import platform
 from functools import cache
 
+MADV_POPULATE_READ = 22  # Linux >= 5.14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
+MADV_HUGEPAGE = 14
 PROT_READ = 0x1
 MAP_SHARED = 0x01
 MAP_FAILED = ctypes.c_void_p(-1).value
@@ -29,7 +32,22 @@ def _libc() -> ctypes.CDLL:
     lib.mmap.restype = ctypes.c_void_p
     lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.munmap.restype = ctypes.c_int
+    lib.syscall.restype = ctypes.c_long
     return lib
+
+
+# NUMA system calls have no libc wrapper (they live in libnuma, which may be
+# absent); their numbers differ by architecture.
+_NUMA_SYSCALLS = {  # machine: (mbind, move_pages)
+    "x86_64": (237, 279),
+    "aarch64": (235, 239),
+    "arm64": (235, 239),
+    "riscv64": (235, 239),
+}
+
+
+def numa_syscalls_available() -> bool:
+    return platform.machine() in _NUMA_SYSCALLS
 
 
 def _check(rc: int, what: str) -> None:
@@ -44,6 +62,33 @@ def madvise(addr: int, length: int, advice: int) -> None:
 
 def mincore(addr: int, length: int, vec: ctypes.Array[ctypes.c_ubyte]) -> None:
     _check(_libc().mincore(addr, length, vec), "mincore")
+
+
+def mbind(addr: int, length: int, mode: int, nodemask: ctypes.Array[ctypes.c_ulong],
+          flags: int = 0) -> None:
+    """mbind(2): set the memory policy of [addr, addr+length); shmem keeps it per file."""
+    number = _NUMA_SYSCALLS.get(platform.machine())
+    if number is None:
+        raise OSError(38, f"mbind: not supported on {platform.machine()}")  # ENOSYS
+    maxnode = len(nodemask) * 8 * ctypes.sizeof(ctypes.c_ulong)
+    rc = _libc().syscall(ctypes.c_long(number[0]), ctypes.c_void_p(addr),
+                         ctypes.c_ulong(length), ctypes.c_ulong(mode), nodemask,
+                         ctypes.c_ulong(maxnode + 1), ctypes.c_uint(flags))
+    _check(int(rc), "mbind")
+
+
+def page_nodes(addrs: list[int]) -> list[int]:
+    """move_pages(2) with nodes=NULL: the node of each page (negative errno if none)."""
+    number = _NUMA_SYSCALLS.get(platform.machine())
+    if number is None:
+        raise OSError(38, f"move_pages: not supported on {platform.machine()}")
+    count = len(addrs)
+    pages = (ctypes.c_void_p * count)(*addrs)
+    status = (ctypes.c_int * count)()
+    rc = _libc().syscall(ctypes.c_long(number[1]), ctypes.c_int(0), ctypes.c_ulong(count),
+                         pages, None, status, ctypes.c_int(0))
+    _check(int(rc), "move_pages")
+    return list(status)
 
 
 def map_readonly(fd: int, length: int, offset: int = 0) -> int:

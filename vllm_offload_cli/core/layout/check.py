@@ -27,6 +27,7 @@ from vllm_offload_cli.core.base.errors import (
 )
 from vllm_offload_cli.core.base.procfs import ProcessRef
 from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, default_row_stride
@@ -122,6 +123,7 @@ class LiveCheck:
     slots: tuple[SlotReport, ...]
     problems: tuple[CheckProblem, ...]
     notes: tuple[CheckProblem, ...] = field(default_factory=tuple)
+    placement: tuple[affinity.WorkerPlacement, ...] = field(default_factory=tuple)
 
     @property
     def ok(self) -> bool:
@@ -138,6 +140,7 @@ class LiveCheck:
             "stale_attachments": self.stale_attachments,
             "slots": [s.to_dict() for s in self.slots],
             "notes": [n.to_dict() for n in self.notes],
+            "numa": [w.to_dict() for w in self.placement],
         }
 
 
@@ -216,6 +219,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
                 workers.append(AttachedWorker(a.pid, a.rank, a.device_index, a.rank_source,
                                               a.host))
     slots: list[SlotReport] = []
+    placed: list[affinity.WorkerPlacement] = []
     if geometry is not None and geometry.world_size is not None:
         w_problems, w_notes = _worker_checks(workers, geometry.world_size, manifest is not None)
         problems += w_problems
@@ -230,6 +234,10 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
             problems += s_problems
             notes += s_notes
             slots = [_with_status(s, problems) for s in slots]
+            placed = affinity.check_workers(fd, geometry, rows, [
+                (w.pid, w.rank) for w in workers if 0 <= w.rank < geometry.world_size])
+            notes += [CheckProblem("numa_remote", affinity.remote_message(w), ranks=(w.rank,),
+                                   pids=(w.pid,)) for w in placed if w.remote]
 
     return LiveCheck(
         engine_id=engine_id, path=path,
@@ -238,6 +246,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
         rank_source=None if manifest is None else manifest.rank_source,
         workers=tuple(workers), rankless_openers=rankless, stale_attachments=stale,
         slots=tuple(slots), problems=tuple(problems), notes=tuple(notes),
+        placement=tuple(placed),
     )
 
 

@@ -27,7 +27,7 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import Problem
-from vllm_offload_cli.core.region import fsguard
+from vllm_offload_cli.core.region import fsguard, placement
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.naming import split_engine_id
 
@@ -66,6 +66,7 @@ class Manifest:
     rank_source: str | None = None
     persistent: bool = False
     attachments: tuple[Attachment, ...] = field(default_factory=tuple)
+    placement: dict[str, Any] | None = None  # optional: NUMA policy and huge pages asked for
 
     @property
     def base_engine_id(self) -> str:
@@ -76,7 +77,7 @@ class Manifest:
         return split_engine_id(self.engine_id).dp_rank
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "manifest_version": MANIFEST_VERSION,
             "engine_id": self.engine_id,
             "base_engine_id": self.base_engine_id,
@@ -94,6 +95,9 @@ class Manifest:
             },
             "attachments": [asdict(a) for a in self.attachments],
         }
+        if self.placement is not None:
+            doc["placement"] = self.placement
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> Manifest:
@@ -126,6 +130,7 @@ class Manifest:
                 rank_source=_opt_str(doc.get("rank_source")),
                 persistent=bool(doc.get("persistent", False)),
                 attachments=attachments,
+                placement=placement.record_from_json(doc.get("placement")),
             )
         except OffloadError as exc:
             raise ValueError(exc.message) from exc

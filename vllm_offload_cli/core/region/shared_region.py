@@ -22,7 +22,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ from vllm_offload_cli.core.base.errors import (
 )
 from vllm_offload_cli.core.base.procfs import ProcessRef, hostname
 from vllm_offload_cli.core.base.torch_import import import_torch
-from vllm_offload_cli.core.region import capacity, fsguard, locking
+from vllm_offload_cli.core.region import capacity, fsguard, locking, placement
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, check_rank
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR, manifest_path, region_path
@@ -82,6 +82,9 @@ class SharedOffloadRegion:
         preflight: bool = True,
         allowed_uids: Collection[int] | None = None,
         progress: Progress | None = None,
+        numa_node: int | Sequence[int] | None = None,
+        numa_policy: str | None = None,
+        huge_pages: str = "never",
     ) -> None:
         self.page_size = PAGESIZE
         # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
@@ -101,6 +104,10 @@ class SharedOffloadRegion:
         self.persistent = persistent
         self.is_pinned = False
         self.populate_stats: PopulateStats | None = None
+        self.huge_page_bytes: int | None = None  # PMD-mapped bytes after pre-fault
+        # validated before the file exists: a request the host cannot meet creates nothing
+        self.placement = placement.plan(shm_dir, numa_nodes=numa_node, numa_policy=numa_policy,
+                                        huge_pages=huge_pages)
         self._allowed_uids = allowed_uids
         self._creator = False
         self._manifest_written = False
@@ -131,11 +138,15 @@ class SharedOffloadRegion:
                             preflight=preflight)
             self.mmap_obj = mmap.mmap(fd, self.total_size_bytes, flags=mmap.MAP_SHARED,
                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if self._creator:  # the file's NUMA policy is shared: only its creator sets it
+                placement.apply(self.mmap_obj, self.total_size_bytes, self.placement)
             if populate_pages:
                 self.populate_stats = populate(
                     self.mmap_obj, slot_ranges(self.geometry, rank),
                     threads=populate_threads, progress=progress,
                 )
+                if self.placement.advise_huge:
+                    self.huge_page_bytes = placement.huge_bytes_of(self.mmap_obj)
             self._attach()
         except BaseException:
             self._abandon()
@@ -179,6 +190,7 @@ class SharedOffloadRegion:
             creator_pid=self._me.pid, creator_start_ticks=self._me.start_ticks,
             creator_host=hostname(), created_at=time.time(), layout=self._layout,
             rank_source=self._rank_source, persistent=self.persistent,
+            placement=None if self.placement.is_default else self.placement.to_record(),
         ))
         self._manifest_written = True
         try:

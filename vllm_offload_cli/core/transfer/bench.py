@@ -68,6 +68,7 @@ class BenchConfig:
     populate_threads: int = 1
     seed: int = 0
     cuda_strategy: str = "copy-engine"  # see transfer_cuda; "kernel" is opt-in
+    huge_pages: bool = False  # also compare normal and huge pages (largest block size)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,44 @@ class BenchRow:
 
 
 @dataclass(frozen=True)
+class HugePageRun:
+    """Pre-fault and contiguous copies of one scratch region, normal or huge pages."""
+
+    huge_page_bytes: int | None  # what the kernel mapped with PMD pages
+    prefault_gbps: float
+    store_gbps: float
+    load_gbps: float
+
+
+@dataclass(frozen=True)
+class HugePageComparison:
+    """Normal against huge pages in the same run; ratios are huge / normal."""
+
+    available: bool
+    reason: str
+    block_bytes: int
+    normal: HugePageRun | None = None
+    huge: HugePageRun | None = None
+
+    @property
+    def ratios(self) -> dict[str, float] | None:
+        if self.normal is None or self.huge is None:
+            return None
+
+        def ratio(a: float, b: float) -> float:
+            return round(a / b, 3) if b > 0 else 0.0
+
+        return {"prefault": ratio(self.huge.prefault_gbps, self.normal.prefault_gbps),
+                "store": ratio(self.huge.store_gbps, self.normal.store_gbps),
+                "load": ratio(self.huge.load_gbps, self.normal.load_gbps)}
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["ratio"] = self.ratios
+        return doc
+
+
+@dataclass(frozen=True)
 class BenchReport:
     engine_id: str
     shm_dir: str
@@ -138,11 +177,13 @@ class BenchReport:
     removed: bool
     cuda_strategy: str | None = None
     target: dict[str, Any] = field(default_factory=dict)
+    huge_pages: HugePageComparison | None = None
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["rows"] = [r.to_dict() for r in self.rows]
         doc["patterns"] = list(self.patterns)
+        doc["huge_pages"] = None if self.huge_pages is None else self.huge_pages.to_dict()
         return doc
 
 
@@ -265,6 +306,10 @@ class _Bench:
             per_direction = (self.config.repeat + 1) * PIPELINE_DEPTH + 1
             jobs = len(self.modes) * len(self.config.patterns) * per_direction * 2
             total += jobs * n * block
+        if self.config.huge_pages:  # normal and huge: one contiguous row each
+            _, _, n = self.shape(max(self.config.block_sizes))
+            per_direction = (self.config.repeat + 1) * PIPELINE_DEPTH + 1
+            total += 2 * per_direction * 2 * n * max(self.config.block_sizes)
         return total
 
     def advance(self, nbytes: int) -> None:
@@ -393,6 +438,65 @@ class _Bench:
                 c.shm_dir, self.engine_id).exists()
 
 
+    # -- huge pages --------------------------------------------------------------------------
+
+    def huge_pages(self, block: int) -> HugePageComparison:
+        """The same pre-fault and contiguous store/load, normal pages then huge pages."""
+        from vllm_offload_cli.core.region.placement import thp_support
+
+        support = thp_support(self.config.shm_dir)
+        if not support.allowed:
+            return HugePageComparison(False, support.reason, block)
+        # pre-fault is one short call: alternate fresh regions `repeat` times, keep the best
+        best = {"never": 0.0, "always": 0.0}
+        for _ in range(self.config.repeat):
+            for mode in best:
+                best[mode] = max(best[mode], self.prefault_once(block, mode))
+        runs = [self.huge_page_run(block, mode, best[mode]) for mode in ("never", "always")]
+        return HugePageComparison(True, support.reason, block, runs[0], runs[1])
+
+    def scratch(self, block: int, mode: str) -> SharedOffloadRegion:
+        c = self.config
+        row_stride, num_blocks, _ = self.shape(block)
+        return SharedOffloadRegion(f"{self.engine_id}-thp", num_blocks, 0, row_stride, block,
+                                   shm_dir=c.shm_dir, world_size=c.world_size,
+                                   populate_threads=c.populate_threads, huge_pages=mode)
+
+    def prefault_once(self, block: int, mode: str) -> float:
+        region = self.scratch(block, mode)
+        try:
+            return 0.0 if region.populate_stats is None else region.populate_stats.gbps
+        finally:
+            self.drop(region)
+
+    def drop(self, region: SharedOffloadRegion) -> None:
+        region.cleanup()
+        self.removed = self.removed and not region_path(
+            self.config.shm_dir, f"{self.engine_id}-thp").exists()
+
+    def huge_page_run(self, block: int, mode: str, prefault_gbps: float) -> HugePageRun:
+        torch = self.torch
+        c = self.config
+        _, num_blocks, n = self.shape(block)
+        baseline = _Baseline(c.device, n * block)
+        region = self.scratch(block, mode)
+        worker: CopyWorker | None = None
+        try:
+            device_rows = torch.full((num_blocks, block), 0x5A, dtype=torch.int8,
+                                     device=c.device)
+            views = [region.create_next_worker_view(block)]
+            worker = CopyWorker(region, [device_rows], region_views=views,
+                                pin=self.modes[0] == "pinned", cuda_strategy=c.cuda_strategy)
+            row = self.measure(worker, baseline, views[0], device_rows, block, num_blocks, n,
+                               "contiguous", self.modes[0])
+            return HugePageRun(region.huge_page_bytes, prefault_gbps, row.store.gbps,
+                               row.load.gbps)
+        finally:
+            if worker is not None:
+                worker.shutdown(cancel_pending=True)
+            self.drop(region)
+
+
 def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> BenchReport:
     """Measure every block size of `config`; the scratch region never outlives the call."""
     if config.repeat < 1:
@@ -409,6 +513,7 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
     prefault: list[PrefaultFigure] = []
     for block in config.block_sizes:
         bench.block_size(block, rows, prefault)
+    huge = bench.huge_pages(max(config.block_sizes)) if config.huge_pages else None
     torch = bench.torch
     return BenchReport(
         engine_id=bench.engine_id, shm_dir=config.shm_dir, device=config.device,
@@ -418,7 +523,7 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
         prefault=tuple(prefault), rows=tuple(rows), pinned=bench.pinned,
         pin_warning=bench.pin_warning, removed=bench.removed,
         cuda_strategy=config.cuda_strategy if config.device == "cuda" else None,
-        target=target_summary(rows))
+        target=target_summary(rows), huge_pages=huge)
 
 
 def target_summary(rows: Sequence[BenchRow]) -> dict[str, Any]:

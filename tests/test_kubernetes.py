@@ -1,0 +1,118 @@
+"""The Kubernetes DaemonSet in contrib/kubernetes parses, is least-privilege as its
+README says, and runs a gc command line our CLI accepts and carries out."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from region_files import region_file
+
+MANIFEST = Path(__file__).resolve().parent.parent / "contrib" / "kubernetes" / \
+    "vllm-offload-gc.yaml"
+NEEDED_CAPS = {"SYS_PTRACE", "DAC_READ_SEARCH", "FOWNER"}
+
+
+def _docs() -> list[dict[str, Any]]:
+    with MANIFEST.open() as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def _daemonset() -> dict[str, Any]:
+    (ds,) = [d for d in _docs() if d["kind"] == "DaemonSet"]
+    return ds
+
+
+def _container() -> dict[str, Any]:
+    (container,) = _daemonset()["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _script() -> str:
+    c = _container()
+    assert c["command"] == ["/bin/sh", "-c"]
+    (script,) = c["args"]
+    assert isinstance(script, str)
+    return script
+
+
+def _gc_argv() -> list[str]:
+    [line] = [ln for ln in _script().splitlines() if "vllm-offload " in ln]
+    words = shlex.split(line.split("||")[0])
+    assert words[0] == "vllm-offload"
+    return words[1:]
+
+
+def test_every_document_parses_with_kind_and_name() -> None:
+    docs = _docs()
+    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "DaemonSet"]
+    for d in docs:
+        assert d["apiVersion"] and d["metadata"]["name"]
+    ds = _daemonset()
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_pod_sees_the_hosts_processes_and_shm() -> None:
+    pod = _daemonset()["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert pod["automountServiceAccountToken"] is False
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in _container()["volumeMounts"]}
+    assert volumes["shm"]["hostPath"]["path"] == "/dev/shm"
+    assert mounts["shm"]["mountPath"] == "/dev/shm"
+    assert volumes["textfile"]["hostPath"]["path"] == "/var/lib/node_exporter/textfile_collector"
+    prom = _gc_argv()[_gc_argv().index("--prometheus") + 1]
+    assert prom.startswith(mounts["textfile"]["mountPath"] + "/")
+    env = {e["name"]: e["value"] for e in _container()["env"]}
+    assert env["VLLM_OFFLOAD_SHM_DIR"] == "/dev/shm"
+
+
+def test_least_privilege() -> None:
+    c = _container()
+    sc = c["securityContext"]
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert set(sc["capabilities"]["add"]) == NEEDED_CAPS
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["privileged"] is False
+    limits = c["resources"]["limits"]
+    assert limits["cpu"] and limits["memory"]
+    assert c["resources"]["requests"]["memory"]
+    readme = (MANIFEST.parent / "README.md").read_text()
+    for cap in NEEDED_CAPS:
+        assert f"`{cap}`" in readme  # each one explained
+    assert "hostPID: true" in readme and "exit 6" in readme
+
+
+def test_loop_script_is_valid_shell() -> None:
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no sh")
+    proc = subprocess.run([sh, "-n", "-c", _script()], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "sleep" in _script() and "while true" in _script()
+
+
+def test_the_command_it_runs_is_ours_and_works(cli: Any, shm_dir: Path,
+                                                tmp_path: Path) -> None:
+    argv = _gc_argv()
+    assert argv[0] in ("garbage-collect", "gc")
+    prom_at = argv.index("--prometheus") + 1
+    prom = tmp_path / "gc.prom"
+    argv[prom_at] = str(prom)
+    region_file(shm_dir, "leaked")
+
+    result = cli(*argv, "--min-age", "0", env={"VLLM_OFFLOAD_SHM_DIR": str(shm_dir)})
+
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert not (shm_dir / "vllm_offload_leaked.mmap").exists()
+    assert "vllm_offload_gc_regions_removed 1.0" in prom.read_text()
+    again = cli(*argv, env={"VLLM_OFFLOAD_SHM_DIR": str(shm_dir)})
+    assert again.exit_code == 0 and again.stdout == ""  # --quiet: silent when idle

@@ -1,0 +1,95 @@
+"""The host's NUMA topology, read from sysfs and procfs, tolerant of their absence.
+
+A kernel without NUMA support (or a container that hides sysfs) has no
+/sys/devices/system/node; that host is treated as one node 0 holding every
+CPU, which is what the memory really is there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+NODE_ROOT = "/sys/devices/system/node"
+
+
+def parse_cpulist(text: str) -> frozenset[int]:
+    """'0-3,8,10-11' (the kernel's list format) -> {0, 1, 2, 3, 8, 10, 11}."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, dash, last = part.partition("-")
+        lo = int(first)
+        hi = int(last) if dash else lo
+        if hi < lo:
+            raise ValueError(f"bad CPU range {part!r}")
+        out.update(range(lo, hi + 1))
+    return frozenset(out)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Online nodes and the CPUs of each; `from_sysfs` is False for the one-node fallback."""
+
+    cpus: dict[int, frozenset[int]]  # node -> CPUs
+    with_memory: frozenset[int]
+    from_sysfs: bool
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.cpus))
+
+    @property
+    def single_node(self) -> bool:
+        return len(self.cpus) <= 1
+
+    def nodes_of_cpus(self, cpus: frozenset[int]) -> frozenset[int]:
+        return frozenset(n for n, mine in self.cpus.items() if mine & cpus)
+
+
+def topology(root: str = NODE_ROOT) -> Topology:
+    """Read the online nodes; one node 0 with every CPU where sysfs says nothing."""
+    online = _read(os.path.join(root, "online"))
+    try:
+        nodes = parse_cpulist(online) if online is not None else frozenset()
+    except ValueError:
+        nodes = frozenset()
+    if not nodes:
+        return Topology({0: frozenset(range(os.cpu_count() or 1))}, frozenset({0}), False)
+    cpus: dict[int, frozenset[int]] = {}
+    for node in sorted(nodes):
+        text = _read(os.path.join(root, f"node{node}", "cpulist"))
+        try:
+            cpus[node] = parse_cpulist(text) if text is not None else frozenset()
+        except ValueError:
+            cpus[node] = frozenset()
+    memory = _read(os.path.join(root, "has_memory"))
+    try:
+        with_memory = parse_cpulist(memory) if memory is not None else frozenset(nodes)
+    except ValueError:
+        with_memory = frozenset(nodes)
+    return Topology(cpus, with_memory & frozenset(nodes) or frozenset(nodes), True)
+
+
+def allowed_cpus(pid: int) -> frozenset[int] | None:
+    """Cpus_allowed_list of a process; None if it vanished or cannot be read."""
+    text = _read(f"/proc/{pid}/status")
+    if text is None:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            try:
+                return parse_cpulist(line.split(":", 1)[1])
+            except ValueError:
+                return None
+    return None

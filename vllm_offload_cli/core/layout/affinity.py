@@ -1,0 +1,90 @@
+"""Does each worker run near its slot's memory? NUMA affinity against page placement.
+
+A worker whose CPUs (its Cpus_allowed_list) are all on one node while its
+slot's pages sit on another copies every block across the socket link, at a
+fraction of local bandwidth. That is a warning, not a layout error: the bytes
+are still right, only slow. On a one-node host nothing can be remote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_offload_cli.core.base import libc, numa
+from vllm_offload_cli.core.host import placement, residency
+from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """One attached worker: the nodes of its CPUs and where its slot's pages are."""
+
+    pid: int
+    rank: int
+    cpu_nodes: tuple[int, ...] | None  # None: affinity unreadable (process gone, denied)
+    slot_nodes: dict[int, int] | None  # node -> resident bytes of the slot; None: unknown
+    remote: bool  # some of its slot's pages are on a node its CPUs are not
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "rank": self.rank,
+                "cpu_nodes": None if self.cpu_nodes is None else list(self.cpu_nodes),
+                "slot_numa_nodes": None if self.slot_nodes is None else {
+                    str(n): b for n, b in sorted(self.slot_nodes.items())},
+                "remote": self.remote}
+
+
+def _own_columns(g: Geometry, rank: int) -> list[int]:
+    """Pages of a row that hold only `rank`'s bytes (a page shared with a neighbour says
+    nothing about whose bytes are where)."""
+    slot = g.slot(rank)
+    return [j for j in range(g.row_stride // PAGESIZE)
+            if j * PAGESIZE >= slot.start and (j + 1) * PAGESIZE <= slot.end]
+
+
+def slot_nodes(fd: int, g: Geometry, rows: int, rank: int, resident: bytes,
+               topo: numa.Topology) -> dict[int, int] | None:
+    """Resident bytes of `rank`'s slot per node; sampled rows on a multi-node host."""
+    per_row = g.row_stride // PAGESIZE
+    cols = _own_columns(g, rank)
+    total = sum(resident[j::per_row][:rows].count(1) for j in cols) * PAGESIZE
+    if topo.single_node:
+        return {topo.nodes[0]: total} if total else {}
+    if not total or not libc.numa_syscalls_available():
+        return {} if not total else None
+    step = max(1, rows * len(cols) // placement.SAMPLE_PAGES)
+    picked = [row * per_row + j for row in range(0, rows, step) for j in cols
+              if resident[row * per_row + j]]
+    try:
+        seen = placement.sample_pages(fd, rows * g.row_stride, picked).nodes
+    except OSError:
+        return None
+    whole = sum(seen.values())
+    return {n: total * b // whole for n, b in seen.items()} if whole else {}
+
+
+def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, int]], *,
+                  topo: numa.Topology | None = None) -> list[WorkerPlacement]:
+    """Affinity of each (pid, rank) against its slot's resident pages."""
+    topo = topo or numa.topology()
+    if not workers or rows <= 0:
+        return []
+    resident = residency.page_map(fd, 0, rows * g.row_stride)
+    out = []
+    for pid, rank in workers:
+        cpus = numa.allowed_cpus(pid)
+        cpu_nodes = None if cpus is None else tuple(sorted(topo.nodes_of_cpus(cpus)))
+        nodes = slot_nodes(fd, g, rows, rank, resident, topo)
+        remote = bool(cpu_nodes and nodes and any(
+            n not in cpu_nodes for n, b in nodes.items() if b))
+        out.append(WorkerPlacement(pid, rank, cpu_nodes, nodes, remote))
+    return out
+
+
+def remote_message(w: WorkerPlacement) -> str:
+    far = sorted(n for n, b in (w.slot_nodes or {}).items() if b and n not in (w.cpu_nodes or ()))
+    nodes = ",".join(str(n) for n in w.cpu_nodes or ())
+    return (f"rank {w.rank} (pid {w.pid}) runs on CPUs of NUMA node(s) {nodes} but its slot's "
+            f"pages are (partly) on node(s) {','.join(str(n) for n in far)}: every copy crosses "
+            "the socket link; bind the region (`create --numa-node`) or pin the worker near it")

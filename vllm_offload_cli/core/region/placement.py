@@ -1,0 +1,288 @@
+"""Where a new region's pages go: a NUMA policy and transparent huge pages, chosen.
+
+Both are decided before the file exists, so a request the host cannot meet
+fails with nothing created, and both are applied to the mapping before
+pre-fault, which is when tmpfs allocates the pages:
+
+* NUMA: mbind(2) on a shmem mapping sets the file's shared policy, so every
+  page of the region (whoever faults it later) follows it. Policies: bind
+  (only these nodes), interleave (round-robin over them), preferred (this
+  node first, others when it is full).
+* Huge pages: for a tmpfs file the mount option `huge=` decides (never is the
+  default; advise, always and within_size allow them), unless
+  /sys/kernel/mm/transparent_hugepage/shmem_enabled overrides every mount
+  with `deny` or `force`. MADV_HUGEPAGE on the mapping asks for them.
+  `always` where the kernel refuses is an error (exit 5, like any resource the
+  host cannot provide); `auto` only warns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_offload_cli.core.base import libc, numa
+from vllm_offload_cli.core.base.errors import (
+    InsufficientSpaceError,
+    InvalidInputError,
+    OperationFailedError,
+)
+
+logger = logging.getLogger(__name__)
+
+NUMA_POLICIES = {"bind": 2, "interleave": 3, "preferred": 1}  # MPOL_* of <linux/mempolicy.h>
+HUGE_PAGE_CHOICES = ("never", "auto", "always")
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+_MASK_BITS = 1024  # nodes the mask can name; the kernel's own limit is at most this
+
+
+class HugePagesUnavailableError(InsufficientSpaceError):
+    """`--huge-pages always` where the kernel will not give huge pages to this file."""
+
+    code = "huge_pages_unavailable"
+
+
+@dataclass(frozen=True)
+class ThpSupport:
+    """Whether files in a directory can get transparent huge pages, and why."""
+
+    allowed: bool
+    setting: str  # what decided it: e.g. "huge=advise", "shmem_enabled=deny"
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """A creator's placement request, validated; recorded in the manifest as given."""
+
+    numa_policy: str | None  # None: the kernel's default (local node of the faulting CPU)
+    numa_nodes: tuple[int, ...]
+    huge_pages: str  # never, auto, always (as asked)
+    advise_huge: bool  # whether MADV_HUGEPAGE will be applied
+
+    def to_record(self) -> dict[str, Any]:
+        return {"numa_policy": self.numa_policy, "numa_nodes": list(self.numa_nodes),
+                "huge_pages": self.huge_pages, "huge_pages_advised": self.advise_huge}
+
+    @property
+    def is_default(self) -> bool:
+        return self.numa_policy is None and not self.advise_huge and self.huge_pages == "never"
+
+
+DEFAULT_PLAN = PlacementPlan(None, (), "never", False)
+
+
+def record_from_json(doc: Any) -> dict[str, Any] | None:
+    """A manifest's optional `placement` field, validated; None when absent."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise ValueError("placement must be an object")
+    policy = doc.get("numa_policy")
+    if policy is not None and policy not in NUMA_POLICIES:
+        raise ValueError(f"unknown numa_policy {policy!r}")
+    nodes = doc.get("numa_nodes", [])
+    if not isinstance(nodes, list) or len(nodes) > _MASK_BITS or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < _MASK_BITS
+            for n in nodes):
+        raise ValueError("numa_nodes must be a list of node numbers")
+    huge = doc.get("huge_pages", "never")
+    if huge not in HUGE_PAGE_CHOICES:
+        raise ValueError(f"unknown huge_pages {huge!r}")
+    advised = doc.get("huge_pages_advised", False)
+    if not isinstance(advised, bool):
+        raise ValueError("huge_pages_advised must be true or false")
+    return {"numa_policy": policy, "numa_nodes": list(nodes), "huge_pages": huge,
+            "huge_pages_advised": advised}
+
+
+# -- huge pages --------------------------------------------------------------------
+
+def _selected(text: str) -> str | None:
+    """'always [never] deny' -> 'never'."""
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return None
+
+
+def _mount_of(path: str, mountinfo: str) -> tuple[str, str, str] | None:
+    """(mount point, fstype, super options) of the mount holding `path` (longest prefix)."""
+    best: tuple[str, str, str] | None = None
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                fields, tail = left.split(), right.split()
+                if not sep or len(fields) < 5 or len(tail) < 3:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and (best is None or len(point) >= len(best[0])):
+                    best = (point, tail[0], tail[2])
+    except OSError:
+        return None
+    return best
+
+
+def thp_support(shm_dir: str | os.PathLike[str], *, shmem_enabled: str = SHMEM_ENABLED,
+                mountinfo: str = "/proc/self/mountinfo") -> ThpSupport:
+    """Can a file in `shm_dir` get transparent huge pages when its mapping asks?"""
+    try:
+        with open(shmem_enabled, encoding="ascii") as f:
+            global_setting = _selected(f.read())
+    except (OSError, UnicodeDecodeError):
+        return ThpSupport(False, "no THP", "this kernel has no transparent huge pages for shmem "
+                          f"({shmem_enabled} is missing)")
+    if global_setting == "deny":
+        return ThpSupport(False, "shmem_enabled=deny", f"{shmem_enabled} is 'deny', which "
+                          "turns huge pages off for every tmpfs mount")
+    if global_setting == "force":
+        return ThpSupport(True, "shmem_enabled=force", f"{shmem_enabled} is 'force'")
+    real = os.path.realpath(shm_dir)
+    mount = _mount_of(real, mountinfo)
+    if mount is None or mount[1] != "tmpfs":
+        what = "unknown" if mount is None else mount[1]
+        return ThpSupport(False, f"fstype={what}", f"{real} is not on tmpfs (filesystem "
+                          f"{what}); only tmpfs regions can get transparent huge pages")
+    options = dict(o.partition("=")[::2] for o in mount[2].split(","))
+    huge = options.get("huge", "never")
+    if huge in ("always", "within_size", "advise"):
+        return ThpSupport(True, f"huge={huge}", f"the tmpfs at {mount[0]} is mounted huge={huge}")
+    return ThpSupport(False, f"huge={huge}", (
+        f"the tmpfs at {mount[0]} is mounted with huge={huge} (the default), which gives its "
+        f"files no huge pages; remount it with huge=advise (`mount -o remount,huge=advise "
+        f"{mount[0]}`) or use a tmpfs that has it"))
+
+
+# -- NUMA ----------------------------------------------------------------------------
+
+def _check_nodes(nodes: tuple[int, ...], topo: numa.Topology) -> None:
+    for node in nodes:
+        if node not in topo.with_memory:
+            where = ("this host has no NUMA information (one node 0)" if not topo.from_sysfs
+                     else f"nodes with memory here: {_list(topo.with_memory)}")
+            raise InvalidInputError(
+                f"NUMA node {node} does not exist or has no memory; {where}",
+                code="invalid_numa_node")
+
+
+def _list(nodes: Iterable[int]) -> str:
+    return ",".join(str(n) for n in sorted(nodes)) or "none"
+
+
+def plan(
+    shm_dir: str | os.PathLike[str],
+    *,
+    numa_nodes: Iterable[int] | int | None = None,
+    numa_policy: str | None = None,
+    huge_pages: str = "never",
+    topo: numa.Topology | None = None,
+    thp: ThpSupport | None = None,
+) -> PlacementPlan:
+    """Validate a placement request before anything is created (errors: exit 2 or 5)."""
+    if huge_pages not in HUGE_PAGE_CHOICES:
+        raise InvalidInputError(f"huge pages must be one of {', '.join(HUGE_PAGE_CHOICES)}, "
+                                f"got {huge_pages!r}", code="invalid_huge_pages")
+    nodes = (numa_nodes,) if isinstance(numa_nodes, int) else tuple(numa_nodes or ())
+    if numa_policy is not None and numa_policy not in NUMA_POLICIES:
+        raise InvalidInputError(f"NUMA policy must be one of {', '.join(NUMA_POLICIES)}, got "
+                                f"{numa_policy!r}", code="invalid_numa_policy")
+    policy = numa_policy
+    if nodes or policy is not None:
+        topo = topo or numa.topology()
+        policy = policy or "bind"
+        if not nodes:
+            if policy != "interleave":
+                raise InvalidInputError(f"NUMA policy {policy} needs a node (--numa-node)",
+                                        code="invalid_numa_node")
+            nodes = tuple(sorted(topo.with_memory))
+        if len(set(nodes)) != len(nodes):
+            raise InvalidInputError(f"NUMA node list {_list(nodes)} names a node twice",
+                                    code="invalid_numa_node")
+        if policy == "preferred" and len(nodes) != 1:
+            raise InvalidInputError("NUMA policy preferred takes exactly one node",
+                                    code="invalid_numa_node")
+        _check_nodes(nodes, topo)
+        if not libc.numa_syscalls_available():
+            raise InvalidInputError("NUMA placement is not supported on this architecture",
+                                    code="numa_unsupported")
+    advise = False
+    if huge_pages != "never":
+        thp = thp or thp_support(shm_dir)
+        if thp.allowed:
+            advise = True
+        elif huge_pages == "always":
+            raise HugePagesUnavailableError(
+                f"--huge-pages always: the kernel gives no huge pages here: {thp.reason}")
+        else:
+            logger.warning("huge pages not available, using normal pages: %s", thp.reason,
+                           extra={"code": "huge_pages_unavailable"})
+    return PlacementPlan(policy, tuple(sorted(nodes)), huge_pages, advise)
+
+
+def apply(mm: mmap.mmap, length: int, chosen: PlacementPlan) -> None:
+    """Bind and advise the mapping; call before pre-fault (pages already there stay put)."""
+    if chosen.numa_policy is None and not chosen.advise_huge:
+        return
+    anchor = ctypes.c_char.from_buffer(mm)  # pins the mapping while we use its address
+    try:
+        addr = ctypes.addressof(anchor)
+        if chosen.advise_huge:
+            try:
+                libc.madvise(addr, length, libc.MADV_HUGEPAGE)
+            except OSError as exc:
+                if chosen.huge_pages == "always":
+                    raise HugePagesUnavailableError(
+                        f"--huge-pages always: madvise(MADV_HUGEPAGE) failed: {exc.strerror}"
+                    ) from exc
+                logger.warning("madvise(MADV_HUGEPAGE) failed (%s); using normal pages",
+                               exc.strerror, extra={"code": "huge_pages_unavailable"})
+        if chosen.numa_policy is not None:
+            mask = (ctypes.c_ulong * (_MASK_BITS // (8 * ctypes.sizeof(ctypes.c_ulong))))()
+            per = 8 * ctypes.sizeof(ctypes.c_ulong)
+            for node in chosen.numa_nodes:
+                mask[node // per] |= 1 << (node % per)
+            try:
+                libc.mbind(addr, length, NUMA_POLICIES[chosen.numa_policy], mask)
+            except OSError as exc:
+                raise OperationFailedError(
+                    f"mbind({chosen.numa_policy}, nodes {_list(chosen.numa_nodes)}) failed: "
+                    f"{exc.strerror}") from exc
+    finally:
+        del anchor
+
+
+def huge_bytes_of(mm: mmap.mmap) -> int | None:
+    """Bytes of this mapping the kernel maps with PMD huge pages (our own smaps)."""
+    anchor = ctypes.c_char.from_buffer(mm)
+    try:
+        start = ctypes.addressof(anchor)
+    finally:
+        del anchor
+    return pmd_mapped(os.getpid(), start)
+
+
+def pmd_mapped(pid: int, start: int) -> int | None:
+    """ShmemPmdMapped + FilePmdMapped of the mapping of `pid` that begins at `start`."""
+    prefix = f"{start:x}-".encode()
+    try:
+        with open(f"/proc/{pid}/smaps", "rb") as f:
+            inside = found = False
+            huge = 0
+            for line in f:
+                if not line.split(b" ", 1)[0].endswith(b":"):  # a mapping's header line
+                    if inside:
+                        break
+                    inside = found = line.startswith(prefix)
+                    continue
+                if inside and line.startswith((b"ShmemPmdMapped:", b"FilePmdMapped:")):
+                    huge += int(line.split()[1]) * 1024
+            return huge if found else None
+    except (OSError, ValueError, IndexError):
+        return None
