@@ -8,11 +8,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from vllm_offload_cli.cli import metrics
-from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.common import Invocation, Outcome, cell, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
@@ -86,7 +85,7 @@ def _holders_text(r: RegionInfo) -> str:
     parts = []
     for h in r.holders:
         rank = "" if h.rank is None else f" r{h.rank}"
-        parts.append(f"{h.pid} {escape(h.name or '?')}{rank}")
+        parts.append(f"{h.pid} {cell(h.name or '?')}{rank}")
     return ", ".join(parts) or "-"
 
 
@@ -114,7 +113,7 @@ def render_table(out: Console, found: Inventory) -> None:
             name = r.engine_id if r.linked else f"{r.engine_id} (unlinked)"
             state = f"[{_STATE_STYLE.get(r.state, '')}]{r.state}[/]"
             problems = "; ".join(p.code for p in r.problems) or "-"
-            table.add_row(name, "-" if r.dp_rank is None else str(r.dp_rank), state,
+            table.add_row(cell(name), "-" if r.dp_rank is None else str(r.dp_rank), state,
                           format_bytes(r.size_bytes), format_bytes(r.resident_bytes),
                           _age(r.age_seconds), _holders_text(r), problems)
         out.print(table)
