@@ -50,7 +50,10 @@ def inspect_cmd(
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
     A region is `live` when any process maps it, holds it open or holds its lock;
-    otherwise `persistent` if `create` pre-provisioned it, else `stale` (leaked).
+    `creating` while its creator is alive and not done; otherwise `persistent` if
+    `create` pre-provisioned it, else `stale` (leaked, or a create that died).
+    Names, process names and manifest fields are shown with control characters
+    escaped (\\xNN); --json keeps them raw (JSON escapes them).
     """
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")
@@ -98,7 +101,9 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-_STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red"}
+_STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red",
+                "creating": "yellow"}
+STATES = ("live", "creating", "persistent", "stale")
 
 
 def render_table(out: Console, found: Inventory) -> None:
@@ -152,12 +157,12 @@ def _registry(found: Inventory) -> Any:
         holders.labels(*key).set(len(r.holders))
         if r.age_seconds is not None:
             age.labels(*key).set(r.age_seconds)
-        for s in ("live", "persistent", "stale"):
+        for s in STATES:
             state.labels(*key, s).set(1 if r.state == s else 0)
         problems.labels(*key).set(len(r.problems))
         linked.labels(*key).set(1 if r.linked else 0)
     count = Gauge("vllm_offload_regions", "Regions by state.", ["state"], registry=registry)
-    for s in ("live", "persistent", "stale"):
+    for s in STATES:
         count.labels(s).set(sum(r.state == s for r in found.regions))
     Gauge("vllm_offload_shm_total_bytes", "Size of the shm filesystem.",
           registry=registry).set(found.shm.total_bytes)

@@ -357,8 +357,9 @@ def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
     if manifest is not None and not manifest.complete:
         if manifest.creator_alive():
             return CREATING, None
-        died = Problem("creator_died", f"its creator (pid {manifest.creator_pid}) died before "
-                       "finishing it (killed during create?); it is incomplete")
+        died = Problem("creator_died", f"its creator (pid {manifest.creator_pid}) is gone "
+                       "(or not visible from this PID namespace) and never finished it "
+                       "(killed during create?); it is incomplete")
         return (LIVE if held else STALE), died
     if held:
         return LIVE, None
