@@ -203,3 +203,22 @@ def test_create_killed_after_growing_delays(shm_dir: Path, procs: list[Any],
         print(f"\ncreate of {SIZE} takes {full:.2f} s; {counts}")
     assert counts["wrongly_removed"] == 0 and counts["half_made_left"] == 0, counts
     assert counts["unfinished_removed"] > 0  # the delays did land inside the create
+
+
+@pytest.mark.parametrize("leftover", ["persistent", "vllm"])
+def test_create_over_a_taken_name_names_a_command_that_works(cli: Any, shm_dir: Path,
+                                                             leftover: str) -> None:
+    """The hint is run as printed: it must clear an unused leftover of either kind."""
+    if leftover == "persistent":
+        made = cli("create", "taken", "--world-size", "1", "--cpu-page-size", "4KiB",
+                   "--num-blocks", "4", "--shm-dir", str(shm_dir))
+        assert made.exit_code == 0, made.stderr
+    else:
+        region_file(shm_dir, "taken")  # as vLLM leaves it: no manifest
+    again = cli("create", "taken", "--world-size", "1", "--cpu-page-size", "4KiB",
+                "--num-blocks", "4", "--shm-dir", str(shm_dir))
+    assert again.exit_code == 4
+    cleared = _run_hint(again.stderr, shm_dir)
+    assert cleared.returncode == 0, cleared.stderr
+    assert "Removed taken" in cleared.stdout
+    assert os.listdir(shm_dir) == []
