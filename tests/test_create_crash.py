@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,16 +162,29 @@ def _complete(shm_dir: Path, engine_id: str) -> bool:
     return m.complete and (m.region_dev, m.region_ino) == (st.st_dev, st.st_ino)
 
 
+def _named_or_exited(shm_dir: Path, engine_id: str, proc: subprocess.Popen[str]
+                     ) -> Callable[[], bool]:
+    return lambda: region_path(shm_dir, engine_id).exists() or proc.poll() is not None
+
+
 @pytest.mark.slow
 def test_create_killed_after_growing_delays(shm_dir: Path, procs: list[Any],
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """Kill real creates of 256 MiB at 24 growing delays; gc leaves only finished ones."""
-    t0 = time.monotonic()
+    """Kill real creates of 256 MiB at 24 growing delays; gc leaves only finished ones.
+
+    Delays count from the moment the region's name appears (the creator won
+    O_EXCL) and grow to twice how long O_EXCL-to-`ready` took in a first, timed
+    run, so the kills land before ftruncate, during pre-fault and after it,
+    however fast or loaded the machine is.
+    """
     proc = _create(shm_dir, "timing")
     procs.append(proc)
+    assert wait_until(lambda: region_path(shm_dir, "timing").exists(), timeout=120)
+    appeared = time.monotonic()
+    assert wait_until(lambda: _complete(shm_dir, "timing"), timeout=120, interval=0.005)
+    window = time.monotonic() - appeared  # O_EXCL to `ready`: where kills must land
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    full = time.monotonic() - t0
     assert [r.engine_id for r in collect(shm_dir, min_age=0, include_persistent=True).removed
             ] == ["timing"]
     counts = {"kills": 0, "finished_kept": 0, "unfinished_removed": 0, "no_file_yet": 0,
@@ -181,7 +194,8 @@ def test_create_killed_after_growing_delays(shm_dir: Path, procs: list[Any],
         engine_id = f"k{i}"
         proc = _create(shm_dir, engine_id)
         procs.append(proc)
-        time.sleep(full * (0.35 + 0.8 * i / (kills - 1)))  # the fault: when the kill lands
+        wait_until(_named_or_exited(shm_dir, engine_id, proc), timeout=120, interval=0.002)
+        time.sleep(window * 2 * i / (kills - 1))  # the fault: when the kill lands
         _kill(proc)
         counts["kills"] += 1
         finished = _complete(shm_dir, engine_id)
@@ -200,7 +214,7 @@ def test_create_killed_after_growing_delays(shm_dir: Path, procs: list[Any],
         for name in os.listdir(shm_dir):  # whatever was left: never carried into the next
             os.unlink(shm_dir / name)
     with capsys.disabled():
-        print(f"\ncreate of {SIZE} takes {full:.2f} s; {counts}")
+        print(f"\ncreate of {SIZE}, O_EXCL to ready: {window:.2f} s; {counts}")
     assert counts["wrongly_removed"] == 0 and counts["half_made_left"] == 0, counts
     assert counts["unfinished_removed"] > 0  # the delays did land inside the create
 

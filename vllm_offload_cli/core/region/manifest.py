@@ -124,7 +124,7 @@ class Manifest:
         doc = uj.obj(doc, "manifest")
         version = uj.field(doc, "manifest_version", "manifest")
         if version != MANIFEST_VERSION or isinstance(version, bool):
-            raise uj.UntrustedJsonError(f"unsupported manifest_version {version!r}")
+            raise uj.UntrustedJsonError(f"unsupported manifest_version {version!r:.40}")
         engine_id = uj.string(uj.field(doc, "engine_id", "manifest"), "engine_id")
         problem = engine_id_problem(engine_id)
         if problem is not None:
