@@ -214,9 +214,11 @@ def _parse(fd: int, path: str, allowed_uids: Collection[int] | None,
         named = parse_manifest_filename(os.path.basename(path))
         if named is not None and m.engine_id != named:
             raise uj.UntrustedJsonError(f"it records engine_id {m.engine_id!r}, not {named!r}")
-    except uj.UntrustedJsonError as exc:
+    except (ValueError, TypeError) as exc:
+        # UntrustedJsonError is a ValueError; a field validator added later that
+        # raises plain ValueError/TypeError on hostile input must not crash us either
         raise ManifestError(
-            f"manifest {path} is invalid ({exc}); it is ignored. Remove it, or let "
+            f"manifest {path} is invalid ({str(exc)[:200]}); it is ignored. Remove it, or let "
             "`vllm-offload gc` do so once its region is gone", path=path,
         ) from None
     return m
