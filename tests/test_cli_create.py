@@ -128,7 +128,7 @@ def _prepare(shm_dir: Path, kind: str) -> Path:
     ("foreign", 6, "owned by uid 12345"),
     ("mode", 6, "mode 0666"),
     ("symlink", 6, "symbolic link"),
-    ("corrupt-manifest", 6, "corrupt"),
+    ("corrupt-manifest", 6, "invalid"),
 ])
 def test_existing_names_are_refused_untouched(cli: Any, shm_dir: Path, kind: str, code: int,
                                               message: str) -> None:

@@ -131,7 +131,7 @@ def test_problems_are_reported(cli: Any, shm_dir: Path, holders: Any) -> None:
     found = regions(cli, shm_dir)
     codes = {k: [p["code"] for p in v["problems"]] for k, v in found.items()}
     assert codes == {"open": ["unsafe_mode"], "short": ["size_mismatch"],
-                     "bad": ["manifest_corrupt"]}
+                     "bad": ["manifest_invalid"]}
 
 
 def test_foreign_files_are_ignored(cli: Any, shm_dir: Path) -> None:

@@ -216,7 +216,7 @@ def test_manifest_with_a_bad_placement_is_corrupt(cli: Any, shm_dir: Path, bad: 
     inspected = cli("inspect", "tampered", "--shm-dir", str(shm_dir), "--json")
     assert inspected.exit_code == 0  # hostile input: reported, never a crash
     (region,) = inspected.json["data"]["regions"]
-    assert "manifest_corrupt" in [p["code"] for p in region["problems"]]
+    assert "manifest_invalid" in [p["code"] for p in region["problems"]]
 
 
 # -- huge pages ----------------------------------------------------------------------------------

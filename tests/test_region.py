@@ -229,7 +229,7 @@ def test_corrupt_manifest_blocks_explicit_create_only(shm_dir: Path) -> None:
     fd = os.open(m, os.O_CREAT | os.O_WRONLY, 0o600)
     os.write(fd, b"{not json")
     os.close(fd)
-    with pytest.raises(UnsafeRegionError, match="corrupt"):
+    with pytest.raises(UnsafeRegionError, match="invalid"):
         make(shm_dir, None, create_only=True)
     assert listing(shm_dir) == ["vllm_offload_eng.manifest.json"]
     assert m.read_bytes() == b"{not json"

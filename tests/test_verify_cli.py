@@ -434,10 +434,10 @@ def test_live_corrupt_manifest(cli: Any, shm_dir: Path) -> None:
     manifest.write_text("{not json")
     result = _verify(cli, shm_dir, "garbled")
     assert result.exit_code == 3
-    assert _problems(result.json) == ["manifest_corrupt", "geometry_unknown"]
+    assert _problems(result.json) == ["manifest_invalid", "geometry_unknown"]
     told = _verify(cli, shm_dir, "garbled", "--world-size", "2", "--cpu-page-size", str(PAGE))
     assert told.exit_code == 3
-    assert _problems(told.json) == ["manifest_corrupt"]
+    assert _problems(told.json) == ["manifest_invalid"]
     assert told.json["data"]["geometry_source"] == "arguments"
     assert [s["populated_fraction"] for s in told.json["data"]["slots"]] == [1.0, 1.0]
 

@@ -26,6 +26,7 @@ from vllm_offload_cli.cli.common import (
     envelope,
     print_json,
 )
+from vllm_offload_cli.core.base.text import printable
 
 
 class EnvelopeGroup(TyperGroup):
@@ -61,7 +62,7 @@ def _report_usage_error(exc: ClickException, argv: list[str], code: int) -> None
     hint = ""
     if ctx is not None:
         hint = f"\nTry '{ctx.command_path} --help' for help."
-    sys.stderr.write(f"Error: {message}{hint}\n")
+    sys.stderr.write(f"Error: {printable(message)}{hint}\n")
 
 
 app = typer.Typer(

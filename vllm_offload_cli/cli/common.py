@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from vllm_offload_cli.core.base import errors
+from vllm_offload_cli.core.base.text import printable
 
 SCHEMA_VERSION = 1
 SHM_DIR_ENV = "VLLM_OFFLOAD_SHM_DIR"
@@ -53,6 +54,38 @@ def exit_code_for(error: errors.OffloadError) -> int:
         if isinstance(error, cls):
             return code
     return EXIT_FAILED
+
+
+def _pipe_width() -> int | None:
+    """Tables piped to grep or a file are not cut to 80 columns; a terminal sets its own."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return None
+    return 200
+
+
+class SafeConsole(Console):
+    """A Console that shows control characters in printed strings as `\\xNN`.
+
+    File names, process names and manifest fields come from other users; an
+    ESC sequence among them must not reach the operator's terminal. Rich
+    escapes markup but passes ESC and C1 bytes through, so every string given
+    to print() is escaped here; table cells go through `cell()`.
+    """
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        super().print(*(printable(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+def cell(text: str) -> str:
+    """An outside string as a table cell: control characters escaped, no markup."""
+    return escape(printable(text))
+
+
+class _PrintableFormatter(logging.Formatter):
+    """Log lines on stderr carry paths and names from outside: escape them too."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
 
 
 @dataclass
@@ -132,7 +165,8 @@ def envelope(command: str, *, ok: bool, exit_code: int, data: dict[str, Any],
 
 
 def print_json(doc: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    """Strict JSON: strings raw (the encoder escapes control characters), never NaN."""
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 
@@ -142,7 +176,7 @@ def _configure_logging(inv: Invocation) -> Callable[[], None]:
                                   else logging.CRITICAL + 1)
     logger = logging.getLogger("vllm_offload_cli")
     stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    stream.setFormatter(_PrintableFormatter("%(levelname)s: %(message)s"))
     stream.setLevel(level)
     collector = _WarningCollector(inv.warnings)
     logger.addHandler(stream)
@@ -225,8 +259,9 @@ def make_invocation(command: str, *, shm_dir: Path, json_output: bool, verbose: 
                     quiet: int) -> Invocation:
     return Invocation(
         command=command, shm_dir=shm_dir, json_output=json_output, verbosity=verbose - quiet,
-        out=Console(file=sys.stdout, soft_wrap=False, highlight=False),
-        err=Console(file=sys.stderr, stderr=True, highlight=False),
+        out=SafeConsole(file=sys.stdout, soft_wrap=False, highlight=False,
+                        width=_pipe_width()),
+        err=SafeConsole(file=sys.stderr, stderr=True, highlight=False),
     )
 
 

@@ -8,11 +8,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from vllm_offload_cli.cli import metrics
-from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.common import Invocation, Outcome, cell, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
@@ -65,7 +64,10 @@ def inspect_cmd(
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
     A region is `live` when any process maps it, holds it open or holds its lock;
-    otherwise `persistent` if `create` pre-provisioned it, else `stale` (leaked).
+    `creating` while its creator is alive and not done; otherwise `persistent` if
+    `create` pre-provisioned it, else `stale` (leaked, or a create that died).
+    Names, process names and manifest fields are shown with control characters
+    escaped (\\xNN); --json keeps them raw (JSON escapes them).
     """
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")
@@ -101,7 +103,7 @@ def _holders_text(r: RegionInfo) -> str:
     parts = []
     for h in r.holders:
         rank = "" if h.rank is None else f" r{h.rank}"
-        parts.append(f"{h.pid} {escape(h.name or '?')}{rank}")
+        parts.append(f"{h.pid} {cell(h.name or '?')}{rank}")
     return ", ".join(parts) or "-"
 
 
@@ -114,7 +116,9 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-_STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red"}
+_STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red",
+                "creating": "yellow"}
+STATES = ("live", "creating", "persistent", "stale")
 
 
 def _numa_text(p: Placement | None) -> str:
@@ -143,7 +147,7 @@ def render_table(out: Console, found: Inventory,
             state = f"[{_STATE_STYLE.get(r.state, '')}]{r.state}[/]"
             problems = "; ".join(p.code for p in r.problems) or "-"
             where = None if placed is None else placed.get(r.paths[0])
-            table.add_row(name, "-" if r.dp_rank is None else str(r.dp_rank), state,
+            table.add_row(cell(name), "-" if r.dp_rank is None else str(r.dp_rank), state,
                           format_bytes(r.size_bytes), format_bytes(r.resident_bytes),
                           _numa_text(where), _age(r.age_seconds), _holders_text(r),
                           problems)
@@ -186,7 +190,7 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None) -> A
         holders.labels(*key).set(len(r.holders))
         if r.age_seconds is not None:
             age.labels(*key).set(r.age_seconds)
-        for s in ("live", "persistent", "stale"):
+        for s in STATES:
             state.labels(*key, s).set(1 if r.state == s else 0)
         problems.labels(*key).set(len(r.problems))
         linked.labels(*key).set(1 if r.linked else 0)
@@ -197,7 +201,7 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None) -> A
             if p.huge_page_bytes is not None:
                 huge.labels(*key).set(p.huge_page_bytes)
     count = Gauge("vllm_offload_regions", "Regions by state.", ["state"], registry=registry)
-    for s in ("live", "persistent", "stale"):
+    for s in STATES:
         count.labels(s).set(sum(r.state == s for r in found.regions))
     Gauge("vllm_offload_shm_total_bytes", "Size of the shm filesystem.",
           registry=registry).set(found.shm.total_bytes)

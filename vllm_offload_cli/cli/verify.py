@@ -21,6 +21,7 @@ from vllm_offload_cli.cli.common import (
     EXIT_VERIFY,
     Invocation,
     Outcome,
+    cell,
     shm_dir_checked,
     subcommand,
 )
@@ -147,8 +148,8 @@ def _render_plan(out: Console, plan: LayoutPlan) -> None:
         table.add_column(col)
     for r in plan.replicas:
         for w in r.workers:
-            table.add_row(str(r.replica), escape(r.engine_id), str(w.worker),
-                          escape(_device_text(plan, w)), str(w.slot), _status(w.problems))
+            table.add_row(str(r.replica), cell(r.engine_id), str(w.worker),
+                          cell(_device_text(plan, w)), str(w.slot), _status(w.problems))
     out.print(table)
     _render_verdict(out, [p.message for p in plan.problems],
                     "every worker has its own slot in its replica's region")
@@ -196,14 +197,14 @@ def _render_live(out: Console, check: LiveCheck) -> None:
             table.add_column(col)
         for s in check.slots:
             fraction = s.populated_fraction
-            table.add_row(str(s.slot), f"{s.start}..{s.end}", escape(_workers_text(s.workers)),
+            table.add_row(str(s.slot), f"{s.start}..{s.end}", cell(_workers_text(s.workers)),
                           "-" if fraction is None else f"{fraction:.0%}", _status(
                               tuple(c for c in s.status if c != "unmeasurable"))
                           if s.status != ("unmeasurable",) else "[yellow]unmeasurable[/]")
         width = g.world_size if g is not None and g.world_size is not None else 0
         for w in check.workers:
             if not 0 <= w.rank < width:
-                table.add_row(str(w.rank), "outside the row", escape(_workers_text((w,))), "-",
+                table.add_row(str(w.rank), "outside the row", cell(_workers_text((w,))), "-",
                               _status(("rank_out_of_range",)))
         out.print(table)
     _render_verdict(out, [p.message for p in check.problems],

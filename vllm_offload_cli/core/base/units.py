@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 
@@ -18,7 +19,9 @@ _UNITS = {
     "t": 1024**4,
     "tib": 1024**4,
 }
-_SIZE_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[A-Za-z]*)\s*$")
+_SIZE_RE = re.compile(r"\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[A-Za-z]*)\s*")
+_MAX_DIGITS = 30  # more than any real size; bounds the arithmetic on what we are given
+_EXACT_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
 
 def parse_size(text: str, *, what: str = "size") -> int:
@@ -27,8 +30,8 @@ def parse_size(text: str, *, what: str = "size") -> int:
     SI suffixes are refused rather than guessed: a region sized 10**9 instead
     of 2**30 would silently differ from what the engine computes.
     """
-    match = _SIZE_RE.match(text)
-    if match is None:
+    match = _SIZE_RE.fullmatch(text)
+    if match is None or len(match["num"]) > _MAX_DIGITS:
         raise InvalidInputError(
             f"{what} {text!r} is not a size; use bytes or an IEC suffix such as 64KiB, 2MiB, 1GiB",
             code="invalid_size",
@@ -39,11 +42,22 @@ def parse_size(text: str, *, what: str = "size") -> int:
             f"{what} {text!r} has unknown unit {match['unit']!r}; use B, KiB, MiB, GiB or TiB",
             code="invalid_size",
         )
-    value = float(match["num"]) * _UNITS[unit]
-    if value != int(value):
+    value = Fraction(match["num"]) * _UNITS[unit]  # exact: no float rounding or overflow
+    if value.denominator != 1:
         raise InvalidInputError(f"{what} {text!r} is not a whole number of bytes",
                                 code="invalid_size")
     return int(value)
+
+
+def format_size(n: int) -> str:
+    """The exact size in the largest IEC unit that divides it: 65536 -> '64KiB'.
+
+    Unlike format_bytes, parse_size(format_size(n)) == n.
+    """
+    for unit, multiple in _EXACT_UNITS:
+        if n and n % multiple == 0:
+            return f"{n // multiple}{unit}"
+    return str(n)
 
 
 def format_bytes(n: int | float | None) -> str:

@@ -36,7 +36,7 @@ from vllm_offload_cli.core.region.naming import (
     validate_engine_id,
 )
 
-LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
+LIVE, PERSISTENT, STALE, CREATING = "live", "persistent", "stale", "creating"
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,9 @@ class RegionInfo:
 
     @property
     def persistent(self) -> bool:
-        return self.manifest is not None and self.manifest.persistent
+        """Pre-provisioned and finished: a create killed half-way provisioned nothing."""
+        return (self.manifest is not None and self.manifest.persistent
+                and self.manifest.complete)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -311,7 +313,8 @@ def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: Pro
         problems += [Problem(p.code, f"{name} {p.message}") for p in seg.problems]
     bare = next((s for s in segments if s.segment == 0), None)
     manifest, mproblem = (None, None) if mpath is None else manifest_io.read_matching(
-        mpath, None if bare is None else bare.file_id, allowed_uids=allowed_uids)
+        mpath, None if bare is None else bare.file_id, allowed_uids=allowed_uids,
+        owner_uid=None if bare is None else bare.uid)
     if mproblem is not None:
         problems.append(mproblem)
     size = sum(s.size_bytes for s in segments)
@@ -336,8 +339,9 @@ def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: Pro
     if manifest is not None:
         age = now - max(manifest.created_at, max(mtimes, default=manifest.created_at))
     first = bare or segments[0]
-    state = LIVE if holders or locked else (PERSISTENT if manifest and manifest.persistent
-                                            else STALE)
+    state, creation = _state(manifest, bool(holders or locked))
+    if creation is not None:
+        problems.append(creation)
     return RegionInfo(
         engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
         segments=tuple(segments), linked=True, size_bytes=size, resident_bytes=resident,
@@ -346,6 +350,20 @@ def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: Pro
         manifest=manifest, manifest_path=mpath, holders=holders, locked=locked, state=state,
         problems=tuple(problems),
     )
+
+
+def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
+    """The region's state, and a problem when a create died before finishing it."""
+    if manifest is not None and not manifest.complete:
+        if manifest.creator_alive():
+            return CREATING, None
+        died = Problem("creator_died", f"its creator (pid {manifest.creator_pid}) is gone "
+                       "(or not visible from this PID namespace) and never finished it "
+                       "(killed during create?); it is incomplete")
+        return (LIVE if held else STALE), died
+    if held:
+        return LIVE, None
+    return (PERSISTENT if manifest is not None and manifest.persistent else STALE), None
 
 
 def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: ProcessScan,

@@ -254,7 +254,7 @@ def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: Collection[int] 
                   ) -> tuple[manifest_io.Manifest | None, CheckProblem | None]:
     """The manifest, if it exists, parses, and describes this very file."""
     m, problem = manifest_io.read_matching(mpath, fsguard.FileId.of(st),
-                                           allowed_uids=allowed_uids)
+                                           allowed_uids=allowed_uids, owner_uid=st.st_uid)
     return m, None if problem is None else CheckProblem(problem.code, problem.message)
 
 

@@ -32,7 +32,7 @@ _KEYWORDS = {
     "per-process": PER_PROCESS,
     "one-device-per-process": PER_PROCESS,
 }
-_VISIBLE_ENTRY_RE = re.compile(r"^(?:[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+)$")
+_VISIBLE_ENTRY_RE = re.compile(r"[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+")
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def _from_environment(environ: Mapping[str, str]) -> DeviceLayout:
         raise InvalidInputError(f"--devices env: {VISIBLE_DEVICES_ENV} is empty; no device "
                                 "is visible", code="invalid_devices")
     for entry in entries:
-        if not _VISIBLE_ENTRY_RE.match(entry):
+        if not _VISIBLE_ENTRY_RE.fullmatch(entry):
             raise InvalidInputError(
                 f"--devices env: {VISIBLE_DEVICES_ENV}={raw!r} has entry {entry!r}; expected "
                 "device ordinals or GPU-/MIG- UUIDs (CUDA ignores everything after an invalid "

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.procfs import ProcessRef, comm
 from vllm_offload_cli.core.host.discovery import (
+    CREATING,
     Holder,
     Inventory,
     OrphanManifest,
@@ -53,6 +54,7 @@ from vllm_offload_cli.core.host.procscan import FileUse, flock_holders, users_of
 from vllm_offload_cli.core.reclaim.report import (
     BUSY,
     CHANGED,
+    CREATION_RUNNING,
     DEFAULT_MIN_AGE,
     FOREIGN_OWNER,
     LINK_COUNT,
@@ -89,9 +91,9 @@ logger = logging.getLogger(__name__)
 _BATCH = 64
 
 # manifest.write()'s temporary file: `.{manifest name}.tmp.{pid}.{hex}`
-_TEMP_RE = re.compile(
-    r"^\." + re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(MANIFEST_SUFFIX)
-    + r"\.tmp\.(?P<pid>[0-9]+)\.(?P<token>[0-9a-f]+)$"
+_TEMP_RE = re.compile(  # fullmatch: `$` would accept a trailing newline
+    r"\." + re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(MANIFEST_SUFFIX)
+    + r"\.tmp\.(?P<pid>[0-9]{1,10})\.(?P<token>[0-9a-f]{1,64})"
 )
 
 
@@ -227,6 +229,8 @@ class _Run:
                 return self._kept(r, NOT_REGULAR, f"{name} is not a regular file")
             if seg.uid is None or seg.uid not in self.owners:
                 return self._kept(r, FOREIGN_OWNER, self._foreign_text(name, seg.uid))
+        if r.state == CREATING and r.manifest is not None:
+            return self._creating(r, r.manifest)
         if r.holders:
             return self._kept(r, LIVE, f"held by {_holders_text(r.holders)}",
                               _first_pid(r.holders))
@@ -323,12 +327,15 @@ class _Run:
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
         held.manifest_fd = fd
+        bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
+        if bare is None:
+            return
         try:
-            m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners)
+            m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners,
+                                    owner_uid=bare.st_uid)
         except (manifest_io.ManifestError, OSError):
-            return  # corrupt: goes with the region, tells us nothing
-        bare = next((FileId.of(s) for seg, _, s in held.files if seg.segment == 0), None)
-        if bare is not None and (m.region_dev, m.region_ino) == (bare.dev, bare.ino):
+            return  # invalid or not the region owner's: goes with the region, tells nothing
+        if (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
             held.manifest = m  # otherwise it describes an earlier file of that name
 
     def _decide(self, held: _Locked, uses: list[FileUse]) -> None:
@@ -339,7 +346,11 @@ class _Run:
                                   "locking it)", _first_pid(holders)))
             return
         m = held.manifest
-        if m is not None and m.persistent and not self.options.include_persistent:
+        if m is not None and not m.complete and m.creator_alive():
+            self._keep(self._creating(r, m))
+            return
+        if (m is not None and m.persistent and m.complete
+                and not self.options.include_persistent):
             self._keep(self._kept(r, PERSISTENT, _PERSISTENT_TEXT))
             return
         newest = max(max(st.st_mtime, st.st_ctime) for _, _, st in held.files)
@@ -418,7 +429,7 @@ class _Run:
         except OSError:
             return
         for entry in entries:
-            match = _TEMP_RE.match(entry.name)
+            match = _TEMP_RE.fullmatch(entry.name)
             if match is None or engine_id_problem(match["engine_id"]) is not None:
                 continue
             if wanted is not None and match["engine_id"] not in wanted:
@@ -499,6 +510,10 @@ class _Run:
                               "(a container?)")
         return self._kept(r, BUSY, "was locked a moment ago and released since (another gc "
                           "or inspect run?); looked at again next run")
+
+    def _creating(self, r: RegionInfo, m: Manifest) -> KeptRegion:
+        return self._kept(r, CREATION_RUNNING, f"pid {m.creator_pid} is still creating it "
+                          "(sizing or pre-faulting)", m.creator_pid)
 
     def _foreign_text(self, name: str, uid: int | None) -> str:
         hint = "; root may remove it with --all-users" if self.root else ""

@@ -23,8 +23,9 @@ OTHER_FILESYSTEM = "other_filesystem"
 UNSAFE_MODE = "unsafe_mode"
 CHANGED = "changed"
 UNREADABLE = "unreadable"
+CREATION_RUNNING = "creating"  # its creator is alive and not finished
 KEPT_CODES = (LIVE, BUSY, PERSISTENT, TOO_YOUNG, FOREIGN_OWNER, SYMLINK, NOT_REGULAR,
-              LINK_COUNT, OTHER_FILESYSTEM, UNSAFE_MODE, CHANGED, UNREADABLE)
+              LINK_COUNT, OTHER_FILESYSTEM, UNSAFE_MODE, CHANGED, UNREADABLE, CREATION_RUNNING)
 
 
 @dataclass(frozen=True)

@@ -27,18 +27,26 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.base.procfs import ProcessRef
 from vllm_offload_cli.core.region import fsguard, placement
+from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.geometry import Geometry
-from vllm_offload_cli.core.region.naming import split_engine_id
+from vllm_offload_cli.core.region.naming import (
+    engine_id_problem,
+    parse_manifest_filename,
+    split_engine_id,
+)
 
 MANIFEST_VERSION = 1
 _MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
+# Two-phase creation: `creating` until the region is sized and pre-faulted.
+CREATING, READY = "creating", "ready"
 
 
 class ManifestError(UnsafeRegionError):
     """The manifest is unreadable, not ours, or not valid."""
 
-    code = "manifest_corrupt"
+    code = "manifest_invalid"
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,16 @@ class Manifest:
     persistent: bool = False
     attachments: tuple[Attachment, ...] = field(default_factory=tuple)
     placement: dict[str, Any] | None = None  # optional: NUMA policy and huge pages asked for
+    state: str = READY
+
+    @property
+    def complete(self) -> bool:
+        """False while the creator has not finished: then it is no region to keep."""
+        return self.state == READY
+
+    def creator_alive(self) -> bool:
+        """The very creator process (pid and start time, so a reused pid does not count)."""
+        return ProcessRef(self.creator_pid, self.creator_start_ticks).alive()
 
     @property
     def base_engine_id(self) -> str:
@@ -86,6 +104,7 @@ class Manifest:
             "layout": self.layout,
             "rank_source": self.rank_source,
             "persistent": self.persistent,
+            "state": self.state,
             "region": {"dev": self.region_dev, "ino": self.region_ino},
             "creator": {
                 "pid": self.creator_pid,
@@ -101,105 +120,161 @@ class Manifest:
 
     @classmethod
     def from_json(cls, doc: Any) -> Manifest:
-        """Validate strictly: a manifest steers what we delete and how we read bytes."""
-        try:
-            if doc["manifest_version"] != MANIFEST_VERSION:
-                raise ValueError(f"unsupported manifest_version {doc['manifest_version']!r}")
-            g = doc["geometry"]
-            creator = doc["creator"]
-            attachments = tuple(
-                Attachment(
-                    pid=_int(a["pid"]), start_ticks=_opt_int(a.get("start_ticks")),
-                    rank=_opt_int(a.get("rank")), device_index=_opt_int(a.get("device_index")),
-                    rank_source=_opt_str(a.get("rank_source")), host=_opt_str(a.get("host")),
-                    attached_at=float(a.get("attached_at", 0.0)),
-                )
-                for a in doc.get("attachments", [])
-            )
-            return cls(
-                engine_id=str(doc["engine_id"]),
-                geometry=Geometry(_int(g["num_blocks"]), _int(g["row_stride"]),
-                                  _int(g["cpu_page_size"]), _opt_int(g.get("world_size"))),
-                region_dev=_int(doc["region"]["dev"]),
-                region_ino=_int(doc["region"]["ino"]),
-                creator_pid=_int(creator["pid"]),
-                creator_start_ticks=_opt_int(creator.get("start_ticks")),
-                creator_host=str(creator.get("host", "")),
-                created_at=float(creator["created_at"]),
-                layout=str(doc.get("layout", "worker")),
-                rank_source=_opt_str(doc.get("rank_source")),
-                persistent=bool(doc.get("persistent", False)),
-                attachments=attachments,
-                placement=placement.record_from_json(doc.get("placement")),
-            )
-        except OffloadError as exc:
-            raise ValueError(exc.message) from exc
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"missing or malformed field {exc}") from exc
+        """Validate strictly: a manifest steers what we delete and how we read bytes.
+
+        Every field is type- and range-checked (UntrustedJsonError, a ValueError);
+        unknown fields are ignored, so a later version's additions do not hurt.
+        """
+        doc = uj.obj(doc, "manifest")
+        version = uj.field(doc, "manifest_version", "manifest")
+        if version != MANIFEST_VERSION or isinstance(version, bool):
+            raise uj.UntrustedJsonError(f"unsupported manifest_version {version!r:.40}")
+        engine_id = uj.string(uj.field(doc, "engine_id", "manifest"), "engine_id")
+        problem = engine_id_problem(engine_id)
+        if problem is not None:
+            raise uj.UntrustedJsonError(problem)
+        state = uj.string(doc.get("state", READY), "state")
+        if state not in (CREATING, READY):
+            raise uj.UntrustedJsonError(f"state must be {CREATING!r} or {READY!r}")
+        region = uj.obj(uj.field(doc, "region", "manifest"), "region")
+        creator = uj.obj(uj.field(doc, "creator", "manifest"), "creator")
+        return cls(
+            engine_id=engine_id,
+            geometry=_geometry(uj.obj(uj.field(doc, "geometry", "manifest"), "geometry")),
+            region_dev=uj.integer(uj.field(region, "dev", "region"), "region.dev", 0, _U64),
+            region_ino=uj.integer(uj.field(region, "ino", "region"), "region.ino", 0, _U64),
+            creator_pid=uj.integer(uj.field(creator, "pid", "creator"), "creator.pid", 1,
+                                   _MAX_PID),
+            creator_start_ticks=uj.opt_integer(creator.get("start_ticks"),
+                                               "creator.start_ticks", 0, _U64),
+            creator_host=uj.string(creator.get("host", ""), "creator.host"),
+            created_at=uj.number(uj.field(creator, "created_at", "creator"),
+                                 "creator.created_at", 0.0, _MAX_TIME),
+            layout=uj.string(doc.get("layout", "worker"), "layout", 32),
+            rank_source=uj.opt_string(doc.get("rank_source"), "rank_source", 64),
+            persistent=uj.boolean(doc.get("persistent", False), "persistent"),
+            state=state,
+            placement=_placement(doc.get("placement")),
+            attachments=tuple(
+                _attachment(uj.obj(a, "attachment"))
+                for a in uj.array(doc.get("attachments", []), "attachments", MAX_ATTACHMENTS)
+            ),
+        )
 
 
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected an integer, got {value!r}")
-    return value
+# Ranges a real manifest stays within; anything outside is not one we wrote.
+_U64 = 2**64 - 1
+_MAX_PID = 2**22  # the kernel's PID_MAX_LIMIT
+_MAX_TIME = 2.0**33  # seconds since 1970: the year 2242
+_MAX_ROWS = 2**40
+_MAX_BYTES_PER_ROW = 2**40
+_MAX_WORKERS = 2**16
+MAX_ATTACHMENTS = 4096
 
 
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else _int(value)
+def _placement(doc: Any) -> dict[str, Any] | None:
+    """The optional placement record, or the refusal every bad field gets."""
+    try:
+        return placement.record_from_json(doc)
+    except (ValueError, TypeError) as exc:
+        raise uj.UntrustedJsonError(f"placement: {exc}") from exc
 
 
-def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)
+def _geometry(g: dict[str, Any]) -> Geometry:
+    try:
+        return Geometry(
+            uj.integer(uj.field(g, "num_blocks", "geometry"), "geometry.num_blocks", 1,
+                       _MAX_ROWS),
+            uj.integer(uj.field(g, "row_stride", "geometry"), "geometry.row_stride", 1,
+                       _MAX_BYTES_PER_ROW),
+            uj.integer(uj.field(g, "cpu_page_size", "geometry"), "geometry.cpu_page_size", 1,
+                       _MAX_BYTES_PER_ROW),
+            uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
+        )
+    except OffloadError as exc:
+        raise uj.UntrustedJsonError(exc.message) from None
 
 
-def _parse(fd: int, path: str, allowed_uids: Collection[int] | None) -> Manifest:
+def _attachment(a: dict[str, Any]) -> Attachment:
+    return Attachment(
+        pid=uj.integer(uj.field(a, "pid", "attachment"), "attachment.pid", 1, _MAX_PID),
+        start_ticks=uj.opt_integer(a.get("start_ticks"), "attachment.start_ticks", 0, _U64),
+        rank=uj.opt_integer(a.get("rank"), "attachment.rank", 0, _MAX_WORKERS),
+        device_index=uj.opt_integer(a.get("device_index"), "attachment.device_index", 0,
+                                    _MAX_WORKERS),
+        rank_source=uj.opt_string(a.get("rank_source"), "attachment.rank_source", 64),
+        host=uj.opt_string(a.get("host"), "attachment.host"),
+        attached_at=uj.number(a.get("attached_at", 0.0), "attachment.attached_at", 0.0,
+                              _MAX_TIME),
+    )
+
+
+def _parse(fd: int, path: str, allowed_uids: Collection[int] | None,
+           owner_uid: int | None = None) -> Manifest:
     st = os.fstat(fd)
+    if owner_uid is not None and st.st_uid != owner_uid:
+        raise ManifestError(
+            f"manifest {path} is owned by uid {st.st_uid}, not by the region's owner uid "
+            f"{owner_uid}; it is ignored (another user may have planted it)", path=path,
+            code="manifest_foreign")
     problems = fsguard.stat_problems(st, allowed_uids=allowed_uids)
     if problems:
         raise ManifestError(f"manifest {path} {problems[0].message}", path=path,
-                            code=problems[0].code)
-    if st.st_size > _MAX_BYTES:
-        raise ManifestError(f"manifest {path} is {st.st_size} bytes, too large to be ours",
-                            path=path)
-    data = os.pread(fd, _MAX_BYTES, 0)
+                            code=f"manifest_{problems[0].code}")
+    data = os.pread(fd, _MAX_BYTES + 1, 0)  # never more, whatever the size says
     try:
-        return Manifest.from_json(json.loads(data))
-    except ValueError as exc:
+        m = Manifest.from_json(uj.loads(data, max_bytes=_MAX_BYTES))
+        named = parse_manifest_filename(os.path.basename(path))
+        if named is not None and m.engine_id != named:
+            raise uj.UntrustedJsonError(f"it records engine_id {m.engine_id!r}, not {named!r}")
+    except (ValueError, TypeError) as exc:
+        # UntrustedJsonError is a ValueError; a field validator added later that
+        # raises plain ValueError/TypeError on hostile input must not crash us either
         raise ManifestError(
-            f"manifest {path} is corrupt ({exc}); remove it, or let `vllm-offload gc` do so "
-            "once its region is gone", path=path,
+            f"manifest {path} is invalid ({str(exc)[:200]}); it is ignored. Remove it, or let "
+            "`vllm-offload gc` do so once its region is gone", path=path,
         ) from None
+    return m
 
 
-def read(path: str, *, allowed_uids: Collection[int] | None = None) -> Manifest:
-    """Read and validate a manifest; RegionNotFoundError if absent, ManifestError if bad."""
+def read(path: str, *, allowed_uids: Collection[int] | None = None,
+         owner_uid: int | None = None) -> Manifest:
+    """Read and validate a manifest; RegionNotFoundError if absent, ManifestError if bad.
+
+    With `owner_uid` (the region's owner), a manifest owned by anyone else is
+    refused as `manifest_foreign`: in a shared directory it proves nothing.
+    """
     fd = fsguard.open_existing(path, os.O_RDONLY)
     try:
-        return _parse(fd, path, allowed_uids)
+        return _parse(fd, path, allowed_uids, owner_uid)
     finally:
         os.close(fd)
 
 
-def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None) -> Manifest:
+def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None,
+            owner_uid: int | None = None) -> Manifest:
     """Parse a manifest already open as `fd`: a caller that also wants to lock
     or later unlink that very inode reads it through the same descriptor."""
-    return _parse(fd, path, allowed_uids)
+    return _parse(fd, path, allowed_uids, owner_uid)
 
 
 def read_matching(path: str, file_id: fsguard.FileId | None, *,
-                  allowed_uids: Collection[int] | None = None
+                  allowed_uids: Collection[int] | None = None,
+                  owner_uid: int | None = None,
                   ) -> tuple[Manifest | None, Problem | None]:
     """The manifest describing the file `file_id`, or the problem that stops us using it.
 
     (None, None) when there is no manifest (a region made by vLLM). A manifest
-    left from an earlier file of the same name is never trusted.
+    left from an earlier file of the same name, one owned by anyone but the
+    region's owner (`owner_uid`) or one that fails validation is never trusted:
+    the region is then judged as if it had none.
     """
     try:
-        m = read(path, allowed_uids=allowed_uids)
+        m = read(path, allowed_uids=allowed_uids, owner_uid=owner_uid)
     except RegionNotFoundError:
         return None, None
     except ManifestError as exc:
-        return None, Problem("manifest_corrupt", exc.message)
+        return None, Problem(exc.code, exc.message)
     except OffloadError as exc:  # a symlink or someone else's file where ours should be
         return None, Problem(f"manifest_{exc.code}", f"manifest: {exc.message}")
     except OSError as exc:
@@ -215,7 +290,8 @@ def write(path: str, manifest: Manifest) -> None:
     """Write atomically: a fresh 0600 file beside the target, then rename over it."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.tmp.{os.getpid()}.{os.urandom(4).hex()}")
-    payload = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode() + b"\n"
+    payload = json.dumps(manifest.to_json(), indent=1, sort_keys=True,
+                         allow_nan=False).encode() + b"\n"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
@@ -270,13 +346,13 @@ def remove(path: str, *, timeout: float = 10.0) -> None:
             raise OperationFailedError(f"gave up removing manifest {path}", path=path)
 
 
-def attach(path: str, attachment: Attachment, **kw: Any) -> Manifest:
-    """Record an opener; one entry per (pid, rank)."""
+def attach(path: str, attachment: Attachment, *, ready: bool = False, **kw: Any) -> Manifest:
+    """Record an opener; one entry per (pid, rank). `ready`: the creator finished."""
     key = (attachment.pid, attachment.rank)
 
     def add(m: Manifest) -> Manifest:
         kept = tuple(a for a in m.attachments if (a.pid, a.rank) != key)
-        return replace(m, attachments=(*kept, attachment))
+        return replace(m, attachments=(*kept, attachment), state=READY if ready else m.state)
     return update(path, add, **kw)
 
 

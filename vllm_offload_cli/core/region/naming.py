@@ -21,13 +21,15 @@ MANIFEST_SUFFIX = ".manifest.json"
 MAX_ENGINE_ID_LEN = 200
 
 _ENGINE_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
-_DP_RE = re.compile(r"^(?P<base>.+)_dp(?P<rank>0|[1-9][0-9]*)$")
+# Every name pattern is used with fullmatch(): `$` would also match before a
+# trailing newline, so `vllm_offload_pre.mmap\n` would pass for region `pre`.
+_DP_RE = re.compile(r"(?P<base>.+)_dp(?P<rank>0|[1-9][0-9]*)")
 _REGION_FILE_RE = re.compile(
-    r"^" + re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(REGION_SUFFIX)
-    + r"(?:\.(?P<segment>[1-9][0-9]*))?$"
+    re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(REGION_SUFFIX)
+    + r"(?:\.(?P<segment>[1-9][0-9]*))?"
 )
 _MANIFEST_FILE_RE = re.compile(
-    r"^" + re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(MANIFEST_SUFFIX) + r"$"
+    re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(MANIFEST_SUFFIX)
 )
 
 
@@ -74,7 +76,7 @@ class EngineIdParts:
 
 def split_engine_id(engine_id: str) -> EngineIdParts:
     """Parse the `_dp{rank}` suffix back out of an engine_id."""
-    match = _DP_RE.match(engine_id)
+    match = _DP_RE.fullmatch(engine_id)
     if match is None:
         return EngineIdParts(engine_id, engine_id, None)
     return EngineIdParts(engine_id, match["base"], int(match["rank"]))
@@ -104,7 +106,7 @@ class RegionFileName:
 
 def parse_region_filename(name: str) -> RegionFileName | None:
     """Recognise `vllm_offload_{id}.mmap[.N]`; None for anything else."""
-    match = _REGION_FILE_RE.match(name)
+    match = _REGION_FILE_RE.fullmatch(name)
     if match is None or engine_id_problem(match["engine_id"]) is not None:
         return None
     segment = match["segment"]
@@ -113,7 +115,7 @@ def parse_region_filename(name: str) -> RegionFileName | None:
 
 def parse_manifest_filename(name: str) -> str | None:
     """The engine_id a manifest file name belongs to, or None."""
-    match = _MANIFEST_FILE_RE.match(name)
+    match = _MANIFEST_FILE_RE.fullmatch(name)
     if match is None or engine_id_problem(match["engine_id"]) is not None:
         return None
     return match["engine_id"]

@@ -9,7 +9,10 @@ and the other can join it. On top of vLLM's behaviour (DESIGN section 3):
   one link, and exactly the expected size once the creator has sized it;
 * every opener holds a shared flock for the region's life (liveness proof);
 * the creator checks capacity first and writes a sidecar manifest; openers
-  record themselves in it; any failure removes what this opener created.
+  record themselves in it; any failure removes what this opener created;
+* creation is two-phase: the manifest says `creating` (creator pid and start
+  time) until the file is sized and pre-faulted, and `ready` only after, so a
+  killed creator leaves a region that gc recognises as incomplete.
 
 torch is imported only when a tensor view is asked for.
 """
@@ -21,6 +24,7 @@ import errno
 import logging
 import mmap
 import os
+import shlex
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -36,6 +40,7 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.procfs import ProcessRef, hostname
+from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import capacity, fsguard, locking, placement
 from vllm_offload_cli.core.region import manifest as manifest_io
@@ -50,6 +55,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _RETRIES = 8  # restarts of the open protocol when a name changes under us
+
+
+def gc_command(shm_dir: str | os.PathLike[str], engine_id: str, *,
+               include_persistent: bool = False) -> str:
+    """The `vllm-offload gc` command line that removes this one region once it is unused."""
+    parts = ["vllm-offload", "gc", "--min-age", "0"]
+    if include_persistent:
+        parts.append("--include-persistent")
+    if os.path.realpath(shm_dir) != os.path.realpath(DEFAULT_SHM_DIR):
+        parts += ["--shm-dir", os.fspath(shm_dir)]
+    return shlex.join([*parts, engine_id])
+
+
+def _pausing(progress: Progress | None) -> Progress:
+    """Report progress, and let the crash tests stop us half-way (test hook)."""
+    def update(done: int, total: int) -> None:
+        if progress is not None:
+            progress(done, total)
+        if 2 * done >= total > done:
+            pause_at("mid_prefault")
+    return update
 
 
 class SharedOffloadRegion:
@@ -143,7 +169,7 @@ class SharedOffloadRegion:
             if populate_pages:
                 self.populate_stats = populate(
                     self.mmap_obj, slot_ranges(self.geometry, rank),
-                    threads=populate_threads, progress=progress,
+                    threads=populate_threads, progress=_pausing(progress),
                 )
                 if self.placement.advise_huge:
                     self.huge_page_bytes = placement.huge_bytes_of(self.mmap_obj)
@@ -191,8 +217,10 @@ class SharedOffloadRegion:
             creator_host=hostname(), created_at=time.time(), layout=self._layout,
             rank_source=self._rank_source, persistent=self.persistent,
             placement=None if self.placement.is_default else self.placement.to_record(),
+            state=manifest_io.CREATING,  # `ready` once sized and pre-faulted (_attach)
         ))
         self._manifest_written = True
+        pause_at("after_manifest")
         try:
             os.ftruncate(self.fd, self.total_size_bytes)
         except OSError as exc:
@@ -200,6 +228,7 @@ class SharedOffloadRegion:
                 f"cannot size {self.mmap_path} to {self.total_size_bytes} bytes: {exc.strerror}",
                 path=self.mmap_path, engine_id=self.engine_id,
             ) from exc
+        pause_at("after_ftruncate")
         logger.info("created %s (%d bytes)", self.mmap_path, self.total_size_bytes)
 
     def _join(self, timeout: float) -> bool:
@@ -239,8 +268,10 @@ class SharedOffloadRegion:
 
     def _check_manifest_geometry(self) -> None:
         """Same size but another slot size would still corrupt data: compare geometry."""
+        assert self.fd is not None
         try:
-            m = manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids)
+            m = manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids,
+                                 owner_uid=os.fstat(self.fd).st_uid)
         except RegionNotFoundError:
             return  # made by vLLM: nothing more to compare
         except manifest_io.ManifestError as exc:
@@ -290,10 +321,30 @@ class SharedOffloadRegion:
                     engine_id=self.engine_id, code=problems[0].code,
                 )
         return RegionBusyError(
-            f"{self.mmap_path} already exists; pick another engine_id, or if nothing uses it, "
-            f"remove it with `vllm-offload gc {self.engine_id}`",
+            f"{self.mmap_path} already exists; {self._taken_hint(st)}",
             path=self.mmap_path, engine_id=self.engine_id, code="name_taken",
         )
+
+    def _taken_hint(self, st: os.stat_result | None) -> str:
+        """What to do about a taken name, as a command that works on what is there."""
+        m = None
+        if st is not None:
+            with contextlib.suppress(OffloadError, OSError):
+                m = manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids,
+                                     owner_uid=st.st_uid)
+            if m is not None and (m.region_dev, m.region_ino) != (st.st_dev, st.st_ino):
+                m = None  # describes an earlier file of this name
+        gc = gc_command(self.shm_dir, self.engine_id,
+                        include_persistent=m is not None and m.persistent and m.complete)
+        if m is not None and not m.complete:
+            if m.creator_alive():
+                return f"pid {m.creator_pid} is creating it right now; wait for it to finish"
+            return (f"it is what a create left that never finished (pid {m.creator_pid} died "
+                    f"half-way); remove it with `{gc}`")
+        if m is not None and m.persistent:
+            return (f"it was pre-provisioned; if no engine uses it, remove it with `{gc}`, or "
+                    "pick another engine_id")
+        return f"pick another engine_id, or if nothing uses it, remove it with `{gc}`"
 
     def _attach(self) -> None:
         attachment = manifest_io.Attachment(
@@ -302,7 +353,9 @@ class SharedOffloadRegion:
             host=hostname(), attached_at=time.time(),
         )
         try:
-            manifest_io.attach(self.manifest_path, attachment, allowed_uids=self._allowed_uids)
+            # the creator's attach also ends creation: sized and pre-faulted, now `ready`
+            manifest_io.attach(self.manifest_path, attachment, allowed_uids=self._allowed_uids,
+                               ready=self._creator)
         except RegionNotFoundError:
             return  # a vLLM-made region has no manifest
         except manifest_io.ManifestError as exc:

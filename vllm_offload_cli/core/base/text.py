@@ -1,0 +1,27 @@
+"""Showing strings that come from outside (file names, process names, manifests).
+
+Any local user can name a file in /dev/shm or a process (`prctl(PR_SET_NAME)`),
+so such a string may carry terminal escape sequences aimed at root's terminal.
+Human output shows every control character as `\\xNN`; JSON output keeps the
+raw string, since the JSON encoder escapes control characters itself.
+"""
+
+from __future__ import annotations
+
+import re
+
+# C0 controls, DEL, C1 controls, line/paragraph separators and the bidi
+# overrides that reorder what a terminal shows. Backslashes stay as they are:
+# rich's markup escaping uses them, and a name cannot fake a control character
+# that way, only look like the escaped form of one.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """`text` with control characters escaped as `\\xNN`: safe to show on a terminal."""
+    return _CONTROL_RE.sub(_escape, text)

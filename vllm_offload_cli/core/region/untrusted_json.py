@@ -1,0 +1,157 @@
+"""Reading JSON that anyone could have written: bounded, shallow, finite, typed.
+
+A manifest lives in a world-writable directory and steers what root deletes,
+so its bytes are hostile input. `loads` refuses, before parsing, anything
+longer than a limit or nested deeper than a limit (checked by a scan that does
+not recurse), and while parsing any NaN/Infinity, any number too long to be
+real. The field readers then check the type and range of every value. Every
+refusal is one exception type, `UntrustedJsonError` (a ValueError).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+MAX_DEPTH = 8
+MAX_STRING = 255
+_MAX_NUMBER_CHARS = 32  # 2**64 has 20 digits; a float repr needs at most 24
+
+# Only the bytes that open or close a container or a string matter for depth.
+_SPECIAL = re.compile(rb'[\[\]{}"\\]')
+_OPEN, _CLOSE, _QUOTE, _BACKSLASH = b"[{", b"]}", ord('"'), ord("\\")
+
+
+class UntrustedJsonError(ValueError):
+    """The document is not one we would have written."""
+
+
+def loads(data: bytes, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse `data` as JSON within the limits; UntrustedJsonError otherwise."""
+    if len(data) > max_bytes:
+        raise UntrustedJsonError(f"longer than {max_bytes} bytes")
+    depth = nesting_depth(data, stop_above=max_depth)
+    if depth > max_depth:
+        raise UntrustedJsonError(f"nested deeper than {max_depth} levels")
+    try:
+        text = data.decode("utf-8")
+        return json.loads(text, parse_constant=_no_constant, parse_int=_bounded_int,
+                          parse_float=_finite_float)
+    except UntrustedJsonError:
+        raise
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise UntrustedJsonError(f"not valid JSON ({exc})") from None
+
+
+def nesting_depth(data: bytes, *, stop_above: int | None = None) -> int:
+    """Deepest bracket nesting outside strings, found without recursion.
+
+    Stops early once the depth passes `stop_above`, so `[` x 10**6 costs little.
+    """
+    depth = deepest = 0
+    in_string = False
+    skip = -1  # position of a character escaped by a backslash
+    for match in _SPECIAL.finditer(data):
+        i = match.start()
+        if i == skip:
+            continue
+        c = data[i]
+        if in_string:
+            if c == _BACKSLASH:
+                skip = i + 1
+            elif c == _QUOTE:
+                in_string = False
+        elif c == _QUOTE:
+            in_string = True
+        elif c in _OPEN:
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if stop_above is not None and depth > stop_above:
+                    break
+        elif c in _CLOSE:
+            depth -= 1
+    return deepest
+
+
+def _no_constant(name: str) -> Any:
+    raise UntrustedJsonError(f"{name} is not a finite number")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > _MAX_NUMBER_CHARS:
+        raise UntrustedJsonError(f"a number of {len(text)} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    if len(text) > _MAX_NUMBER_CHARS:
+        raise UntrustedJsonError(f"a number of {len(text)} characters")
+    value = float(text)
+    if not math.isfinite(value):
+        raise UntrustedJsonError(f"{text} is not a finite number")
+    return value
+
+
+# -- field readers: each names the field it refuses ----------------------------------
+
+
+def obj(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UntrustedJsonError(f"{where} must be an object")
+    return value
+
+
+def field(doc: dict[str, Any], key: str, where: str) -> Any:
+    if key not in doc:
+        raise UntrustedJsonError(f"{where}.{key} is missing")
+    return doc[key]
+
+
+def integer(value: Any, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UntrustedJsonError(f"{where} must be an integer")
+    if not lo <= value <= hi:
+        raise UntrustedJsonError(f"{where} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def opt_integer(value: Any, where: str, lo: int, hi: int) -> int | None:
+    return None if value is None else integer(value, where, lo, hi)
+
+
+def number(value: Any, where: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UntrustedJsonError(f"{where} must be a number")
+    result = float(value)  # an int here has at most _MAX_NUMBER_CHARS digits
+    if not (math.isfinite(result) and lo <= result <= hi):
+        raise UntrustedJsonError(f"{where} must be in [{lo:g}, {hi:g}], got {result:g}")
+    return result
+
+
+def string(value: Any, where: str, max_len: int = MAX_STRING) -> str:
+    if not isinstance(value, str):
+        raise UntrustedJsonError(f"{where} must be a string")
+    if len(value) > max_len:
+        raise UntrustedJsonError(f"{where} is longer than {max_len} characters")
+    return value
+
+
+def opt_string(value: Any, where: str, max_len: int = MAX_STRING) -> str | None:
+    return None if value is None else string(value, where, max_len)
+
+
+def boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise UntrustedJsonError(f"{where} must be true or false")
+    return value
+
+
+def array(value: Any, where: str, max_len: int) -> list[Any]:
+    if not isinstance(value, list):
+        raise UntrustedJsonError(f"{where} must be an array")
+    if len(value) > max_len:
+        raise UntrustedJsonError(f"{where} has more than {max_len} entries")
+    return value
