@@ -79,12 +79,17 @@ def create(
                                        "then remove it.")] = False,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="Pre-fault "
                                                 "threads (default: min(8, CPUs)).")] = None,
+    segments: Annotated[int | None, typer.Option(
+        "--segments", min=1, help="Split into files .mmap, .mmap.1, ... as vLLM does "
+        "(capped so none is under 1 GiB; default: vLLM's CPU spec, min(32, size // 1GiB); "
+        "1 for the tiering spec).")] = None,
 ) -> Outcome:
     """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
 
     Without --hold the region stays and is marked persistent, pre-provisioned for
     an engine to join; `gc` keeps it unless given --include-persistent.
     """
+    from vllm_offload_cli.core.region.segments import default_segments
     from vllm_offload_cli.core.region.shared_region import (
         SharedOffloadRegion,  # not needed by --help
     )
@@ -98,11 +103,13 @@ def create(
             shm_dir=shm_dir, world_size=geometry.world_size, create_only=True,
             persistent=not hold, populate_pages=not no_populate,
             populate_threads=threads or default_threads(), progress=progress,
+            num_segments=segments or default_segments(geometry.size_bytes),
         )
     stats = region.populate_stats
     data: dict[str, Any] = {
         "engine_id": full_id,
         "path": region.mmap_path,
+        "paths": region.segment_paths,
         "manifest": region.manifest_path,
         "size_bytes": geometry.size_bytes,
         "geometry": geometry.to_dict(),
@@ -140,6 +147,8 @@ def create(
 def _render(out: Console, data: dict[str, Any]) -> None:
     g = data["geometry"]
     out.print(f"Created {data['path']}")
+    if len(data["paths"]) > 1:
+        out.print(f"  segments  {len(data['paths'])} files ({data['path']}.1 ...)")
     out.print(f"  size      {format_bytes(data['size_bytes'])} ({data['size_bytes']} bytes)")
     out.print(f"  geometry  {g['num_blocks']} rows x {g['row_stride']} bytes; "
               f"{g['world_size']} slot(s) of {g['cpu_page_size']} bytes")

@@ -50,6 +50,7 @@ class Attachment:
     rank_source: str | None = None
     host: str | None = None
     attached_at: float = 0.0
+    engine_token: str | None = None  # shared by every process of one engine (engine hook)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class Manifest:
     rank_source: str | None = None
     persistent: bool = False
     attachments: tuple[Attachment, ...] = field(default_factory=tuple)
+    segments: int = 1  # files `.mmap`, `.mmap.1`, ... (vLLM's CPU spec splits big regions)
+    engine_token: str | None = None  # the creating engine's token (engine hook), else None
 
     @property
     def base_engine_id(self) -> str:
@@ -93,6 +96,8 @@ class Manifest:
                 "created_at": self.created_at,
             },
             "attachments": [asdict(a) for a in self.attachments],
+            "segments": self.segments,
+            "engine_token": self.engine_token,
         }
 
     @classmethod
@@ -109,6 +114,7 @@ class Manifest:
                     rank=_opt_int(a.get("rank")), device_index=_opt_int(a.get("device_index")),
                     rank_source=_opt_str(a.get("rank_source")), host=_opt_str(a.get("host")),
                     attached_at=float(a.get("attached_at", 0.0)),
+                    engine_token=_opt_str(a.get("engine_token")),
                 )
                 for a in doc.get("attachments", [])
             )
@@ -126,6 +132,8 @@ class Manifest:
                 rank_source=_opt_str(doc.get("rank_source")),
                 persistent=bool(doc.get("persistent", False)),
                 attachments=attachments,
+                segments=_segments(doc.get("segments", 1)),
+                engine_token=_opt_str(doc.get("engine_token")),
             )
         except OffloadError as exc:
             raise ValueError(exc.message) from exc
@@ -137,6 +145,12 @@ def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"expected an integer, got {value!r}")
     return value
+
+
+def _segments(value: Any) -> int:
+    if _int(value) < 1 or value > 4096:
+        raise ValueError(f"segments {value!r} is out of range")
+    return int(value)
 
 
 def _opt_int(value: Any) -> int | None:
