@@ -17,6 +17,7 @@ def test_hisparse_names_are_recognised(cli: Any, shm_dir: Path, holders: Any) ->
     by_id = {r["engine_id"]: r for r in regions}
     assert by_id["hisparse_inst7_dp1"]["state"] == "stale"
     assert by_id["hisparse_inst7_dp1"]["dp_rank"] == 1
+    assert by_id["hisparse_inst7_dp1"]["kind"] == "hisparse"
     assert by_id["hisparse_inst8_dp0"]["holders"][0]["pid"] == h.pid
     gc = cli("gc", "--min-age", "0", "--shm-dir", str(shm_dir), "--json").json["data"]
     assert [r["engine_id"] for r in gc["removed"]] == ["hisparse_inst7_dp1"]

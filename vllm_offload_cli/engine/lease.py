@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import RegionNotFoundError, UnsafeRegionError
 from vllm_offload_cli.core.base.procfs import ProcessRef
-from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
@@ -50,10 +49,13 @@ class EngineLease:
     def __init__(self, region: SharedOffloadRegion, claimed: ClaimResult) -> None:
         self.region = region
         self.claimed = claimed
+        self._creator = region.creator
 
     @property
     def creator(self) -> bool:
-        return self.region.creator
+        """Whether this process made the file (before any release of its name)."""
+        return self._creator
+
 
     def release_name(self) -> bool:
         """Unlink the names once every process that needs them has mapped the region.
@@ -61,16 +63,10 @@ class EngineLease:
         From then on a SIGKILL leaks nothing: the kernel frees the bytes when
         the last mapping goes. Our flock and mapping stay. True when unlinked.
         """
-        r = self.region
-        if r.fd is None:
-            return False
-        for path, fd in zip(r.segment_paths[1:], r._segment_fds, strict=False):
-            fsguard.unlink_if_same(path, fd)
-        gone = fsguard.unlink_if_same(r.mmap_path, r.fd)
+        gone = self.region.release_names()
         if gone:
-            manifest_io.remove(r.manifest_path)
             logger.info("released the name %s; the region lives on in its mappings",
-                        r.mmap_path)
+                        self.region.mmap_path)
         return gone
 
     def close(self) -> None:

@@ -454,6 +454,19 @@ class SharedOffloadRegion:
             raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
         return fsguard.FileId.of(os.fstat(self.fd))
 
+    def release_names(self) -> bool:
+        """Unlink the files' names (and the manifest) but keep the mapping, as vLLM's CPU
+        spec does after its barrier: the bytes live until the last mapping goes, and a
+        SIGKILL can no longer leak them. Only names still naming our inodes go."""
+        if self.fd is None:
+            return False
+        self._unlink_segments()
+        if not fsguard.unlink_if_same(self.mmap_path, self.fd):
+            return False
+        manifest_io.remove(self.manifest_path)
+        self._creator = False  # nothing of ours is left to unlink at cleanup
+        return True
+
     def cleanup(self) -> None:
         """Release everything; the creator of a non-persistent region also unlinks it."""
         if self._attached:
