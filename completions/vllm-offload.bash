@@ -9,7 +9,7 @@ _vllm_offload() {
         case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
     done
     if [ -z "$cmd" ]; then
-        COMPREPLY=($(compgen -W "benchmark create garbage-collect inspect verify-rank-layout --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "benchmark create garbage-collect inspect preflight verify-rank-layout --help --version" -- "$cur")); return
     fi
     case "$cmd" in
     benchmark)
@@ -35,10 +35,11 @@ _vllm_offload() {
             --num-blocks) COMPREPLY=(); return ;;
             --size) COMPREPLY=(); return ;;
             --threads) COMPREPLY=(); return ;;
+            --segments) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --segments --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -72,6 +73,17 @@ _vllm_offload() {
         esac
         if [[ "$cur" == -* ]]; then
             COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    preflight)
+        case "$prev" in
+            --size) COMPREPLY=(); return ;;
+            --dp-size) COMPREPLY=(); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--size --dp-size --dry-run -n --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
