@@ -183,3 +183,41 @@ def test_importing_the_hook_needs_neither_vllm_nor_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": ""})
     assert out.stdout.strip() == "[]"
+
+
+def test_the_token_is_made_once_and_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV, engine_token, process_token
+
+    monkeypatch.setenv(ENGINE_TOKEN_ENV, "not-a-token")  # malformed: replaced
+    token = engine_token()
+    assert token != "not-a-token" and engine_token() == token == os.environ[ENGINE_TOKEN_ENV]
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "print(1, flush=True); input()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline()  # running, exec done
+        assert process_token(child.pid) == token  # what a sibling rank reads from /proc
+    finally:
+        child.communicate(b"\n")
+    assert process_token(os.getpid()) is None  # set after exec: not in our own environ
+
+
+def test_the_plugin_never_raises_into_vllm_unless_strict(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import sys
+
+    from vllm_offload_cli.engine import plugin
+    from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM absent or broken: import fails
+    monkeypatch.delenv(ENGINE_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(plugin.STRICT_ENV, raising=False)
+    plugin.register()
+    plugin.register()
+    assert "could not register" in caplog.text
+    assert len(os.environ[ENGINE_TOKEN_ENV]) == 32  # the token is set before workers spawn
+    monkeypatch.setenv(plugin.STRICT_ENV, "1")
+    with pytest.raises(ImportError):
+        plugin.register()

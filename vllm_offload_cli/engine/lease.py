@@ -115,9 +115,9 @@ def open_region(
             populate_pages=False, preflight=False, join_timeout=join_timeout,
             num_segments=request.num_segments, engine_token=token,
         )
-    try:
-        check_slot(region, token, replicated=request.replicated)
-    except BaseException:
-        region.cleanup()
-        raise
+        try:  # still under the lock: of two workers on one slot, the second is refused
+            check_slot(region, token, replicated=request.replicated)
+        except BaseException:
+            region.cleanup()
+            raise
     return EngineLease(region, claimed)
