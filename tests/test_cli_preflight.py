@@ -82,3 +82,10 @@ def test_as_a_real_process_for_systemd(shm_dir: Path, holders: Any) -> None:
     h = holders("region", str(shm_dir), "prod", *GEOMETRY)
     busy = run_cli_subprocess("preflight", "prod", "--size", "1MiB", "--shm-dir", str(shm_dir))
     assert busy.exit_code == 4 and f"pid {h.pid}" in busy.stderr
+
+
+def test_a_leftover_it_may_not_touch_exits_6(cli: Any, shm_dir: Path) -> None:
+    (shm_dir / "vllm_offload_prod.mmap").symlink_to("/etc/passwd")
+    doc = preflight(cli, shm_dir, "prod", "--size", "1MiB", expect=6)
+    assert doc["errors"][0]["code"] == "symlink"
+    assert (shm_dir / "vllm_offload_prod.mmap").is_symlink()

@@ -221,3 +221,32 @@ def test_the_plugin_never_raises_into_vllm_unless_strict(
     monkeypatch.setenv(plugin.STRICT_ENV, "1")
     with pytest.raises(ImportError):
         plugin.register()
+
+
+def test_a_pre_provisioned_region_is_joined_if_its_geometry_matches(engines: Any, cli: Any,
+                                                                    shm_dir: Path) -> None:
+    made = cli("create", "prod", "--world-size", str(WORLD), "--cpu-page-size", str(PAGE),
+               "--num-blocks", str(BLOCKS), "--shm-dir", str(shm_dir))
+    assert made.exit_code == 0, made.stderr
+    ino = (shm_dir / "vllm_offload_prod.mmap").stat().st_ino
+    ranks = engines().start(WORLD)
+    assert [r.info["action"] for r in ranks] == ["join"] * WORLD
+    assert {r.info["ino"] for r in ranks} == {ino}
+    other = engines("other")
+    cli("create", "other", "--world-size", str(WORLD), "--cpu-page-size", str(PAGE),
+        "--num-blocks", str(BLOCKS * 2), "--shm-dir", str(shm_dir))
+    refused = other.spawn(0).ready()
+    assert refused["code"] == "size_mismatch"  # exit 6: never joined with another geometry
+
+
+def test_a_leftover_of_another_user_is_refused_not_removed(engines: Any,
+                                                          shm_dir: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to plant a file owned by another user")
+    leftover = shm_dir / "vllm_offload_prod.mmap"
+    leftover.touch(mode=0o600)
+    os.truncate(leftover, BLOCKS * STRIDE)
+    os.chown(leftover, 12345, 12345)
+    info = engines().spawn(0).ready()
+    assert info["code"] == "foreign_owner" and "uid 12345" in info["error"]
+    assert leftover.exists()
