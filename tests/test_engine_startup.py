@@ -169,9 +169,15 @@ def test_released_name_leaves_a_live_mapping_and_nothing_to_leak(engines: Any,
     assert ranks[0].ask("release") == '{"released": true}'
     assert region_files(shm_dir) == []  # name and manifest gone; the mapping lives on
     assert all(r.ask("zero") == '{"zero": true}' for r in ranks)
-    again = engines().start(WORLD)  # a new engine with the id starts afresh beside it
+    # another engine with the id would share no bytes now, but it is still a collision
+    refused = engines().spawn(0).ready()
+    assert refused["code"] == "engine_id_collision" and "(deleted)" in refused["error"]
+    assert refused["pid"] in {r.info["pid"] for r in ranks}
+    for r in ranks:
+        r.kill()  # the kernel frees the bytes with the last mapping: nothing to reclaim
+    again = engines().start(WORLD)
     assert sorted(r.info["action"] for r in again) == ["create", "join", "join"]
-    assert again[0].info["ino"] != ranks[0].info["ino"]
+    assert region_files(shm_dir) != []
 
 
 def test_importing_the_hook_needs_neither_vllm_nor_torch() -> None:

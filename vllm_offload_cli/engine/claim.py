@@ -20,7 +20,7 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,7 +191,9 @@ def claim(
     first_state: str | None = None
     for _ in range(100):
         inv = discover(shm_dir, engine_ids=[engine_id], measure_residency=False)
-        named = [r for r in inv.regions if r.linked]  # an unlinked one blocks no name
+        if identity:
+            _refuse_released_by_another_engine(inv.regions, token, engine_id)
+        named = [r for r in inv.regions if r.linked]
         if not named:
             return _fits(engine_id, path, CREATE if not reclaimed_paths else RECLAIMED,
                          first_state, tuple(reclaimed_paths), reclaimed_bytes, size_bytes,
@@ -243,6 +245,23 @@ def claim(
                                        engine_id=engine_id)
     raise OperationFailedError(f"{path} kept changing while starting; is something "
                                "recreating it?", path=path, engine_id=engine_id)
+
+
+def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str | None,
+                                       engine_id: str) -> None:
+    """A region whose name was released still belongs to a live engine with this id.
+
+    It blocks no name, and a new region would share no bytes with it, but two engines
+    under one engine_id is the collision this step exists to catch. Only a holder
+    proven to be another engine's refuses; one we cannot read does not.
+    """
+    for r in regions:
+        if r.linked:
+            continue
+        who = classify_holders(r, token)
+        if who.foreign:
+            pid, why = who.foreign[0]
+            raise _collision(engine_id, r.paths[0] + " (deleted)", pid, why)
 
 
 def _fits(engine_id: str, path: str, action: str, state: str | None,
