@@ -9,7 +9,7 @@ _vllm_offload() {
         case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
     done
     if [ -z "$cmd" ]; then
-        COMPREPLY=($(compgen -W "benchmark create garbage-collect inspect verify-rank-layout --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "benchmark create garbage-collect inspect preflight verify-rank-layout --help --version" -- "$cur")); return
     fi
     case "$cmd" in
     benchmark)
@@ -38,10 +38,11 @@ _vllm_offload() {
             --numa-node) COMPREPLY=(); return ;;
             --numa-policy) COMPREPLY=($(compgen -W "bind interleave preferred" -- "$cur")); return ;;
             --huge-pages) COMPREPLY=($(compgen -W "never auto always" -- "$cur")); return ;;
+            --segments) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --numa-node --numa-policy --huge-pages --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --numa-node --numa-policy --huge-pages --segments --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -75,6 +76,17 @@ _vllm_offload() {
         esac
         if [[ "$cur" == -* ]]; then
             COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    preflight)
+        case "$prev" in
+            --size) COMPREPLY=(); return ;;
+            --dp-size) COMPREPLY=(); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--size --dp-size --dry-run -n --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

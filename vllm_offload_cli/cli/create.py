@@ -117,12 +117,17 @@ def create(
     huge_pages: Annotated[HugePages, typer.Option(
         "--huge-pages", help="Transparent huge pages: always (error, exit 5, where the "
         "kernel refuses), auto (warn and continue), never.")] = HugePages.never,
+    segments: Annotated[int | None, typer.Option(
+        "--segments", min=1, help="Split into files .mmap, .mmap.1, ... as vLLM does "
+        "(capped so none is under 1 GiB; default: vLLM's CPU spec, min(32, size // 1GiB); "
+        "1 for the tiering spec).")] = None,
 ) -> Outcome:
     """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
 
     Without --hold the region stays and is marked persistent, pre-provisioned for
     an engine to join; `gc` keeps it unless given --include-persistent.
     """
+    from vllm_offload_cli.core.region.segments import default_segments
     from vllm_offload_cli.core.region.shared_region import (
         SharedOffloadRegion,  # not needed by --help
     )
@@ -139,11 +144,13 @@ def create(
             populate_threads=threads or default_threads(), progress=progress,
             numa_node=nodes, numa_policy=None if numa_policy is None else numa_policy.value,
             huge_pages=huge_pages.value,
+            num_segments=segments or default_segments(geometry.size_bytes),
         )
     stats = region.populate_stats
     data: dict[str, Any] = {
         "engine_id": full_id,
         "path": region.mmap_path,
+        "paths": region.segment_paths,
         "manifest": region.manifest_path,
         "size_bytes": geometry.size_bytes,
         "geometry": geometry.to_dict(),
@@ -186,6 +193,8 @@ def create(
 def _render(out: Console, data: dict[str, Any]) -> None:
     g = data["geometry"]
     out.print(f"Created {data['path']}")
+    if len(data["paths"]) > 1:
+        out.print(f"  segments  {len(data['paths'])} files ({data['path']}.1 ...)")
     out.print(f"  size      {format_bytes(data['size_bytes'])} ({data['size_bytes']} bytes)")
     out.print(f"  geometry  {g['num_blocks']} rows x {g['row_stride']} bytes; "
               f"{g['world_size']} slot(s) of {g['cpu_page_size']} bytes")

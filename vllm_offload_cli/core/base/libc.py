@@ -16,7 +16,9 @@ MADV_POPULATE_READ = 22  # Linux >= 5.14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
 MADV_HUGEPAGE = 14
 PROT_READ = 0x1
+PROT_WRITE = 0x2
 MAP_SHARED = 0x01
+MAP_FIXED = 0x10
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -102,3 +104,14 @@ def map_readonly(fd: int, length: int, offset: int = 0) -> int:
 
 def unmap(addr: int, length: int) -> None:
     _check(_libc().munmap(addr, length), "munmap")
+
+
+def map_shared_fixed(addr: int, length: int, fd: int) -> None:
+    """Map `fd` read-write over [addr, addr+length) of a range this process reserved.
+
+    How one address range is backed by several files (vLLM's segmented region).
+    """
+    got = _libc().mmap(addr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0)
+    if got is None or got == MAP_FAILED or got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap: {os.strerror(err)}")

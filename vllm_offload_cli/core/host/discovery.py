@@ -32,6 +32,7 @@ from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
     parse_manifest_filename,
     parse_region_filename,
+    region_kind,
     split_engine_id,
     validate_engine_id,
 )
@@ -101,6 +102,7 @@ class RegionInfo:
     def to_dict(self) -> dict[str, object]:
         return {
             "engine_id": self.engine_id,
+            "kind": region_kind(self.engine_id),
             "base_engine_id": self.base_engine_id,
             "dp_rank": self.dp_rank,
             "paths": self.paths,

@@ -58,6 +58,7 @@ class Attachment:
     rank_source: str | None = None
     host: str | None = None
     attached_at: float = 0.0
+    engine_token: str | None = None  # shared by every process of one engine (engine hook)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class Manifest:
     def creator_alive(self) -> bool:
         """The very creator process (pid and start time, so a reused pid does not count)."""
         return ProcessRef(self.creator_pid, self.creator_start_ticks).alive()
+    segments: int = 1  # files `.mmap`, `.mmap.1`, ... (vLLM's CPU spec splits big regions)
+    engine_token: str | None = None  # the creating engine's token (engine hook), else None
 
     @property
     def base_engine_id(self) -> str:
@@ -113,6 +116,8 @@ class Manifest:
                 "created_at": self.created_at,
             },
             "attachments": [asdict(a) for a in self.attachments],
+            "segments": self.segments,
+            "engine_token": self.engine_token,
         }
         if self.placement is not None:
             doc["placement"] = self.placement
@@ -154,6 +159,8 @@ class Manifest:
             rank_source=uj.opt_string(doc.get("rank_source"), "rank_source", 64),
             persistent=uj.boolean(doc.get("persistent", False), "persistent"),
             state=state,
+            segments=uj.integer(doc.get("segments", 1), "segments", 1, MAX_SEGMENTS),
+            engine_token=uj.opt_string(doc.get("engine_token"), "engine_token", 64),
             placement=_placement(doc.get("placement")),
             attachments=tuple(
                 _attachment(uj.obj(a, "attachment"))
@@ -170,6 +177,7 @@ _MAX_ROWS = 2**40
 _MAX_BYTES_PER_ROW = 2**40
 _MAX_WORKERS = 2**16
 MAX_ATTACHMENTS = 4096
+MAX_SEGMENTS = 4096
 
 
 def _placement(doc: Any) -> dict[str, Any] | None:
@@ -206,6 +214,7 @@ def _attachment(a: dict[str, Any]) -> Attachment:
         host=uj.opt_string(a.get("host"), "attachment.host"),
         attached_at=uj.number(a.get("attached_at", 0.0), "attachment.attached_at", 0.0,
                               _MAX_TIME),
+        engine_token=uj.opt_string(a.get("engine_token"), "attachment.engine_token", 64),
     )
 
 

@@ -24,6 +24,8 @@ _ENGINE_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
 # Every name pattern is used with fullmatch(): `$` would also match before a
 # trailing newline, so `vllm_offload_pre.mmap\n` would pass for region `pre`.
 _DP_RE = re.compile(r"(?P<base>.+)_dp(?P<rank>0|[1-9][0-9]*)")
+# vLLM's HiSparse path: vllm_offload_hisparse_{instance_id}_dp{index}.mmap, same prefix
+_HISPARSE_RE = re.compile(r"hisparse_.+_dp(?:0|[1-9][0-9]*)")
 _REGION_FILE_RE = re.compile(
     re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(REGION_SUFFIX)
     + r"(?:\.(?P<segment>[1-9][0-9]*))?"
@@ -80,6 +82,11 @@ def split_engine_id(engine_id: str) -> EngineIdParts:
     if match is None:
         return EngineIdParts(engine_id, engine_id, None)
     return EngineIdParts(engine_id, match["base"], int(match["rank"]))
+
+
+def region_kind(engine_id: str) -> str:
+    """"hisparse" for vLLM's HiSparse regions, else "offload"; both are regions to us."""
+    return "hisparse" if _HISPARSE_RE.fullmatch(engine_id) else "offload"
 
 
 def region_filename(engine_id: str) -> str:

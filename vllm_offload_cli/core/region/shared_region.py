@@ -20,6 +20,7 @@ torch is imported only when a tensor view is asked for.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -30,6 +31,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm_offload_cli.core.base import libc
 from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OffloadError,
@@ -48,6 +50,7 @@ from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, check_rank
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR, manifest_path, region_path
 from vllm_offload_cli.core.region.prefault import PopulateStats, Progress, populate, slot_ranges
 from vllm_offload_cli.core.region.ranks import RankSource, parse_rank_source
+from vllm_offload_cli.core.region.segments import Segment, effective_segments, split
 
 if TYPE_CHECKING:
     import torch
@@ -111,6 +114,8 @@ class SharedOffloadRegion:
         numa_node: int | Sequence[int] | None = None,
         numa_policy: str | None = None,
         huge_pages: str = "never",
+        num_segments: int = 1,
+        engine_token: str | None = None,
     ) -> None:
         self.page_size = PAGESIZE
         # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
@@ -134,6 +139,13 @@ class SharedOffloadRegion:
         # validated before the file exists: a request the host cannot meet creates nothing
         self.placement = placement.plan(shm_dir, numa_nodes=numa_node, numa_policy=numa_policy,
                                         huge_pages=huge_pages)
+        # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
+        self.segments: tuple[Segment, ...] = split(
+            num_blocks, kv_bytes_per_block,
+            effective_segments(num_segments, self.total_size_bytes))
+        self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
+        self._segment_fds: list[int] = []  # open (and shared-locked) `.mmap.N`, N >= 1
+        self.engine_token = engine_token
         self._allowed_uids = allowed_uids
         self._creator = False
         self._manifest_written = False
@@ -162,8 +174,7 @@ class SharedOffloadRegion:
                 self._refuse_corrupt_manifest()
             fd = self._open(create_only=create_only, join_timeout=join_timeout,
                             preflight=preflight)
-            self.mmap_obj = mmap.mmap(fd, self.total_size_bytes, flags=mmap.MAP_SHARED,
-                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.mmap_obj = self._map(fd)
             if self._creator:  # the file's NUMA policy is shared: only its creator sets it
                 placement.apply(self.mmap_obj, self.total_size_bytes, self.placement)
             if populate_pages:
@@ -179,6 +190,22 @@ class SharedOffloadRegion:
             raise
 
     # -- opening ---------------------------------------------------------------
+
+    def _map(self, fd: int) -> mmap.mmap:
+        """One mapping of the whole region; segment files are laid over it back to back."""
+        if len(self.segments) == 1:
+            return mmap.mmap(fd, self.total_size_bytes, flags=mmap.MAP_SHARED,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        reserved = mmap.mmap(-1, self.total_size_bytes, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(reserved))
+            for seg, seg_fd in zip(self.segments, [fd, *self._segment_fds], strict=True):
+                libc.map_shared_fixed(base + seg.offset, seg.length, seg_fd)
+        except BaseException:
+            reserved.close()
+            raise
+        return reserved
 
     def _open(self, *, create_only: bool, join_timeout: float, preflight: bool) -> int:
         for _ in range(_RETRIES):
@@ -218,18 +245,48 @@ class SharedOffloadRegion:
             rank_source=self._rank_source, persistent=self.persistent,
             placement=None if self.placement.is_default else self.placement.to_record(),
             state=manifest_io.CREATING,  # `ready` once sized and pre-faulted (_attach)
+            segments=len(self.segments), engine_token=self.engine_token,
         ))
         self._manifest_written = True
         pause_at("after_manifest")
-        try:
-            os.ftruncate(self.fd, self.total_size_bytes)
-        except OSError as exc:
-            raise OperationFailedError(
-                f"cannot size {self.mmap_path} to {self.total_size_bytes} bytes: {exc.strerror}",
-                path=self.mmap_path, engine_id=self.engine_id,
-            ) from exc
+        for seg, path in zip(self.segments[1:], self.segment_paths[1:], strict=True):
+            self._create_segment(seg, path)
+        # joiners wait for the bare file, so it is sized last (as vLLM does)
+        self._size(self.fd, self.mmap_path, self.segments[0].length)
         pause_at("after_ftruncate")
         logger.info("created %s (%d bytes)", self.mmap_path, self.total_size_bytes)
+
+    def _create_segment(self, seg: Segment, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+        except FileExistsError:
+            raise RegionBusyError(
+                f"{path} already exists without its region; a leftover of an earlier region? "
+                f"`vllm-offload gc {self.engine_id}` removes it once nothing uses it",
+                path=path, engine_id=self.engine_id, code="name_taken",
+            ) from None
+        self._segment_fds.append(fd)
+        locking.lock_shared(fd, timeout=10.0, path=path)
+        self._size(fd, path, seg.length)
+
+    def _size(self, fd: int, path: str, length: int) -> None:
+        try:
+            os.ftruncate(fd, length)
+        except OSError as exc:
+            raise OperationFailedError(
+                f"cannot size {path} to {length} bytes: {exc.strerror}",
+                path=path, engine_id=self.engine_id,
+            ) from exc
+
+    def _join_segments(self, timeout: float) -> None:
+        """Open `.mmap.N` like the bare file: no O_CREAT, judged by fstat, exact size."""
+        for seg, path in zip(self.segments[1:], self.segment_paths[1:], strict=True):
+            fd = fsguard.open_existing(path, os.O_RDWR, engine_id=self.engine_id)
+            self._segment_fds.append(fd)
+            fsguard.raise_if_unsafe(os.fstat(fd), path, engine_id=self.engine_id,
+                                    allowed_uids=self._allowed_uids, expected_size=seg.length)
+            locking.lock_shared(fd, timeout=timeout, path=path)
 
     def _join(self, timeout: float) -> bool:
         """Join an existing region; False when the name vanished or was replaced."""
@@ -249,12 +306,13 @@ class SharedOffloadRegion:
                 self.fd = None
                 return False
             size = os.fstat(fd).st_size
-            if size == self.total_size_bytes:
+            expected = self.segments[0].length
+            if size == expected:
                 break
             if size != 0:
                 fsguard.raise_if_unsafe(os.fstat(fd), self.mmap_path, engine_id=self.engine_id,
                                         allowed_uids=self._allowed_uids,
-                                        expected_size=self.total_size_bytes)
+                                        expected_size=expected)
             if time.monotonic() > deadline:
                 raise RegionTimeoutError(
                     f"{self.mmap_path} is still {size} bytes after {timeout:.0f} s; its creator "
@@ -263,6 +321,7 @@ class SharedOffloadRegion:
                 )
             time.sleep(0.005)
         self._check_manifest_geometry()
+        self._join_segments(timeout)
         logger.info("joined %s", self.mmap_path)
         return True
 
@@ -289,6 +348,20 @@ class SharedOffloadRegion:
                 f"created for {theirs.world_size} workers; its slot would be another "
                 "engine's padding", path=self.mmap_path, engine_id=self.engine_id,
                 code="rank_out_of_range",
+            )
+        if m.segments != len(self.segments):
+            raise UnsafeRegionError(
+                f"{self.mmap_path} was created as {m.segments} file(s) but this opener expects "
+                f"{len(self.segments)}; the rows would be mapped from the wrong files",
+                path=self.mmap_path, engine_id=self.engine_id, code="geometry_mismatch",
+            )
+        if (self.engine_token is not None and m.engine_token is not None
+                and m.engine_token != self.engine_token):
+            raise RegionBusyError(
+                f"{self.mmap_path} belongs to another engine started with the same engine_id "
+                f"(created by pid {m.creator_pid}); refusing to share its bytes",
+                path=self.mmap_path, engine_id=self.engine_id, pid=m.creator_pid,
+                code="engine_id_collision",
             )
         if differs:
             raise UnsafeRegionError(
@@ -350,7 +423,7 @@ class SharedOffloadRegion:
         attachment = manifest_io.Attachment(
             pid=self._me.pid, start_ticks=self._me.start_ticks, rank=self.rank,
             device_index=self._device_index, rank_source=self._rank_source,
-            host=hostname(), attached_at=time.time(),
+            host=hostname(), attached_at=time.time(), engine_token=self.engine_token,
         )
         try:
             # the creator's attach also ends creation: sized and pre-faulted, now `ready`
@@ -368,10 +441,16 @@ class SharedOffloadRegion:
     def _abandon(self) -> None:
         """Undo a failed open: never leave a stub that joiners would wait on."""
         if self._creator and self.fd is not None:
+            self._unlink_segments()
             if fsguard.unlink_if_same(self.mmap_path, self.fd) and self._manifest_written:
                 manifest_io.remove(self.manifest_path)
             self._creator = False
         self._close()
+
+    def _unlink_segments(self) -> None:
+        """`.mmap.N` before the bare name: a new creator starts from the bare name."""
+        for path, fd in zip(self.segment_paths[1:], self._segment_fds, strict=False):
+            fsguard.unlink_if_same(path, fd)
 
     # -- views (vLLM's API) ----------------------------------------------------
 
@@ -440,6 +519,19 @@ class SharedOffloadRegion:
             raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
         return fsguard.FileId.of(os.fstat(self.fd))
 
+    def release_names(self) -> bool:
+        """Unlink the files' names (and the manifest) but keep the mapping, as vLLM's CPU
+        spec does after its barrier: the bytes live until the last mapping goes, and a
+        SIGKILL can no longer leak them. Only names still naming our inodes go."""
+        if self.fd is None:
+            return False
+        self._unlink_segments()
+        if not fsguard.unlink_if_same(self.mmap_path, self.fd):
+            return False
+        manifest_io.remove(self.manifest_path)
+        self._creator = False  # nothing of ours is left to unlink at cleanup
+        return True
+
     def cleanup(self) -> None:
         """Release everything; the creator of a non-persistent region also unlinks it."""
         if self._attached:
@@ -450,6 +542,7 @@ class SharedOffloadRegion:
                 logger.debug("detach from %s: %s", self.manifest_path, exc)
             self._attached = False
         if self._creator and not self.persistent and self.fd is not None:
+            self._unlink_segments()
             if fsguard.unlink_if_same(self.mmap_path, self.fd):
                 manifest_io.remove(self.manifest_path)
                 logger.info("removed %s", self.mmap_path)
@@ -473,6 +566,10 @@ class SharedOffloadRegion:
                 logger.warning("%s: views are still referenced; the mapping stays until they "
                                "are freed", self.mmap_path)
             self.mmap_obj = None
+        for fd in self._segment_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._segment_fds = []
         if self.fd is not None:
             try:
                 os.close(self.fd)  # also releases our shared flock

@@ -1,0 +1,123 @@
+"""Load vLLM's offloading modules from its released wheel, without its GPU stack.
+
+vLLM's top-level import pulls the whole serving engine (model executor,
+CUDA kernels, transformers). The offloading specs need little of it, so the
+package shells `vllm` and `vllm.distributed` are made without running their
+`__init__`, and only what cannot exist on a CPU-only host is replaced:
+
+* `vllm.platforms` (device detection; here a CUDA platform stand-in),
+* `vllm._custom_ops`, `vllm.triton_utils`, `vllm.v1.kv_offload.cpu.gpu_worker`,
+  `vllm.v1.kv_offload.cpu.host_register` (CUDA kernels, cudaHostRegister),
+* `vllm.distributed.parallel_state` (torch.distributed groups: the barrier is
+  a file barrier between the test's processes),
+* `vllm.distributed.device_communicators.shm_broadcast` (its free-space check
+  needs zmq; only vLLM's creator path calls it, which the hook never takes),
+* `vllm.distributed.kv_transfer...offloading.metrics` (pulls VllmConfig and
+  the whole connector stack; only a stats container is used).
+
+Everything else (the spec factory, OffloadingConfig, the CPU and tiering
+specs, vLLM's SharedOffloadRegion, the CPU and tiering managers, vLLM's
+logger and envs) is vLLM's own code from the wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+SRC_ENV = "VLLM_OFFLOAD_VLLM_SRC"  # a directory holding the unpacked wheel's `vllm/`
+
+
+def vllm_root() -> Path | None:
+    """Where vLLM's sources are: $VLLM_OFFLOAD_VLLM_SRC, or an installed vllm."""
+    env = os.environ.get(SRC_ENV)
+    if env:
+        return Path(env) if (Path(env) / "vllm" / "v1" / "kv_offload").is_dir() else None
+    spec = importlib.util.find_spec("vllm")  # finds, does not import
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent.parent
+
+
+def _shell(name: str, root: Path) -> None:
+    module = types.ModuleType(name)
+    module.__path__ = [str(root / name.replace(".", "/"))]
+    sys.modules[name] = module
+
+
+def _stub(name: str, **attrs: Any) -> None:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    sys.modules[name] = module
+
+
+class _CudaLikePlatform:
+    device_type = "cuda"
+
+    def is_cuda_alike(self) -> bool:
+        return True
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def is_pin_memory_available(self) -> bool:
+        return False
+
+
+class FakeGpuWorker:
+    """Stands in for CPUOffloadingWorker (CUDA copies); keeps what vLLM handed it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+
+class FileBarrier:
+    """A barrier between `world` processes: each arrival is a file in `directory`."""
+
+    def __init__(self, directory: str, rank: int, world: int) -> None:
+        self.directory, self.rank, self.world, self.generation = directory, rank, world, 0
+
+    def barrier(self) -> None:
+        self.generation += 1
+        Path(self.directory, f"{self.generation}.{self.rank}").touch()
+        deadline = time.monotonic() + 60
+        while len(list(Path(self.directory).glob(f"{self.generation}.*"))) < self.world:
+            if time.monotonic() > deadline:
+                raise TimeoutError("file barrier")
+            time.sleep(0.005)
+
+
+def load(root: Path, barrier: FileBarrier | None = None) -> None:
+    sys.path.insert(0, str(root))
+    _shell("vllm", root)
+    _shell("vllm.distributed", root)
+    group = barrier or FileBarrier("/nonexistent", 0, 1)
+
+    def get_group() -> FileBarrier:
+        return group
+
+    _stub("vllm.platforms", current_platform=_CudaLikePlatform())
+    _stub("vllm.distributed.parallel_state", get_world_group=get_group,
+          get_inner_dp_world_group=get_group)
+    _stub("vllm.distributed.device_communicators.shm_broadcast",
+          check_shm_free_space=lambda *a, **k: None)
+    _stub("vllm._custom_ops")
+    _stub("vllm.triton_utils", HAS_TRITON=False, triton=None, tl=None)
+    _stub("vllm.v1.kv_offload.cpu.host_register", host_register=lambda *a, **k: None,
+          host_unregister=lambda *a, **k: None)
+    _stub("vllm.v1.kv_offload.cpu.gpu_worker", CPUOffloadingWorker=FakeGpuWorker)
+
+    class Stats:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.data: dict[str, Any] = {}
+
+    _stub("vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
+          OffloadingConnectorStats=Stats)

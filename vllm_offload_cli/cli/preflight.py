@@ -1,0 +1,91 @@
+"""`vllm-offload preflight`: the engine hook's start-up checks, for launchers.
+
+Meant for systemd `ExecStartPre=` or a Kubernetes init container: before an
+engine with a pinned engine_id starts, refuse when another live process holds
+its region (exit 4), reclaim a provably stale leftover, and check that the
+bytes the engine will map fit (exit 5).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.units import format_bytes, parse_size
+from vllm_offload_cli.core.region import capacity
+from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
+
+
+@subcommand("preflight", help="Check (and clear) what an engine's start-up needs: a free "
+            "engine_id and room for its region.")
+def preflight(
+    inv: Invocation,
+    engine_id: Annotated[str, typer.Argument(help="The engine_id the engine will be given "
+                                             "(the base id when --dp-size > 1).",
+                                             show_default=False)],
+    size: Annotated[str, typer.Option("--size", help="Bytes each replica's region maps, "
+                                      "e.g. 64GiB (vLLM's cpu_bytes_to_use).")],
+    dp_size: Annotated[int, typer.Option("--dp-size", min=1, help="Data-parallel replicas: "
+                                         "checks ENGINE_ID_dp0 .. _dp{N-1}.")] = 1,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Say what would be "
+                                          "reclaimed; remove nothing.")] = False,
+) -> Outcome:
+    """Refuse an engine_id held by a live process (exit 4), reclaim a provably stale
+    leftover region of it, and check that the regions fit in the shm directory, the
+    memory cgroup and available memory (exit 5). Run it before `vllm serve`.
+
+    With --dp-size N the replicas' ids ENGINE_ID_dp0 .. _dp{N-1} are checked and the
+    room for all of them at once. Exit status: 0 ready; 2 bad input; 4 in use; 5 too
+    little room; 6 a leftover that is not safe to touch.
+    """
+    from vllm_offload_cli.engine.claim import claim, startup_lock  # not needed by --help
+
+    validate_engine_id(engine_id)
+    per_replica = parse_size(size, what="--size")
+    if per_replica <= 0:
+        raise InvalidInputError("--size must be greater than 0", code="invalid_size")
+    ids = [engine_id] if dp_size == 1 else [with_dp_rank(engine_id, k) for k in range(dp_size)]
+    shm_dir = shm_dir_checked(inv)
+    results = []
+    with startup_lock(shm_dir, timeout=30.0):
+        for eid in ids:
+            # capacity for all replicas together is checked below, once
+            results.append(claim(eid, shm_dir=shm_dir, token=None, dry_run=dry_run))
+        needed = per_replica * sum(1 for r in results if r.action != "join")
+        cap = capacity.measure(shm_dir)
+        # a dry run has not freed the leftovers yet: count them as room
+        reclaimable = sum(r.reclaimed_bytes for r in results if r.action == "would_reclaim")
+        capacity.check_fits(max(needed - reclaimable, 0), cap, shm_dir=shm_dir,
+                            engine_id=engine_id)
+    data: dict[str, Any] = {
+        "engine_id": engine_id,
+        "dp_size": dp_size,
+        "size_bytes": per_replica,
+        "needed_bytes": needed,
+        "free_bytes": cap.shm.free_bytes,
+        "dry_run": dry_run,
+        "replicas": [r.to_dict() for r in results],
+    }
+    return Outcome(data, render=lambda out: _render(out, data))
+
+
+_SAYS = {
+    "create": "free; the engine will create it",
+    "reclaimed": "a stale leftover was removed; the engine will create it afresh",
+    "would_reclaim": "a stale leftover would be removed (dry run)",
+    "join": "exists and is not in use by another engine; the engine will join it",
+}
+
+
+def _render(out: Console, data: dict[str, Any]) -> None:
+    for r in data["replicas"]:
+        line = f"{r['engine_id']}: {_SAYS.get(r['action'], r['action'])}"
+        if r["reclaimed_bytes"]:
+            line += f" ({format_bytes(r['reclaimed_bytes'])})"
+        out.print(line, markup=False)
+    out.print(f"Ready: {format_bytes(data['needed_bytes'])} needed, "
+              f"{format_bytes(data['free_bytes'])} free in the shm directory.", markup=False)

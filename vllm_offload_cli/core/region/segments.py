@@ -1,0 +1,58 @@
+"""vLLM's segmented region: one region split into files `.mmap`, `.mmap.1`, ...
+
+vLLM 0.33's CPU spec splits a big region so workers pre-fault several files in
+parallel (tmpfs serialises page-cache inserts per file). The split is part of
+the on-disk format, so it is reproduced here exactly: at most 32 files, none
+smaller than 1 GiB, `cdiv(num_blocks, n)` consecutive rows per file, the files
+mapped back to back into one address range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_offload_cli.core.base.errors import InvalidInputError
+
+VLLM_CPU_SEGMENTS = 32  # what vLLM's CPUOffloadingSpec asks for
+MIN_SEGMENT_BYTES = 1 << 30  # vLLM does not make a file for less
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One file of a region: its number (0 = the bare name) and its byte range."""
+
+    index: int
+    offset: int
+    length: int
+
+    def path(self, bare_path: str) -> str:
+        return f"{bare_path}.{self.index}" if self.index else bare_path
+
+
+def effective_segments(requested: int, size_bytes: int) -> int:
+    """vLLM's rule: the requested count, capped so no file is under 1 GiB (at least 1)."""
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise InvalidInputError(f"segments must be an integer >= 1, got {requested!r}",
+                                code="invalid_segments")
+    return max(1, min(requested, size_bytes // MIN_SEGMENT_BYTES))
+
+
+def default_segments(size_bytes: int) -> int:
+    """How many files vLLM's CPU spec makes for a region of this size."""
+    return effective_segments(VLLM_CPU_SEGMENTS, size_bytes)
+
+
+def split(num_blocks: int, row_stride: int, segments: int) -> tuple[Segment, ...]:
+    """The files of a region of `segments` (already effective) parts, as vLLM lays them out.
+
+    Rows go `cdiv(num_blocks, segments)` to a file, so fewer files than asked
+    for can result (vLLM's arithmetic, kept exactly).
+    """
+    if segments < 1:
+        raise InvalidInputError(f"segments must be >= 1, got {segments}",
+                                code="invalid_segments")
+    rows = max(1, -(-num_blocks // segments))
+    return tuple(
+        Segment(i, row * row_stride, min(rows, num_blocks - row) * row_stride)
+        for i, row in enumerate(range(0, max(num_blocks, 1), rows))
+    )

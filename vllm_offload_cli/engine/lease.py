@@ -1,0 +1,123 @@
+"""One engine process's hold on its region: claim, open through the core, check the slot.
+
+The hook opens the region through the hardened core *before* vLLM does, so
+vLLM always takes its joiner path onto a file of exactly the right size that
+this engine made (or was pre-provisioned for it). The open happens under the
+start-up lock, right after the claim, so no other process can slip a region
+in between. Pre-faulting is left to vLLM. For the process's life the lease
+holds a shared flock on every file and an attachment (with the engine token)
+in the manifest, so `inspect` and `gc` can prove the region alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from vllm_offload_cli.core.base.errors import RegionNotFoundError, UnsafeRegionError
+from vllm_offload_cli.core.base.procfs import ProcessRef
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
+from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
+from vllm_offload_cli.engine.claim import ClaimResult, claim, startup_lock
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RegionRequest:
+    """The region one engine process is about to map, in vLLM's terms."""
+
+    engine_id: str
+    num_blocks: int
+    rank: int | None  # None: the scheduler's rank-less view
+    row_stride: int
+    cpu_page_size: int
+    world_size: int
+    num_segments: int = 1
+    replicated: bool = False  # every worker maps slot 0 (vLLM's replicated MLA layout)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.num_blocks * self.row_stride
+
+
+class EngineLease:
+    """The open region plus what the claim found; `close()` on shutdown."""
+
+    def __init__(self, region: SharedOffloadRegion, claimed: ClaimResult) -> None:
+        self.region = region
+        self.claimed = claimed
+        self._creator = region.creator
+
+    @property
+    def creator(self) -> bool:
+        """Whether this process made the file (before any release of its name)."""
+        return self._creator
+
+
+    def release_name(self) -> bool:
+        """Unlink the names once every process that needs them has mapped the region.
+
+        From then on a SIGKILL leaks nothing: the kernel frees the bytes when
+        the last mapping goes. Our flock and mapping stay. True when unlinked.
+        """
+        gone = self.region.release_names()
+        if gone:
+            logger.info("released the name %s; the region lives on in its mappings",
+                        self.region.mmap_path)
+        return gone
+
+    def close(self) -> None:
+        self.region.cleanup()
+
+
+def check_slot(region: SharedOffloadRegion, token: str | None, *, replicated: bool) -> None:
+    """After the map: this worker's slot is in range (the core checked) and nobody else's."""
+    if region.rank is None or replicated or token is None:
+        return
+    try:
+        m = manifest_io.read(region.manifest_path)
+    except (manifest_io.ManifestError, OSError, RegionNotFoundError):
+        return
+    me = os.getpid()
+    for a in m.attachments:
+        if (a.rank == region.rank and a.pid != me and a.engine_token == token
+                and ProcessRef(a.pid, a.start_ticks).alive()):
+            raise UnsafeRegionError(
+                f"rank {region.rank} of {region.mmap_path} is already used by pid {a.pid} of "
+                "this engine; two workers computing one slot would overwrite each other's "
+                "KV blocks (check the rank source and device visibility)",
+                path=region.mmap_path, engine_id=region.engine_id, pid=a.pid,
+                code="slot_collision",
+            )
+
+
+def open_region(
+    request: RegionRequest,
+    *,
+    token: str | None,
+    shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+    lock_timeout: float = 120.0,
+    join_timeout: float = 30.0,
+) -> EngineLease:
+    """Claim the name, create or join the region through the core, check the slot."""
+    with startup_lock(shm_dir, timeout=lock_timeout):
+        claimed = claim(request.engine_id, shm_dir=shm_dir, token=token,
+                        size_bytes=request.size_bytes, identity=token is not None)
+        region = SharedOffloadRegion(
+            request.engine_id, request.num_blocks, request.rank, request.row_stride,
+            request.cpu_page_size, shm_dir=shm_dir,
+            world_size=None if request.replicated else request.world_size,
+            layout="canonical" if request.replicated else "worker",
+            rank_source=None if request.rank is None else "logical",
+            populate_pages=False, preflight=False, join_timeout=join_timeout,
+            num_segments=request.num_segments, engine_token=token,
+        )
+        try:  # still under the lock: of two workers on one slot, the second is refused
+            check_slot(region, token, replicated=request.replicated)
+        except BaseException:
+            region.cleanup()
+            raise
+    return EngineLease(region, claimed)
