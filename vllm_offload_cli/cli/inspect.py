@@ -31,6 +31,7 @@ def inventory_data(inv: Inventory) -> dict[str, Any]:
         "orphan_manifests": [o.path for o in inv.orphan_manifests],
         "shm": {"total_bytes": inv.shm.total_bytes, "free_bytes": inv.shm.free_bytes},
         "uninspectable_processes": inv.uninspectable_processes,
+        "visibility": inv.visibility.to_dict(),
     }
 
 
@@ -47,11 +48,17 @@ def inspect_cmd(
     ] = None,
     no_residency: Annotated[bool, typer.Option(
         "--no-residency", help="Skip the mincore residency scan of each region.")] = False,
+    shm_private_to_namespace: Annotated[bool, typer.Option(
+        "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
+        "namespace: trust this namespace's /proc (regions are not shown `unknown` for it).")
+    ] = False,
 ) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
     A region is `live` when any process maps it, holds it open or holds its lock;
-    otherwise `persistent` if `create` pre-provisioned it, else `stale` (leaked).
+    otherwise `persistent` if `create` pre-provisioned it, `unknown` when a holder
+    could be hidden from this run (another PID namespace, hidepid, processes it
+    may not inspect), else `stale` (leaked).
     """
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")
@@ -60,12 +67,16 @@ def inspect_cmd(
                                 code="usage")
     shm_dir = shm_dir_checked(inv)
     found = discover(shm_dir, engine_ids=engine_ids or None,
-                     measure_residency=not no_residency)
+                     measure_residency=not no_residency,
+                     shm_private_to_namespace=shm_private_to_namespace)
     missing = [e for e in (engine_ids or []) if not found.find(e)]
     if missing:
         raise RegionNotFoundError(
             f"no region named {', '.join(missing)} in {found.shm_dir}; "
             "`vllm-offload inspect` lists them all", engine_id=missing[0])
+    for spot in found.visibility.effective:
+        inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
+                 "`unknown`, not `stale`")
     if found.uninspectable_processes:
         inv.warn("uninspectable_processes",
                  f"{found.uninspectable_processes} process(es) could not be inspected "
@@ -99,7 +110,9 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-_STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red"}
+_STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red",
+                "unknown": "yellow"}
+_STATES = ("live", "persistent", "stale", "unknown")
 
 
 def render_table(out: Console, found: Inventory) -> None:
@@ -122,9 +135,12 @@ def render_table(out: Console, found: Inventory) -> None:
             for p in r.problems:
                 out.print(f"  {r.engine_id}: {p.message}", highlight=False, markup=False)
     shm = found.shm
+    unknown = sum(r.state == "unknown" for r in found.regions)
     out.print(f"{found.shm_dir}: {format_bytes(shm.free_bytes)} free of "
               f"{format_bytes(shm.total_bytes)}; {len(found.regions)} region(s), "
-              f"{sum(r.state == 'stale' for r in found.regions)} stale", highlight=False)
+              f"{sum(r.state == 'stale' for r in found.regions)} stale"
+              f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}",
+              highlight=False)
     for o in found.orphan_manifests:
         out.print(f"  orphaned manifest: {o.path}", highlight=False, markup=False)
 
@@ -153,12 +169,12 @@ def _registry(found: Inventory) -> Any:
         holders.labels(*key).set(len(r.holders))
         if r.age_seconds is not None:
             age.labels(*key).set(r.age_seconds)
-        for s in ("live", "persistent", "stale"):
+        for s in _STATES:
             state.labels(*key, s).set(1 if r.state == s else 0)
         problems.labels(*key).set(len(r.problems))
         linked.labels(*key).set(1 if r.linked else 0)
     count = Gauge("vllm_offload_regions", "Regions by state.", ["state"], registry=registry)
-    for s in ("live", "persistent", "stale"):
+    for s in _STATES:
         count.labels(s).set(sum(r.state == s for r in found.regions))
     Gauge("vllm_offload_shm_total_bytes", "Size of the shm filesystem.",
           registry=registry).set(found.shm.total_bytes)

@@ -18,12 +18,17 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 
-from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
+from vllm_offload_cli.core.base.errors import (
+    InvalidInputError,
+    RegionBusyError,
+    RegionNotFoundError,
+)
 from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.base.procfs import ProcessRef, comm
-from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
-from vllm_offload_cli.core.region import fsguard, locking
+from vllm_offload_cli.core.host.visibility import Visibility
+from vllm_offload_cli.core.region import fsguard, locking, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
 from vllm_offload_cli.core.region.fsguard import FileId
@@ -36,7 +41,7 @@ from vllm_offload_cli.core.region.naming import (
     validate_engine_id,
 )
 
-LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
+LIVE, PERSISTENT, STALE, UNKNOWN = "live", "persistent", "stale", "unknown"
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class SegmentFile:
     linked: bool
     resident_bytes: int | None
     problems: tuple[Problem, ...] = ()
+    # the kernel's answer to "open anywhere else?", asked only when /proc may miss a holder
+    sole_opener: openers.OpenersVerdict | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,7 @@ class Inventory:
     shm: ShmUsage
     uninspectable_processes: int
     scanned_processes: int
+    visibility: Visibility = field(default_factory=lambda: Visibility((), ()))
 
     def find(self, engine_id: str) -> list[RegionInfo]:
         return [r for r in self.regions if r.engine_id == engine_id]
@@ -170,7 +178,7 @@ def _ids_of(entries: list[tuple[int, os.DirEntry[str]]]) -> set[FileId]:
 
 
 def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
-                  measure: bool) -> tuple[SegmentFile, bool]:
+                  measure: bool, vis: Visibility | None = None) -> tuple[SegmentFile, bool]:
     """lstat, open without following, fstat, residency and a lock probe: (file, locked)."""
     lst = os.stat(path, follow_symlinks=False)  # FileNotFoundError: vanished, caller skips
     if not stat.S_ISREG(lst.st_mode):
@@ -181,6 +189,9 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
         fd = fsguard.open_existing(path, os.O_RDONLY)
     except RegionNotFoundError:
         raise FileNotFoundError(path) from None
+    except RegionBusyError:  # a long-held lease: someone is at it; not stale
+        return SegmentFile(path, segment, FileId.of(lst), lst.st_size, lst.st_uid,
+                           stat.S_IMODE(lst.st_mode), lst.st_mtime, True, None), True
     except Exception:
         problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids) or [
             Problem("unreadable", "cannot be opened by this user")]
@@ -196,9 +207,17 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
         locked = not locking.try_lock_exclusive(fd)
         return SegmentFile(path, segment, FileId.of(st), st.st_size, st.st_uid,
                            stat.S_IMODE(st.st_mode), max(st.st_mtime, st.st_ctime), True,
-                           resident, tuple(problems)), locked
+                           resident, tuple(problems), _openers(fd, st, locked, vis)), locked
     finally:
         os.close(fd)  # also drops the probe lock
+
+
+def _openers(fd: int, st: os.stat_result, locked: bool, vis: Visibility | None
+             ) -> openers.OpenersVerdict | None:
+    """Ask the kernel only where /proc may have missed a holder (and no lock said so)."""
+    if vis is None or locked or vis.blind or not vis.could_hide(st.st_uid, st.st_mode):
+        return None
+    return openers.probe(fd)
 
 
 def _resident(fd: int) -> int | None:
@@ -251,8 +270,13 @@ def discover(
     engine_ids: Collection[str] | None = None,
     allowed_uids: Collection[int] | None = None,
     measure_residency: bool = True,
+    shm_private_to_namespace: bool = False,
 ) -> Inventory:
-    """Every region in shm_dir (or only `engine_ids`), with holders, state and problems."""
+    """Every region in shm_dir (or only `engine_ids`), with holders, state and problems.
+
+    `shm_private_to_namespace`: the operator states that no process outside
+    this PID namespace uses shm_dir, which waives that one blind spot.
+    """
     shm = os.path.realpath(shm_dir)
     if not os.path.isdir(shm):
         raise InvalidInputError(f"shm directory {shm_dir} does not exist or is not a directory",
@@ -261,6 +285,7 @@ def discover(
     allowed_uids = fsguard.inspection_uids(allowed_uids)
     now = time.time()
     scan = scan_processes(shm)  # before we open anything ourselves
+    vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace)
     listing = _list_dir(shm)
     regions: list[RegionInfo] = []
     linked_ids: set[FileId] = set()
@@ -274,7 +299,7 @@ def discover(
         for segment, entry in sorted(entries, key=lambda e: e[0]):
             try:
                 seg, seg_locked = _inspect_file(entry.path, segment, allowed_uids,
-                                                measure_residency)
+                                                measure_residency, vis)
             except FileNotFoundError:
                 continue  # vanished while we looked
             segments.append(seg)
@@ -284,8 +309,9 @@ def discover(
         if not segments:
             continue
         mentry = listing.manifests.get(engine_id)
-        regions.append(_region(engine_id, segments, locked, scan,
-                               None if mentry is None else mentry.path, allowed_uids, now))
+        regions.append(judge_visibility(
+            _region(engine_id, segments, locked, scan,
+                    None if mentry is None else mentry.path, allowed_uids, now), vis))
 
     for engine_id, by_inode in sorted(_deleted_only(scan, linked_ids, shm).items()):
         if wanted is not None and engine_id not in wanted:
@@ -298,7 +324,7 @@ def discover(
     return Inventory(
         shm_dir=shm, regions=tuple(regions), orphan_manifests=tuple(orphans),
         shm=shm_usage(shm), uninspectable_processes=scan.denied,
-        scanned_processes=scan.scanned,
+        scanned_processes=scan.scanned, visibility=vis,
     )
 
 
@@ -378,6 +404,44 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: Proc
         mode=mode, age_seconds=None, geometry=None, manifest=None, manifest_path=None,
         holders=holders_of(uses), locked=False, state=LIVE, problems=(),
     )
+
+
+def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:
+    """A region nobody visibly holds is `stale` only if no holder could be hidden.
+
+    Host-wide blind spots make it `unknown`. Hidden processes that could open
+    it make it `unknown` too, unless the kernel proved that nobody else has
+    any of its files open (`live` when it proved the opposite).
+    """
+    if r.state not in (STALE, PERSISTENT) or not r.linked:
+        return r
+    if vis.blind:
+        if r.state == PERSISTENT:
+            return r
+        spot = vis.effective[0]
+        return replace(r, state=UNKNOWN, problems=(*r.problems, Problem(spot.code, (
+            f"{spot.message}; a holder could be hidden, so it is not called stale"))))
+    suspects = sorted({pid for s in r.segments for pid in vis.could_hide(s.uid, s.mode)})
+    if not suspects:
+        return r
+    verdicts = [s.sole_opener for s in r.segments]
+    who = _pids_text(suspects)
+    if any(v is not None and v.sole is False for v in verdicts):
+        return replace(r, state=LIVE, problems=(*r.problems, Problem("hidden_holder", (
+            f"open or mapped by a process that cannot be inspected (one of {who}); the "
+            "kernel's lease test says another process has it open"))))
+    if all(v is not None and v.sole for v in verdicts) or r.state == PERSISTENT:
+        return r
+    why = next((v.why for v in verdicts if v is not None and v.why), "not tested")
+    return replace(r, state=UNKNOWN, problems=(*r.problems, Problem(
+        visibility.HIDDEN_HOLDERS,
+        f"could be held by {who}, which cannot be inspected, and the lease test that would "
+        f"prove it unused is not available ({why})")))
+
+
+def _pids_text(pids: list[int]) -> str:
+    shown = ", ".join(f"pid {p}" for p in pids[:5])
+    return shown + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
 
 
 def _flag_collisions(regions: list[RegionInfo]) -> list[RegionInfo]:
