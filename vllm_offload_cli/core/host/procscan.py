@@ -109,6 +109,8 @@ def _fd_files(pid: int, proc: str, skip: Collection[int] = ()
             continue
         try:
             yield fd, os.stat(f"{fd_dir}/{name}")
+        except PermissionError:
+            raise  # listable but not followable (PID 1 in some sandboxes): uninspected
         except OSError:
             continue  # closed meanwhile
 

@@ -394,7 +394,7 @@ class _Run:
                 self._keep(self._kept(r, UNKNOWN, (
                     f"could be held by {_pids_text(suspects)}, which cannot be inspected, and "
                     f"the lease test that would prove it unused is not available "
-                    f"({verdict.why}); run gc as root in the host's PID namespace"),
+                    f"({verdict.why}); run gc as root with CAP_SYS_PTRACE and CAP_LEASE"),
                     blind_spot=visibility.HIDDEN_HOLDERS))
             else:
                 self._remove(held, max(age, 0.0), leased=verdict.sole is True)
