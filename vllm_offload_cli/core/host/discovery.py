@@ -15,7 +15,7 @@ import os
 import stat
 import time
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 
 from vllm_offload_cli.core.base.errors import (
@@ -178,7 +178,8 @@ def _ids_of(entries: list[tuple[int, os.DirEntry[str]]]) -> set[FileId]:
 
 
 def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
-                  measure: bool, vis: Visibility | None = None) -> tuple[SegmentFile, bool]:
+                  measure: bool, probe_if: Callable[[os.stat_result], bool] | None = None
+                  ) -> tuple[SegmentFile, bool]:
     """lstat, open without following, fstat, residency and a lock probe: (file, locked)."""
     lst = os.stat(path, follow_symlinks=False)  # FileNotFoundError: vanished, caller skips
     if not stat.S_ISREG(lst.st_mode):
@@ -207,17 +208,23 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
         locked = not locking.try_lock_exclusive(fd)
         return SegmentFile(path, segment, FileId.of(st), st.st_size, st.st_uid,
                            stat.S_IMODE(st.st_mode), max(st.st_mtime, st.st_ctime), True,
-                           resident, tuple(problems), _openers(fd, st, locked, vis)), locked
+                           resident, tuple(problems),
+                           None if locked or probe_if is None or not probe_if(st)
+                           else openers.probe(fd, retry=_PROBE_RETRY)), locked
     finally:
         os.close(fd)  # also drops the probe lock
 
 
-def _openers(fd: int, st: os.stat_result, locked: bool, vis: Visibility | None
-             ) -> openers.OpenersVerdict | None:
-    """Ask the kernel only where /proc may have missed a holder (and no lock said so)."""
-    if vis is None or locked or vis.blind or not vis.could_hide(st.st_uid, st.st_mode):
-        return None
-    return openers.probe(fd)
+# inspect only labels; gc decides under the lock with its own, patient lease
+_PROBE_RETRY = 0.02
+
+
+def _needs_lease_probe(vis: Visibility, scan: ProcessScan) -> Callable[[os.stat_result], bool]:
+    """Ask the kernel only where /proc may have missed a holder and saw none."""
+    def needed(st: os.stat_result) -> bool:
+        return (not vis.blind and bool(vis.could_hide(st.st_uid, st.st_mode))
+                and not scan.holders(FileId.of(st)))
+    return needed
 
 
 def _resident(fd: int) -> int | None:
@@ -286,6 +293,7 @@ def discover(
     now = time.time()
     scan = scan_processes(shm)  # before we open anything ourselves
     vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace)
+    probe_if = _needs_lease_probe(vis, scan)
     listing = _list_dir(shm)
     regions: list[RegionInfo] = []
     linked_ids: set[FileId] = set()
@@ -299,7 +307,7 @@ def discover(
         for segment, entry in sorted(entries, key=lambda e: e[0]):
             try:
                 seg, seg_locked = _inspect_file(entry.path, segment, allowed_uids,
-                                                measure_residency, vis)
+                                                measure_residency, probe_if)
             except FileNotFoundError:
                 continue  # vanished while we looked
             segments.append(seg)

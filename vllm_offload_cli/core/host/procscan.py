@@ -226,6 +226,7 @@ def users_of(
         return found, []
     inodes = re.compile(rb" (?:" + b"|".join(str(i).encode() for i in
                                               sorted({f.ino for f in wanted})) + rb") ")
+    tokens = {maps_dev_token(f.dev) for f in wanted}
     me = os.getpid()
     denied: list[int] = []
     for entry in os.listdir(proc):
@@ -238,7 +239,7 @@ def users_of(
                 if step is _fds_using:
                     _fds_using(pid, wanted, own_fds if pid == me else (), found, proc)
                 else:
-                    _maps_using(pid, wanted, inodes, found, proc)
+                    _maps_using(pid, wanted, tokens, inodes, found, proc)
             except PermissionError:
                 refused = True  # the other read may still work: do it
             except OSError:  # vanished (or worse): nothing more to read
@@ -257,11 +258,11 @@ def _fds_using(pid: int, wanted: set[FileId], skip: Collection[int],
             found[fid].append(_fd_use(pid, fd, st, proc))
 
 
-def _maps_using(pid: int, wanted: set[FileId], inodes: re.Pattern[bytes],
+def _maps_using(pid: int, wanted: set[FileId], tokens: set[bytes], inodes: re.Pattern[bytes],
                 found: dict[FileId, list[FileUse]], proc: str) -> None:
     with open(f"{proc}/{pid}/maps", "rb") as f:
         data = f.read()
-    if inodes.search(data) is None:
+    if not any(t in data for t in tokens) or inodes.search(data) is None:
         return
     seen: set[FileId] = set()
     for raw in data.splitlines():

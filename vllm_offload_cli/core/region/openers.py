@@ -60,8 +60,8 @@ def _sigio_ignored() -> Iterator[None]:
             signal.signal(signal.SIGIO, _sigio_saved)  # type: ignore[arg-type]
 
 
-def _try_lease(fd: int) -> OpenersVerdict:
-    deadline = time.monotonic() + _RETRY_SECONDS
+def _try_lease(fd: int, retry: float) -> OpenersVerdict:
+    deadline = time.monotonic() + retry
     delay = 0.005
     while True:
         try:
@@ -88,7 +88,8 @@ def _release(fd: int) -> None:
 
 
 @contextmanager
-def sole_opener(fds: list[int]) -> Iterator[OpenersVerdict]:
+def sole_opener(fds: list[int], *, retry: float = _RETRY_SECONDS
+                ) -> Iterator[OpenersVerdict]:
     """Hold write leases on every fd for the block; yield whether each was granted.
 
     Each fd must be this process's only open file description of its file
@@ -104,7 +105,7 @@ def sole_opener(fds: list[int]) -> Iterator[OpenersVerdict]:
         try:
             verdict = OpenersVerdict(True)
             for fd in fds:
-                verdict = _try_lease(fd)
+                verdict = _try_lease(fd, retry)
                 if verdict.sole is not True:
                     break
                 taken.append(fd)
@@ -126,7 +127,7 @@ def still_sole(fd: int) -> bool:
         return False
 
 
-def probe(fd: int) -> OpenersVerdict:
+def probe(fd: int, *, retry: float = _RETRY_SECONDS) -> OpenersVerdict:
     """One probe, lease released at once: for readers that change nothing."""
-    with sole_opener([fd]) as verdict:
+    with sole_opener([fd], retry=retry) as verdict:
         return verdict
