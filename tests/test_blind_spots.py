@@ -237,6 +237,25 @@ def test_inspect_in_another_pid_namespace_shows_unknown(shm_dir: Path) -> None:
     assert visibility.PID_NAMESPACE in [w["code"] for w in doc["warnings"]]
 
 
+def test_inspect_table_in_another_pid_namespace_says_unknown(shm_dir: Path) -> None:
+    region_file(shm_dir, "maybe")
+    proc = subprocess.run(in_new_pid_namespace(
+        [*CLI, "inspect", "--shm-dir", str(shm_dir)]), capture_output=True, text=True,
+        timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert "unknown" in proc.stdout and "1 unknown (a holder could be hidden)" in proc.stdout
+    assert "Warning:" in proc.stderr and "PID namespace" in proc.stderr
+
+
+def test_the_namespace_waiver_outside_a_namespace_is_pointed_out(cli: Any,
+                                                                 shm_dir: Path) -> None:
+    if visibility.namespace_blind_spots():
+        pytest.skip("the test suite itself runs in a PID namespace")
+    result = cli("gc", "--shm-dir", str(shm_dir), "--shm-private-to-namespace", "--json")
+    assert result.exit_code == 0
+    assert "waiver_unused" in [w["code"] for w in result.json["warnings"]]
+
+
 def test_a_shm_dir_private_to_the_namespace_can_be_collected_there(shm_dir: Path) -> None:
     path = region_file(shm_dir, "mine")
     code, doc, err = run(in_new_pid_namespace(

@@ -17,6 +17,7 @@ from vllm_offload_cli.cli.common import (
     Outcome,
     shm_dir_checked,
     subcommand,
+    warn_useless_waiver,
 )
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcReport
@@ -94,6 +95,7 @@ def garbage_collect(
     report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
                      min_age=min_age, include_persistent=include_persistent,
                      all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
+    warn_useless_waiver(inv, shm_private_to_namespace)
     for engine_id in report.not_found:
         inv.warn("not_found", f"no region or manifest named {engine_id} in {report.shm_dir}; "
                  "nothing to collect")
@@ -194,6 +196,9 @@ def _registry(report: GcReport) -> Any:
           "Orphaned manifests the last run removed.", len(report.orphan_manifests_removed))
     gauge("vllm_offload_gc_errors", "Removals that failed in the last run.",
           len(report.errors))
+    gauge("vllm_offload_gc_blind_spots", "Host-wide blind spots that made the last run "
+          "refuse to remove anything (PID namespace, hidepid): fix the deployment.",
+          len(report.blind_spots))
     gauge("vllm_offload_gc_uninspectable_processes",
           "Processes whose /proc entries the last run could not read.",
           report.uninspectable_processes)

@@ -12,7 +12,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from vllm_offload_cli.cli import metrics
-from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.common import (
+    Invocation,
+    Outcome,
+    shm_dir_checked,
+    subcommand,
+    warn_useless_waiver,
+)
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
@@ -74,6 +80,7 @@ def inspect_cmd(
         raise RegionNotFoundError(
             f"no region named {', '.join(missing)} in {found.shm_dir}; "
             "`vllm-offload inspect` lists them all", engine_id=missing[0])
+    warn_useless_waiver(inv, shm_private_to_namespace)
     for spot in found.visibility.effective:
         inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
                  "`unknown`, not `stale`")
