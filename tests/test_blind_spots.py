@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -457,7 +458,9 @@ def test_the_lease_cannot_tell_without_ownership_or_cap_lease(scratch_file: Path
 
 
 def test_an_open_that_waits_on_our_lease_is_noticed(scratch_file: Path) -> None:
-    """gc checks this just before it unlinks: an opener is waiting on us right now."""
+    """gc checks this just before it unlinks: an opener is waiting on us right now.
+    The kernel signals us (SIGIO, deadly by default) meanwhile: we must survive it."""
+    before = signal.getsignal(signal.SIGIO)
     fd = os.open(scratch_file, os.O_RDONLY)
     try:
         with openers.sole_opener([fd]) as verdict:
@@ -467,5 +470,6 @@ def test_an_open_that_waits_on_our_lease_is_noticed(scratch_file: Path) -> None:
             assert wait_until(lambda: not openers.still_sole(fd), timeout=30)
             assert opener.poll() is None  # blocked until we let go
         assert opener.wait(timeout=30) == 0
+        assert signal.getsignal(signal.SIGIO) == before  # restored once no lease is held
     finally:
         os.close(fd)

@@ -57,7 +57,9 @@ def _sigio_ignored() -> Iterator[None]:
     finally:
         _sigio_depth -= 1
         if _sigio_depth == 0:
-            signal.signal(signal.SIGIO, _sigio_saved)  # type: ignore[arg-type]
+            # None: the old handler was not set from Python; the default is what it was
+            restore = signal.SIG_DFL if _sigio_saved is None else _sigio_saved
+            signal.signal(signal.SIGIO, restore)  # type: ignore[arg-type]
 
 
 def _try_lease(fd: int, retry: float) -> OpenersVerdict:
