@@ -423,6 +423,8 @@ def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:
     """
     if r.state not in (STALE, PERSISTENT) or not r.linked:
         return r
+    if any(s.file_id is None for s in r.segments):
+        return r  # a symlink or not a regular file: never removed, its problem says why
     if vis.blind:
         if r.state == PERSISTENT:
             return r
