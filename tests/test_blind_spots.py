@@ -473,3 +473,25 @@ def test_an_open_that_waits_on_our_lease_is_noticed(scratch_file: Path) -> None:
         assert signal.getsignal(signal.SIGIO) == before  # restored once no lease is held
     finally:
         os.close(fd)
+
+
+def test_only_regular_files_are_judged_by_what_may_be_hidden(shm_dir: Path) -> None:
+    """A symlink named like a region stays what it is (never removed anyway); a stale
+    regular file with a possible hidden holder and no lease verdict is unknown."""
+    (shm_dir / "vllm_offload_trap.mmap").symlink_to("/etc/passwd")
+    region_file(shm_dir, "plain")
+    hidden = visibility.Visibility((), (visibility.HiddenProcess(1, None, True),))
+    by_id = {r.engine_id: r for r in discover(shm_dir).regions}
+
+    assert visibility_state(by_id["trap"], hidden) == "stale"
+    assert visibility_state(by_id["plain"], hidden) == "unknown"
+
+
+def visibility_state(region: Any, vis: visibility.Visibility) -> str:
+    from dataclasses import replace
+
+    from vllm_offload_cli.core.host.discovery import judge_visibility
+
+    bare = replace(region, segments=tuple(replace(s, sole_opener=None)
+                                          for s in region.segments))
+    return str(judge_visibility(replace(bare, state="stale"), vis).state)
