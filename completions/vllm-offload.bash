@@ -53,7 +53,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -64,7 +64,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -75,7 +75,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -21,7 +21,7 @@ import pytest
 from vllm_offload_cli.core.reclaim.collector import collect
 
 CHURN = Path(__file__).parent / "helpers" / "churn.py"
-SECONDS = float(os.environ.get("VLLM_OFFLOAD_STRESS_SECONDS", "10"))
+SECONDS = float(os.environ.get("VLLM_OFFLOAD_STRESS_SECONDS", "20"))
 
 _COLLECTOR = textwrap.dedent("""
     import json, os, sys

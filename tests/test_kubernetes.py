@@ -15,7 +15,7 @@ from region_files import region_file
 
 MANIFEST = Path(__file__).resolve().parent.parent / "contrib" / "kubernetes" / \
     "vllm-offload-gc.yaml"
-NEEDED_CAPS = {"SYS_PTRACE", "DAC_READ_SEARCH", "FOWNER"}
+NEEDED_CAPS = {"SYS_PTRACE", "DAC_READ_SEARCH", "FOWNER", "LEASE"}
 
 
 def _docs() -> list[dict[str, Any]]:

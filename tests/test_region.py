@@ -17,6 +17,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
+from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.region import SharedOffloadRegion, locking
 from vllm_offload_cli.core.region import manifest as manifest_io
@@ -278,7 +279,12 @@ def test_vllm_joins_a_region_made_by_us(shm_dir: Path, holders: Any) -> None:
 
 # -- the creator/joiner race with real processes --------------------------------------
 
-WORLD = 6
+WORLD = 32  # racers for one engine_id: exactly one creates, all share one inode
+
+
+def _mark(rank: int, block: int) -> int:
+    """What rank writes into its slot of a row: distinct per neighbour, fits int8."""
+    return (rank * 16 + block) % 128
 
 
 def _race_worker(shm_dir: str, rank: int, start: Any, written: Any, out: Any) -> None:
@@ -287,7 +293,7 @@ def _race_worker(shm_dir: str, rank: int, start: Any, written: Any, out: Any) ->
                                  shm_dir=shm_dir, world_size=WORLD)
     view = region.create_next_worker_view(PAGESIZE)
     for b in range(16):
-        view[b].fill_(rank * 16 + b)
+        view[b].fill_(_mark(rank, b))
     written.wait()
     mv = region.create_kv_memoryview()
     seen = [[mv[b, r * PAGESIZE + PAGESIZE - 1] for r in range(WORLD)] for b in range(16)]
@@ -299,6 +305,7 @@ def _race_worker(shm_dir: str, rank: int, start: Any, written: Any, out: Any) ->
 
 
 def test_many_processes_race_one_creator_one_inode(shm_dir: Path) -> None:
+    import_torch()  # once, before forking: 32 children importing it would take a minute
     ctx = mp.get_context("fork")
     start, written, out = ctx.Barrier(WORLD), ctx.Barrier(WORLD), ctx.Queue()
     procs = [ctx.Process(target=_race_worker, args=(str(shm_dir), r, start, written, out))
@@ -311,7 +318,7 @@ def test_many_processes_race_one_creator_one_inode(shm_dir: Path) -> None:
         assert p.exitcode == 0
     assert sum(creator for _, creator, _, _ in results) == 1
     assert len({ino for _, _, ino, _ in results}) == 1
-    expected = [[r * 16 + b for r in range(WORLD)] for b in range(16)]
+    expected = [[_mark(r, b) for r in range(WORLD)] for b in range(16)]
     for rank, _, _, seen in results:
         assert seen == expected, f"rank {rank} saw other slots wrong"
     assert listing(shm_dir) == []

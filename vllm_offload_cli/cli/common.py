@@ -316,3 +316,14 @@ def shm_dir_checked(inv: Invocation) -> str:
             f"shm directory {inv.shm_dir} does not exist or is not a directory; pass "
             f"--shm-dir or set {SHM_DIR_ENV}", path=str(inv.shm_dir), code="bad_shm_dir")
     return os.fspath(inv.shm_dir)
+
+
+def warn_useless_waiver(inv: Invocation, waived: bool) -> None:
+    """--shm-private-to-namespace outside a PID namespace is a misunderstanding: say so."""
+    if not waived:
+        return
+    from vllm_offload_cli.core.host.visibility import namespace_blind_spots
+
+    if not any(b.waivable for b in namespace_blind_spots()):
+        inv.warn("waiver_unused", "--shm-private-to-namespace has no effect: this process "
+                 "runs in the host's PID namespace")

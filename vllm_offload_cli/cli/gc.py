@@ -12,10 +12,12 @@ from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_UNSAFE,
     Invocation,
     Outcome,
     shm_dir_checked,
     subcommand,
+    warn_useless_waiver,
 )
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcReport
@@ -39,6 +41,12 @@ def report_data(report: GcReport) -> dict[str, Any]:
         "failures": [e.to_dict() for e in report.errors],
         "regions_seen": report.regions_seen,
         "uninspectable_processes": report.uninspectable_processes,
+        "visibility": {
+            "blind_spots": [b.to_dict() for b in report.blind_spots],
+            "shm_private_to_namespace": o.shm_private_to_namespace,
+            "uninspectable_pids": list(report.uninspectable_pids),
+            "refused": [k.engine_id for k in report.refused],
+        },
         "started_at": round(report.started_at, 3),
         "duration_seconds": round(report.duration_seconds, 6),
     }
@@ -64,39 +72,71 @@ def garbage_collect(
     prometheus: Annotated[Path | None, typer.Option(
         "--prometheus", metavar="FILE", dir_okay=False,
         help="Write node_exporter textfile metrics of this run to FILE, atomically.")] = None,
+    shm_private_to_namespace: Annotated[bool, typer.Option(
+        "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
+        "namespace (a container's own /dev/shm): trust this namespace's /proc. Waives only "
+        "the PID-namespace refusal, never hidepid.")] = False,
 ) -> Outcome:
     """Remove provably stale regions and orphaned manifests; safe to run from cron.
 
     A region goes only when no process maps it or holds it open (unlinked
     mappings included), its exclusive lock can be taken, it is older than
     --min-age, owned by you, a regular file matching the region naming, and not
-    persistent. Every kept region is listed with the reason. Exit status: 0
-    when nothing failed (kept regions are not failures), 1 when a removal
-    failed, 2 for bad usage.
+    persistent. Every kept region is listed with the reason. Where a holder
+    could be hidden (a PID namespace that is not the host's, hidepid, processes
+    it may not inspect and no lease proof), it removes nothing it cannot prove
+    unused. Exit status: 0 when nothing failed (kept regions are not
+    failures), 1 when a removal failed, 2 for bad usage, 6 when it refused to
+    judge because a holder could be hidden.
     """
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: only when run
 
     report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
                      min_age=min_age, include_persistent=include_persistent,
-                     all_users=all_users)
+                     all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
+    warn_useless_waiver(inv, shm_private_to_namespace)
     for engine_id in report.not_found:
         inv.warn("not_found", f"no region or manifest named {engine_id} in {report.shm_dir}; "
                  "nothing to collect")
-    if report.uninspectable_processes:
+    if report.uninspectable_processes and not report.blind_spots:
         inv.warn("uninspectable_processes",
                  f"{report.uninspectable_processes} process(es) could not be inspected "
-                 "(permission denied); only regions no other user can open were removed")
+                 "(permission denied); a region they could open was removed only where the "
+                 "kernel's lease test proved that no process has it open")
     data = report_data(report)
     if prometheus is not None:
         metrics.emit(_registry(report), prometheus)
         data["prometheus"] = str(prometheus)
     errors = [{"code": e.code, "message": e.message} for e in report.errors]
-    return Outcome(data, exit_code=EXIT_FAILED if errors else EXIT_OK, errors=errors,
-                   render=lambda out: _render(inv, out, report))
+    refusals = refusal_errors(report)
+    code = EXIT_FAILED if errors else EXIT_UNSAFE if refusals else EXIT_OK
+    return Outcome(data, exit_code=code, errors=errors + refusals,
+                   render=lambda out: _render(inv, out, report, refusals))
 
 
-def _render(inv: Invocation, out: Console, report: GcReport) -> None:
+def refusal_errors(report: GcReport) -> list[dict[str, str]]:
+    """One error per reason this run refused to judge regions (exit 6)."""
+    from vllm_offload_cli.core.host.visibility import HIDDEN_HOLDERS, advice
+
+    out = []
+    if report.blind_spots:
+        what = (f"{len(report.refused)} region(s) not proven unused were kept"
+                if report.refused else "nothing could be proven unused")
+        out.append({"code": report.blind_spots[0].code, "message": (
+            f"refusing to remove anything: {report.blind_spots[0].message}; {what}. To fix: "
+            f"{advice(report.blind_spots)}")})
+    hidden = [k for k in report.refused if k.blind_spot == HIDDEN_HOLDERS]
+    if hidden:
+        out.append({"code": HIDDEN_HOLDERS, "message": (
+            f"kept {len(hidden)} region(s) that processes this run cannot inspect could hold "
+            f"({', '.join(k.engine_id for k in hidden[:3])}{', ...' if len(hidden) > 3 else ''})"
+            "; run gc as root (with CAP_SYS_PTRACE and CAP_LEASE) to prove them unused")})
+    return out
+
+
+def _render(inv: Invocation, out: Console, report: GcReport,
+            refusals: list[dict[str, str]]) -> None:
     """Default: every decision. -q: only what was removed or failed (quiet cron mail)."""
 
     def say(text: str) -> None:
@@ -118,9 +158,8 @@ def _render(inv: Invocation, out: Console, report: GcReport) -> None:
         say(f"{verb} orphaned manifest {path}")
     for path in report.temp_files_removed:
         say(f"{verb} leftover temporary file {path}")
-    for failure in report.errors:
-        inv.err.print(f"Error: {failure.message}", highlight=False, markup=False,
-                      soft_wrap=True)
+    for failure in [*(e.message for e in report.errors), *(r["message"] for r in refusals)]:
+        inv.err.print(f"Error: {failure}", highlight=False, markup=False, soft_wrap=True)
     if quiet and not (report.removed or report.orphan_manifests_removed
                       or report.temp_files_removed):
         return
@@ -157,6 +196,9 @@ def _registry(report: GcReport) -> Any:
           "Orphaned manifests the last run removed.", len(report.orphan_manifests_removed))
     gauge("vllm_offload_gc_errors", "Removals that failed in the last run.",
           len(report.errors))
+    gauge("vllm_offload_gc_blind_spots", "Host-wide blind spots that made the last run "
+          "refuse to remove anything (PID namespace, hidepid): fix the deployment.",
+          len(report.blind_spots))
     gauge("vllm_offload_gc_uninspectable_processes",
           "Processes whose /proc entries the last run could not read.",
           report.uninspectable_processes)

@@ -11,7 +11,14 @@ from rich.console import Console
 from rich.table import Table
 
 from vllm_offload_cli.cli import metrics
-from vllm_offload_cli.cli.common import Invocation, Outcome, cell, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.common import (
+    Invocation,
+    Outcome,
+    cell,
+    shm_dir_checked,
+    subcommand,
+    warn_useless_waiver,
+)
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
@@ -32,6 +39,7 @@ def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
         "orphan_manifests": [o.path for o in inv.orphan_manifests],
         "shm": {"total_bytes": inv.shm.total_bytes, "free_bytes": inv.shm.free_bytes},
         "uninspectable_processes": inv.uninspectable_processes,
+        "visibility": inv.visibility.to_dict(),
     }
 
 
@@ -60,12 +68,18 @@ def inspect_cmd(
     ] = None,
     no_residency: Annotated[bool, typer.Option(
         "--no-residency", help="Skip the mincore residency scan of each region.")] = False,
+    shm_private_to_namespace: Annotated[bool, typer.Option(
+        "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
+        "namespace: trust this namespace's /proc (regions are not shown `unknown` for it).")
+    ] = False,
 ) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
     A region is `live` when any process maps it, holds it open or holds its lock;
     `creating` while its creator is alive and not done; otherwise `persistent` if
-    `create` pre-provisioned it, else `stale` (leaked, or a create that died).
+    `create` pre-provisioned it, `unknown` when a holder could be hidden from this
+    run (another PID namespace, hidepid, processes it may not inspect), else `stale`
+    (leaked, or a create that died).
     Names, process names and manifest fields are shown with control characters
     escaped (\\xNN); --json keeps them raw (JSON escapes them).
     """
@@ -76,12 +90,17 @@ def inspect_cmd(
                                 code="usage")
     shm_dir = shm_dir_checked(inv)
     found = discover(shm_dir, engine_ids=engine_ids or None,
-                     measure_residency=not no_residency)
+                     measure_residency=not no_residency,
+                     shm_private_to_namespace=shm_private_to_namespace)
     missing = [e for e in (engine_ids or []) if not found.find(e)]
     if missing:
         raise RegionNotFoundError(
             f"no region named {', '.join(missing)} in {found.shm_dir}; "
             "`vllm-offload inspect` lists them all", engine_id=missing[0])
+    warn_useless_waiver(inv, shm_private_to_namespace)
+    for spot in found.visibility.effective:
+        inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
+                 "`unknown`, not `stale`")
     if found.uninspectable_processes:
         inv.warn("uninspectable_processes",
                  f"{found.uninspectable_processes} process(es) could not be inspected "
@@ -117,8 +136,8 @@ def _age(seconds: float | None) -> str:
 
 
 _STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red",
-                "creating": "yellow"}
-STATES = ("live", "creating", "persistent", "stale")
+                "creating": "yellow", "unknown": "yellow"}
+STATES = ("live", "creating", "persistent", "stale", "unknown")
 
 
 def _numa_text(p: Placement | None) -> str:
@@ -156,9 +175,12 @@ def render_table(out: Console, found: Inventory,
             for p in r.problems:
                 out.print(f"  {r.engine_id}: {p.message}", highlight=False, markup=False)
     shm = found.shm
+    unknown = sum(r.state == "unknown" for r in found.regions)
     out.print(f"{found.shm_dir}: {format_bytes(shm.free_bytes)} free of "
               f"{format_bytes(shm.total_bytes)}; {len(found.regions)} region(s), "
-              f"{sum(r.state == 'stale' for r in found.regions)} stale", highlight=False)
+              f"{sum(r.state == 'stale' for r in found.regions)} stale"
+              f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}",
+              highlight=False)
     for o in found.orphan_manifests:
         out.print(f"  orphaned manifest: {o.path}", highlight=False, markup=False)
 

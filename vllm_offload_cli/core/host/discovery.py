@@ -15,15 +15,20 @@ import os
 import stat
 import time
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 
-from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
+from vllm_offload_cli.core.base.errors import (
+    InvalidInputError,
+    RegionBusyError,
+    RegionNotFoundError,
+)
 from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.base.procfs import ProcessRef, comm
-from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
-from vllm_offload_cli.core.region import fsguard, locking
+from vllm_offload_cli.core.host.visibility import Visibility
+from vllm_offload_cli.core.region import fsguard, locking, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
 from vllm_offload_cli.core.region.fsguard import FileId
@@ -37,7 +42,8 @@ from vllm_offload_cli.core.region.naming import (
     validate_engine_id,
 )
 
-LIVE, PERSISTENT, STALE, CREATING = "live", "persistent", "stale", "creating"
+LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
+CREATING, UNKNOWN = "creating", "unknown"
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class SegmentFile:
     linked: bool
     resident_bytes: int | None
     problems: tuple[Problem, ...] = ()
+    # the kernel's answer to "open anywhere else?", asked only when /proc may miss a holder
+    sole_opener: openers.OpenersVerdict | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,7 @@ class Inventory:
     shm: ShmUsage
     uninspectable_processes: int
     scanned_processes: int
+    visibility: Visibility = field(default_factory=lambda: Visibility((), ()))
 
     def find(self, engine_id: str) -> list[RegionInfo]:
         return [r for r in self.regions if r.engine_id == engine_id]
@@ -174,7 +183,8 @@ def _ids_of(entries: list[tuple[int, os.DirEntry[str]]]) -> set[FileId]:
 
 
 def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
-                  measure: bool) -> tuple[SegmentFile, bool]:
+                  measure: bool, probe_if: Callable[[os.stat_result], bool] | None = None
+                  ) -> tuple[SegmentFile, bool]:
     """lstat, open without following, fstat, residency and a lock probe: (file, locked)."""
     lst = os.stat(path, follow_symlinks=False)  # FileNotFoundError: vanished, caller skips
     if not stat.S_ISREG(lst.st_mode):
@@ -185,6 +195,9 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
         fd = fsguard.open_existing(path, os.O_RDONLY)
     except RegionNotFoundError:
         raise FileNotFoundError(path) from None
+    except RegionBusyError:  # a long-held lease: someone is at it; not stale
+        return SegmentFile(path, segment, FileId.of(lst), lst.st_size, lst.st_uid,
+                           stat.S_IMODE(lst.st_mode), lst.st_mtime, True, None), True
     except Exception:
         problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids) or [
             Problem("unreadable", "cannot be opened by this user")]
@@ -200,9 +213,23 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
         locked = not locking.try_lock_exclusive(fd)
         return SegmentFile(path, segment, FileId.of(st), st.st_size, st.st_uid,
                            stat.S_IMODE(st.st_mode), max(st.st_mtime, st.st_ctime), True,
-                           resident, tuple(problems)), locked
+                           resident, tuple(problems),
+                           None if locked or probe_if is None or not probe_if(st)
+                           else openers.probe(fd, retry=_PROBE_RETRY)), locked
     finally:
         os.close(fd)  # also drops the probe lock
+
+
+# inspect only labels; gc decides under the lock with its own, patient lease
+_PROBE_RETRY = 0.02
+
+
+def _needs_lease_probe(vis: Visibility, scan: ProcessScan) -> Callable[[os.stat_result], bool]:
+    """Ask the kernel only where /proc may have missed a holder and saw none."""
+    def needed(st: os.stat_result) -> bool:
+        return (not vis.blind and bool(vis.could_hide(st.st_uid, st.st_mode))
+                and not scan.holders(FileId.of(st)))
+    return needed
 
 
 def _resident(fd: int) -> int | None:
@@ -255,8 +282,13 @@ def discover(
     engine_ids: Collection[str] | None = None,
     allowed_uids: Collection[int] | None = None,
     measure_residency: bool = True,
+    shm_private_to_namespace: bool = False,
 ) -> Inventory:
-    """Every region in shm_dir (or only `engine_ids`), with holders, state and problems."""
+    """Every region in shm_dir (or only `engine_ids`), with holders, state and problems.
+
+    `shm_private_to_namespace`: the operator states that no process outside
+    this PID namespace uses shm_dir, which waives that one blind spot.
+    """
     shm = os.path.realpath(shm_dir)
     if not os.path.isdir(shm):
         raise InvalidInputError(f"shm directory {shm_dir} does not exist or is not a directory",
@@ -265,6 +297,8 @@ def discover(
     allowed_uids = fsguard.inspection_uids(allowed_uids)
     now = time.time()
     scan = scan_processes(shm)  # before we open anything ourselves
+    vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace)
+    probe_if = _needs_lease_probe(vis, scan)
     listing = _list_dir(shm)
     regions: list[RegionInfo] = []
     linked_ids: set[FileId] = set()
@@ -278,7 +312,7 @@ def discover(
         for segment, entry in sorted(entries, key=lambda e: e[0]):
             try:
                 seg, seg_locked = _inspect_file(entry.path, segment, allowed_uids,
-                                                measure_residency)
+                                                measure_residency, probe_if)
             except FileNotFoundError:
                 continue  # vanished while we looked
             segments.append(seg)
@@ -288,8 +322,9 @@ def discover(
         if not segments:
             continue
         mentry = listing.manifests.get(engine_id)
-        regions.append(_region(engine_id, segments, locked, scan,
-                               None if mentry is None else mentry.path, allowed_uids, now))
+        regions.append(judge_visibility(
+            _region(engine_id, segments, locked, scan,
+                    None if mentry is None else mentry.path, allowed_uids, now), vis))
 
     for engine_id, by_inode in sorted(_deleted_only(scan, linked_ids, shm).items()):
         if wanted is not None and engine_id not in wanted:
@@ -302,7 +337,7 @@ def discover(
     return Inventory(
         shm_dir=shm, regions=tuple(regions), orphan_manifests=tuple(orphans),
         shm=shm_usage(shm), uninspectable_processes=scan.denied,
-        scanned_processes=scan.scanned,
+        scanned_processes=scan.scanned, visibility=vis,
     )
 
 
@@ -398,6 +433,46 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: Proc
         mode=mode, age_seconds=None, geometry=None, manifest=None, manifest_path=None,
         holders=holders_of(uses), locked=False, state=LIVE, problems=(),
     )
+
+
+def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:
+    """A region nobody visibly holds is `stale` only if no holder could be hidden.
+
+    Host-wide blind spots make it `unknown`. Hidden processes that could open
+    it make it `unknown` too, unless the kernel proved that nobody else has
+    any of its files open (`live` when it proved the opposite).
+    """
+    if r.state not in (STALE, PERSISTENT) or not r.linked:
+        return r
+    if any(s.file_id is None for s in r.segments):
+        return r  # a symlink or not a regular file: never removed, its problem says why
+    if vis.blind:
+        if r.state == PERSISTENT:
+            return r
+        spot = vis.effective[0]
+        return replace(r, state=UNKNOWN, problems=(*r.problems, Problem(spot.code, (
+            f"{spot.message}; a holder could be hidden, so it is not called stale"))))
+    suspects = sorted({pid for s in r.segments for pid in vis.could_hide(s.uid, s.mode)})
+    if not suspects:
+        return r
+    verdicts = [s.sole_opener for s in r.segments]
+    who = _pids_text(suspects)
+    if any(v is not None and v.sole is False for v in verdicts):
+        return replace(r, state=LIVE, problems=(*r.problems, Problem("hidden_holder", (
+            f"open or mapped by a process that cannot be inspected (one of {who}); the "
+            "kernel's lease test says another process has it open"))))
+    if all(v is not None and v.sole for v in verdicts) or r.state == PERSISTENT:
+        return r
+    why = next((v.why for v in verdicts if v is not None and v.why), "not tested")
+    return replace(r, state=UNKNOWN, problems=(*r.problems, Problem(
+        visibility.HIDDEN_HOLDERS,
+        f"could be held by {who}, which cannot be inspected, and the lease test that would "
+        f"prove it unused is not available ({why})")))
+
+
+def _pids_text(pids: list[int]) -> str:
+    shown = ", ".join(f"pid {p}" for p in pids[:5])
+    return shown + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
 
 
 def _flag_collisions(regions: list[RegionInfo]) -> list[RegionInfo]:

@@ -1,8 +1,10 @@
 """Who uses which region: /proc/*/maps, /proc/*/fd and /proc/locks.
 
-Matching is by (device, inode), so a region is found even after its name was
-unlinked (newer vLLM unlinks once all workers mapped it) and a process using
-a same-named newer file is not confused with one using the old one.
+Matching is by (device, inode), never by name: a region is found after its
+name was unlinked (newer vLLM unlinks once all workers mapped it), through a
+hard link its user opened and then removed, or through another mount of the
+same tmpfs; and a process using a same-named newer file is not confused with
+one using the old one.
 Processes that vanish mid-scan are skipped; those that deny access are
 counted, so callers can say "N processes could not be inspected".
 """
@@ -11,13 +13,13 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections import defaultdict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_offload_cli.core.region.fsguard import FileId
-from vllm_offload_cli.core.region.naming import PREFIX
 
 _DELETED = " (deleted)"
 
@@ -38,7 +40,11 @@ class FileUse:
 class ProcessScan:
     uses: dict[FileId, list[FileUse]] = field(default_factory=lambda: defaultdict(list))
     scanned: int = 0
-    denied: int = 0
+    denied_pids: list[int] = field(default_factory=list)
+
+    @property
+    def denied(self) -> int:
+        return len(self.denied_pids)
 
     def holders(self, fid: FileId) -> list[FileUse]:
         return self.uses.get(fid, [])
@@ -56,49 +62,71 @@ def _strip_deleted(path: str) -> tuple[str, bool]:
     return path, False
 
 
-def _scan_maps(pid: int, needle: bytes, shm_dev: int, scan: ProcessScan) -> None:
+def maps_dev_token(dev: int) -> bytes:
+    """How /proc/PID/maps prints a device: ' 00:1a ' (hex major:minor)."""
+    return f" {os.major(dev):02x}:{os.minor(dev):02x} ".encode()
+
+
+def _scan_maps(pid: int, token: bytes, shm_dev: int, scan: ProcessScan) -> None:
+    """Every mapping of a file on the shm filesystem, whatever name it shows."""
     with open(f"/proc/{pid}/maps", "rb") as f:
         data = f.read()
-    if needle not in data:
+    if token not in data:
         return
     spans: dict[tuple[FileId, str], int] = {}
     for raw in data.splitlines():
-        if needle not in raw:
+        if token not in raw:
             continue
         parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
-        if len(parts) < 6:
+        if len(parts) < 5:
             continue
-        addr, _perms, offset, dev, inode, path = parts
+        addr, _perms, offset, dev, inode = parts[:5]
         try:
             fid = FileId(_parse_dev(dev), int(inode))
         except ValueError:
             continue
-        if fid.dev != shm_dev:
+        if fid.dev != shm_dev or fid.ino == 0:
             continue
         start, end = (int(x, 16) for x in addr.split("-"))
-        key = (fid, path)
+        key = (fid, parts[5] if len(parts) > 5 else "")
         spans[key] = max(spans.get(key, 0), int(offset, 16) + end - start)
     for (fid, shown), extent in spans.items():
         path, deleted = _strip_deleted(shown)
         scan.uses[fid].append(FileUse(pid, "map", path, deleted, extent))
 
 
-def _scan_fds(pid: int, prefix: str, scan: ProcessScan) -> None:
-    fd_dir = f"/proc/{pid}/fd"
+def _fd_files(pid: int, proc: str, skip: Collection[int] = ()
+              ) -> Iterator[tuple[int, os.stat_result]]:
+    """(fd, stat) of every descriptor of a process, matched later by (dev, ino).
+
+    stat() of /proc/PID/fd/N follows to the open file itself, so its identity
+    holds whatever name it was opened by (a hard link removed since included).
+    """
+    fd_dir = f"{proc}/{pid}/fd"
     for name in os.listdir(fd_dir):
-        try:
-            target = os.readlink(f"{fd_dir}/{name}")
-        except OSError:
-            continue
-        if not target.startswith(prefix):
+        fd = int(name)
+        if fd in skip:
             continue
         try:
-            st = os.stat(f"{fd_dir}/{name}")
+            yield fd, os.stat(f"{fd_dir}/{name}")
+        except PermissionError:
+            raise  # listable but not followable (PID 1 in some sandboxes): uninspected
         except OSError:
-            continue
-        path, deleted = _strip_deleted(target)
-        scan.uses[FileId.of(st)].append(
-            FileUse(pid, "fd", path, deleted, st.st_size, int(name)))
+            continue  # closed meanwhile
+
+
+def _fd_use(pid: int, fd: int, st: os.stat_result, proc: str) -> FileUse:
+    try:
+        path, deleted = _strip_deleted(os.readlink(f"{proc}/{pid}/fd/{fd}"))
+    except OSError:
+        path, deleted = "", False
+    return FileUse(pid, "fd", path, deleted, st.st_size, fd)
+
+
+def _scan_fds(pid: int, shm_dev: int, scan: ProcessScan) -> None:
+    for fd, st in _fd_files(pid, "/proc"):
+        if st.st_dev == shm_dev and stat.S_ISREG(st.st_mode):
+            scan.uses[FileId.of(st)].append(_fd_use(pid, fd, st, "/proc"))
 
 
 @dataclass(frozen=True)
@@ -135,8 +163,7 @@ def _scan_locks(scan: ProcessScan, shm_dev: int) -> None:
             scan.uses[lock.file_id].append(FileUse(lock.pid, "lock", "", False))
 
 
-def _scan_process(pid: int, prefix: str, needle: bytes, shm_dev: int,
-                  scan: ProcessScan) -> bool | None:
+def _scan_process(pid: int, token: bytes, shm_dev: int, scan: ProcessScan) -> bool | None:
     """Read one process; True if it denied access, None if it vanished.
 
     Descriptors before mappings: a user that opens, maps, then closes its
@@ -146,9 +173,9 @@ def _scan_process(pid: int, prefix: str, needle: bytes, shm_dev: int,
     for fds in (True, False):
         try:
             if fds:
-                _scan_fds(pid, prefix, scan)
+                _scan_fds(pid, shm_dev, scan)
             else:
-                _scan_maps(pid, needle, shm_dev, scan)
+                _scan_maps(pid, token, shm_dev, scan)
         except (FileNotFoundError, ProcessLookupError):
             return None
         except PermissionError:
@@ -162,17 +189,17 @@ def scan_processes(shm_dir: str | Path) -> ProcessScan:
     """Every use of a region-named file on shm_dir's filesystem, by any process."""
     shm_dir = os.path.realpath(shm_dir)
     shm_dev = os.stat(shm_dir).st_dev
-    prefix = os.path.join(shm_dir, PREFIX)
-    needle = prefix.encode()
+    token = maps_dev_token(shm_dev)
     scan = ProcessScan()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         pid = int(entry)
-        denied = _scan_process(pid, prefix, needle, shm_dev, scan)
+        denied = _scan_process(pid, token, shm_dev, scan)
         if denied is not None:  # None: it vanished mid-scan
             scan.scanned += 1
-            scan.denied += denied
+            if denied:
+                scan.denied_pids.append(pid)
     _scan_locks(scan, shm_dev)
     return scan
 
@@ -182,8 +209,8 @@ def users_of(
     *,
     own_fds: Collection[int] = (),
     proc: str = "/proc",
-) -> tuple[dict[FileId, list[FileUse]], int]:
-    """Who uses these exact files right now, and how many processes denied us.
+) -> tuple[dict[FileId, list[FileUse]], list[int]]:
+    """Who uses these exact files right now, and which processes denied us.
 
     The re-check a garbage collector makes while it holds the exclusive lock,
     so it matches by (device, inode) rather than by path: a process that
@@ -196,55 +223,46 @@ def users_of(
     wanted = set(fids)
     found: dict[FileId, list[FileUse]] = defaultdict(list)
     if not wanted:
-        return found, 0
+        return found, []
     inodes = re.compile(rb" (?:" + b"|".join(str(i).encode() for i in
                                               sorted({f.ino for f in wanted})) + rb") ")
+    tokens = {maps_dev_token(f.dev) for f in wanted}
     me = os.getpid()
-    denied = 0
+    denied: list[int] = []
     for entry in os.listdir(proc):
         if not entry.isdigit():
             continue
         pid = int(entry)
-        try:
-            _fds_using(pid, wanted, own_fds if pid == me else (), found, proc)
-            _maps_using(pid, wanted, inodes, found, proc)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        except PermissionError:
-            denied += 1
-        except OSError:
-            continue
+        refused = False
+        for step in (_fds_using, _maps_using):
+            try:
+                if step is _fds_using:
+                    _fds_using(pid, wanted, own_fds if pid == me else (), found, proc)
+                else:
+                    _maps_using(pid, wanted, tokens, inodes, found, proc)
+            except PermissionError:
+                refused = True  # the other read may still work: do it
+            except OSError:  # vanished (or worse): nothing more to read
+                break
+        if refused:
+            denied.append(pid)
     _locks_on(wanted, found, proc)
     return found, denied
 
 
 def _fds_using(pid: int, wanted: set[FileId], skip: Collection[int],
                found: dict[FileId, list[FileUse]], proc: str) -> None:
-    fd_dir = f"{proc}/{pid}/fd"
-    for name in os.listdir(fd_dir):
-        if int(name) in skip:
-            continue
-        try:
-            target = os.readlink(f"{fd_dir}/{name}")
-        except OSError:
-            continue
-        if PREFIX not in target:
-            continue
-        try:
-            st = os.stat(f"{fd_dir}/{name}")
-        except OSError:
-            continue
+    for fd, st in _fd_files(pid, proc, skip):
         fid = FileId.of(st)
         if fid in wanted:
-            path, deleted = _strip_deleted(target)
-            found[fid].append(FileUse(pid, "fd", path, deleted, st.st_size, int(name)))
+            found[fid].append(_fd_use(pid, fd, st, proc))
 
 
-def _maps_using(pid: int, wanted: set[FileId], inodes: re.Pattern[bytes],
+def _maps_using(pid: int, wanted: set[FileId], tokens: set[bytes], inodes: re.Pattern[bytes],
                 found: dict[FileId, list[FileUse]], proc: str) -> None:
     with open(f"{proc}/{pid}/maps", "rb") as f:
         data = f.read()
-    if inodes.search(data) is None:
+    if not any(t in data for t in tokens) or inodes.search(data) is None:
         return
     seen: set[FileId] = set()
     for raw in data.splitlines():

@@ -17,7 +17,14 @@ while we hold the region's exclusive lock:
    the re-scan after locking leaves them only the instant before the unlink;
 4. age (newest of mtime, ctime and the manifest's creation time) and the
    persistent flag are re-read under the lock;
-5. the manifest goes first (no new creator can write one while the region's
+5. the blind spots are read again (visibility.py): in a PID namespace that is
+   not the host's, or behind hidepid, nothing is removed (kept `unknown`, the
+   run exits 6); then a write lease (region.openers) asks the kernel whether
+   any other process has the files open or mapped, which also covers the
+   processes /proc would not let us inspect; a refused lease keeps the region,
+   and where such processes could open it but no lease can be taken, the
+   region is kept `unknown`. The lease is held until the unlink;
+6. the manifest goes first (no new creator can write one while the region's
    name is still taken), then the segments `.mmap.N`, the bare name last, each
    only if its name still names the inode we locked; the locks drop after.
 
@@ -40,6 +47,7 @@ from dataclasses import dataclass, field
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.procfs import ProcessRef, comm
+from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
     Holder,
@@ -51,6 +59,7 @@ from vllm_offload_cli.core.host.discovery import (
     holders_of,
 )
 from vllm_offload_cli.core.host.procscan import FileUse, flock_holders, users_of
+from vllm_offload_cli.core.host.visibility import BlindSpot, Visibility
 from vllm_offload_cli.core.reclaim.report import (
     BUSY,
     CHANGED,
@@ -64,15 +73,15 @@ from vllm_offload_cli.core.reclaim.report import (
     PERSISTENT,
     SYMLINK,
     TOO_YOUNG,
+    UNKNOWN,
     UNREADABLE,
-    UNSAFE_MODE,
     GcFailure,
     GcOptions,
     GcReport,
     KeptRegion,
     RemovedRegion,
 )
-from vllm_offload_cli.core.region import fsguard, locking
+from vllm_offload_cli.core.region import fsguard, locking, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.manifest import Manifest
@@ -116,12 +125,15 @@ def collect(
     min_age: float = DEFAULT_MIN_AGE,
     include_persistent: bool = False,
     all_users: bool = False,
+    shm_private_to_namespace: bool = False,
 ) -> GcReport:
     """Find and remove every provably stale region in shm_dir (or only `engine_ids`)."""
-    options = GcOptions(dry_run, min_age, include_persistent, all_users)
+    options = GcOptions(dry_run, min_age, include_persistent, all_users,
+                        shm_private_to_namespace)
     check_options(options)
     started, clock = time.time(), time.monotonic()
-    inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False)
+    inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False,
+                         shm_private_to_namespace=shm_private_to_namespace)
     return reclaim(inventory, options, engine_ids=engine_ids, started_at=started,
                    clock_start=clock)
 
@@ -138,9 +150,11 @@ def reclaim(
     so an inventory that aged (files replaced, new users) is still safe to pass."""
     check_options(options)
     run = _Run(inventory, options)
+    run.blind = _effective(visibility.host_blind_spots(), options)
     run.regions(inventory.regions)
-    run.orphan_manifests(inventory.orphan_manifests)
-    run.temp_files(None if engine_ids is None else set(engine_ids))
+    if not run.blind:  # pid-based judgements (is the writer alive?) need the whole host
+        run.orphan_manifests(inventory.orphan_manifests)
+        run.temp_files(None if engine_ids is None else set(engine_ids))
     run.settle()
     wanted = list(dict.fromkeys(engine_ids or ()))
     known = {r.engine_id for r in inventory.regions} | {
@@ -152,10 +166,18 @@ def reclaim(
         temp_files_removed=tuple(run.temps), vanished=tuple(dict.fromkeys(run.vanished)),
         not_found=tuple(e for e in wanted if e not in known), errors=tuple(run.errors),
         regions_seen=len(inventory.regions),
-        uninspectable_processes=max(inventory.uninspectable_processes, run.denied),
+        uninspectable_processes=max(inventory.uninspectable_processes, len(run.denied)),
         started_at=now if started_at is None else started_at,
         duration_seconds=0.0 if clock_start is None else time.monotonic() - clock_start,
+        blind_spots=run.blind,
+        uninspectable_pids=tuple(sorted(run.denied or {
+            h.pid for h in inventory.visibility.hidden})),
     )
+
+
+def _effective(spots: Sequence[BlindSpot], options: GcOptions) -> tuple[BlindSpot, ...]:
+    vis = Visibility(tuple(spots), (), options.shm_private_to_namespace)
+    return vis.effective
 
 
 @dataclass
@@ -191,7 +213,8 @@ class _Run:
     temps: list[str] = field(default_factory=list)
     vanished: list[str] = field(default_factory=list)
     errors: list[GcFailure] = field(default_factory=list)
-    denied: int = 0
+    denied: set[int] = field(default_factory=set)
+    blind: tuple[BlindSpot, ...] = ()
 
     def __post_init__(self) -> None:
         self.shm_dir = self.inventory.shm_dir
@@ -206,6 +229,8 @@ class _Run:
         candidates = []
         for r in regions:
             verdict = self._precheck(r)
+            if verdict is None and self.blind:
+                verdict = self._blind_kept(r, self.blind)
             if verdict is None:
                 candidates.append(r)
             else:
@@ -255,9 +280,16 @@ class _Run:
             own = [fd for h in locked for fd in h.fds]
             fids = [FileId.of(st) for h in locked for _, _, st in h.files]
             uses, denied = users_of(fids, own_fds=own)
-            self.denied = max(self.denied, denied)
+            self.denied.update(denied)
+            vis = visibility.assess(denied, namespace_waived=self.options.shm_private_to_namespace)
+            if vis.blind:  # appeared since the run started: judge nothing more
+                self.blind = self.blind or vis.effective
             for h in locked:
-                self._decide(h, [u for _, _, st in h.files for u in uses.get(FileId.of(st), [])])
+                if self.blind:
+                    self._keep(self._blind_kept(h.region, self.blind))
+                    continue
+                self._decide(h, [u for _, _, st in h.files for u in uses.get(FileId.of(st), [])],
+                             vis)
         finally:
             for h in locked:
                 h.close()
@@ -273,6 +305,10 @@ class _Run:
                     fd = os.open(seg.path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
                 except FileNotFoundError:
                     self.vanished.append(r.engine_id)
+                    return None
+                except BlockingIOError:  # leased: another collector is removing it now
+                    self._keep(self._kept(r, BUSY, f"{name} is being examined by another gc "
+                                          "run right now; looked at again next run"))
                     return None
                 except OSError as exc:
                     if exc.errno == errno.ELOOP:
@@ -338,7 +374,7 @@ class _Run:
         if (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
             held.manifest = m  # otherwise it describes an earlier file of that name
 
-    def _decide(self, held: _Locked, uses: list[FileUse]) -> None:
+    def _decide(self, held: _Locked, uses: list[FileUse], vis: Visibility) -> None:
         r = held.region
         if uses:
             holders = holders_of(uses)
@@ -360,17 +396,37 @@ class _Run:
         if age < self.options.min_age:
             self._keep(self._kept(r, TOO_YOUNG, self._young_text(age)))
             return
-        open_mode = next((st for _, _, st in held.files if st.st_mode & 0o077), None)
-        if open_mode is not None and self.denied:
-            self._keep(self._kept(r, UNSAFE_MODE, (
-                f"has mode {stat.S_IMODE(open_mode.st_mode):04o}, so other users could map it, "
-                f"and {self.denied} process(es) could not be inspected; run gc as root to "
-                "prove it unused")))
-            return
-        self._remove(held, max(age, 0.0))
+        suspects = sorted({pid for _, _, st in held.files
+                           for pid in vis.could_hide(st.st_uid, st.st_mode)})
+        with openers.sole_opener([fd for _, fd, _ in held.files]) as verdict:
+            if verdict.sole is False:
+                self._keep(self._opened_elsewhere(r, suspects))
+            elif verdict.sole is None and suspects:
+                self._keep(self._kept(r, UNKNOWN, (
+                    f"could be held by {_pids_text(suspects)}, which cannot be inspected, and "
+                    f"the lease test that would prove it unused is not available "
+                    f"({verdict.why}); run gc as root with CAP_SYS_PTRACE and CAP_LEASE"),
+                    blind_spot=visibility.HIDDEN_HOLDERS))
+            else:
+                self._remove(held, max(age, 0.0), leased=verdict.sole is True)
 
-    def _remove(self, held: _Locked, age: float) -> None:
+    def _opened_elsewhere(self, r: RegionInfo, suspects: list[int]) -> KeptRegion:
+        if suspects:
+            return self._kept(r, LIVE, "open or mapped by a process that cannot be inspected "
+                              f"(one of {_pids_text(suspects)}): the kernel refused a lease")
+        return self._kept(r, BUSY, "open in a process not found in /proc (one that opened it "
+                          "just now, or another gc or inspect probing it); looked at again "
+                          "next run")
+
+    def _blind_kept(self, r: RegionInfo, spots: Sequence[BlindSpot]) -> KeptRegion:
+        return self._kept(r, UNKNOWN, f"not proven unused: {spots[0].message}; "
+                          f"{visibility.advice(spots)}", blind_spot=spots[0].code)
+
+    def _remove(self, held: _Locked, age: float, *, leased: bool = False) -> None:
         r = held.region
+        if leased and not all(openers.still_sole(fd) for _, fd, _ in held.files):
+            self._keep(self._opened_elsewhere(r, []))  # an open() is waiting on our lease
+            return
         size = sum(st.st_size for _, _, st in held.files)
         freed = sum(st.st_blocks * 512 for _, _, st in held.files)
         if self.options.dry_run:
@@ -478,9 +534,10 @@ class _Run:
                 still.append(k)
         self.kept = still
 
-    def _kept(self, r: RegionInfo, code: str, reason: str, pid: int | None = None
-              ) -> KeptRegion:
-        return KeptRegion(r.engine_id, code, reason, tuple(r.paths), pid, r.linked)
+    def _kept(self, r: RegionInfo, code: str, reason: str, pid: int | None = None, *,
+              blind_spot: str | None = None) -> KeptRegion:
+        return KeptRegion(r.engine_id, code, reason, tuple(r.paths), pid, r.linked,
+                          blind_spot)
 
     def _keep(self, kept: KeptRegion) -> None:
         logger.debug("keeping %s: %s", kept.engine_id, kept.reason)
@@ -532,6 +589,11 @@ def _holders_text(holders: Sequence[Holder]) -> str:
     shown = [f"pid {h.pid} ({h.name or '?'}, {'+'.join(h.via)})" for h in holders[:3]]
     more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
     return ", ".join(shown) + more
+
+
+def _pids_text(pids: Sequence[int]) -> str:
+    shown = ", ".join(f"pid {p}" for p in pids[:5])
+    return shown + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
 
 
 def _first_pid(holders: Sequence[Holder]) -> int | None:

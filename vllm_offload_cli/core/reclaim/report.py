@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_offload_cli.core.host.visibility import HIDDEN_HOLDERS, BlindSpot
+
 DEFAULT_MIN_AGE = 60.0
 
 # Why a region was kept: stable codes for scripts and metrics labels.
@@ -20,12 +22,16 @@ SYMLINK = "symlink"
 NOT_REGULAR = "not_regular_file"
 LINK_COUNT = "link_count"
 OTHER_FILESYSTEM = "other_filesystem"
-UNSAFE_MODE = "unsafe_mode"
 CHANGED = "changed"
 UNREADABLE = "unreadable"
+# No longer a reason gc keeps a region (a group/other-readable one is judged by the
+# lease test like any other); the name stays for callers that list unsafe codes.
+UNSAFE_MODE = "unsafe_mode"
 CREATION_RUNNING = "creating"  # its creator is alive and not finished
+# a holder could be hidden from us (visibility.py): never removed, the run exits 6
+UNKNOWN = "unknown"
 KEPT_CODES = (LIVE, BUSY, PERSISTENT, TOO_YOUNG, FOREIGN_OWNER, SYMLINK, NOT_REGULAR,
-              LINK_COUNT, OTHER_FILESYSTEM, UNSAFE_MODE, CHANGED, UNREADABLE, CREATION_RUNNING)
+              LINK_COUNT, OTHER_FILESYSTEM, CHANGED, UNREADABLE, UNKNOWN, CREATION_RUNNING)
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class GcOptions:
     min_age: float = DEFAULT_MIN_AGE
     include_persistent: bool = False
     all_users: bool = False
+    shm_private_to_namespace: bool = False  # waives the pid_namespace blind spot only
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,12 @@ class KeptRegion:
     paths: tuple[str, ...]
     pid: int | None = None
     linked: bool = True
+    blind_spot: str | None = None  # with code "unknown": what may hide a holder
 
     def to_dict(self) -> dict[str, object]:
         return {"engine_id": self.engine_id, "code": self.code, "reason": self.reason,
-                "paths": list(self.paths), "pid": self.pid, "linked": self.linked}
+                "paths": list(self.paths), "pid": self.pid, "linked": self.linked,
+                "blind_spot": self.blind_spot}
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,9 @@ class GcReport:
     uninspectable_processes: int
     started_at: float
     duration_seconds: float
+    # host-wide blind spots that stopped this run from removing anything
+    blind_spots: tuple[BlindSpot, ...] = ()
+    uninspectable_pids: tuple[int, ...] = ()
 
     @property
     def dry_run(self) -> bool:
@@ -106,6 +118,18 @@ class GcReport:
     @property
     def freed_bytes(self) -> int:
         return sum(r.freed_bytes for r in self.removed)
+
+    @property
+    def refused(self) -> tuple[KeptRegion, ...]:
+        """Regions kept only because a holder could be hidden: the run exits 6."""
+        return tuple(k for k in self.kept if k.code == UNKNOWN)
+
+    def refusal_codes(self) -> list[str]:
+        """Why this run refused: blind-spot codes, then `hidden_holders` if any."""
+        codes = [b.code for b in self.blind_spots]
+        codes += [HIDDEN_HOLDERS] if any(k.blind_spot == HIDDEN_HOLDERS
+                                         for k in self.refused) else []
+        return codes
 
     def kept_by_code(self) -> dict[str, int]:
         counts = dict.fromkeys(KEPT_CODES, 0)

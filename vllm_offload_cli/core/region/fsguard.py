@@ -10,11 +10,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import (
     OperationFailedError,
+    RegionBusyError,
     RegionNotFoundError,
     UnsafeRegionError,
 )
@@ -117,10 +119,31 @@ _HINTS = {
 }
 
 
+# O_NONBLOCK (so a FIFO named like a region cannot hang us) also makes open()
+# fail with EAGAIN instead of waiting while another process holds a lease on
+# the file: gc holds one for moments while it proves a region unused.
+_LEASE_WAIT_SECONDS = 5.0
+
+
+def _open_waiting_out_leases(path: str, flags: int) -> int:
+    deadline = time.monotonic() + _LEASE_WAIT_SECONDS
+    while True:
+        try:
+            return os.open(path, flags)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.002)
+
+
 def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None = None) -> int:
     """Open an existing name without creating it and without following a link."""
     try:
-        return os.open(path, flags | OPEN_EXISTING_FLAGS)
+        return _open_waiting_out_leases(path, flags | OPEN_EXISTING_FLAGS)
+    except BlockingIOError:
+        raise RegionBusyError(f"{path} stayed leased by another process for "
+                              f"{_LEASE_WAIT_SECONDS:.0f} s (a stuck garbage collection?)",
+                              path=path, engine_id=engine_id) from None
     except FileNotFoundError:
         raise RegionNotFoundError(f"{path} does not exist", path=path,
                                   engine_id=engine_id) from None

@@ -1,0 +1,222 @@
+"""What a /proc scan cannot see: the one place that knows our blind spots.
+
+A holder found in /proc proves a region is in use; no holder found proves
+nothing unless /proc showed every process that could use it. Three things
+break that (DESIGN section 3, "Know your blind spots"):
+
+- **Host-wide** (`BlindSpot`): we run in a PID namespace that is not the
+  host's (a container without hostPID), /proc is mounted from another
+  namespace, or /proc hides processes (`hidepid=`, `subset=pid`). Then any
+  number of processes are missing and pid-based facts (is that creator still
+  running?) are wrong. Only the namespace case may be waived, by an operator
+  who states that the shm directory is private to the namespace.
+- **Per process** (`HiddenProcess`): a process whose maps or descriptors we
+  may not read (another user's, a non-dumpable one, PID 1 in some sandboxes).
+  It matters only for files it could open: same uid as the owner, or a
+  capability that overrides file permissions, or a region with group/other
+  bits. /proc/PID/status stays readable and says which.
+
+Callers turn "could be hidden" into state `unknown` unless the kernel's own
+count of open files (region.openers) proves the file is open nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+# The initial PID namespace's inode number (PROC_PID_INIT_INO, fixed since Linux 3.8).
+PROC_PID_INIT_INO = 0xEFFFFFFC
+
+# Capabilities that let a process open a file whatever its owner and mode:
+# CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH (read), CAP_FOWNER (chmod it),
+# CAP_SETUID (become the owner).
+_OPEN_ANY_CAPS = (1 << 1) | (1 << 2) | (1 << 3) | (1 << 7)
+
+PID_NAMESPACE = "pid_namespace"
+FOREIGN_PROC = "proc_foreign_namespace"
+HIDEPID = "proc_hidepid"
+PROC_SUBSET = "proc_subset"
+HIDDEN_HOLDERS = "hidden_holders"
+
+
+@dataclass(frozen=True)
+class BlindSpot:
+    """A reason the whole /proc view is incomplete."""
+
+    code: str
+    message: str
+    waivable: bool = False  # only by --shm-private-to-namespace
+
+    def to_dict(self) -> dict[str, object]:
+        return {"code": self.code, "message": self.message}
+
+
+@dataclass(frozen=True)
+class HiddenProcess:
+    """A process whose maps or descriptors we could not read."""
+
+    pid: int
+    uids: frozenset[int] | None  # real, effective, saved, fs; None: status unreadable
+    open_any: bool  # holds a capability that bypasses file permissions
+
+    def could_open(self, owner: int | None, mode: int | None) -> bool:
+        if self.uids is None or self.open_any or owner is None or mode is None:
+            return True
+        return owner in self.uids or bool(mode & 0o077)
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Everything that may hide a holder from this run's /proc scans."""
+
+    blind_spots: tuple[BlindSpot, ...]
+    hidden: tuple[HiddenProcess, ...]
+    namespace_waived: bool = False
+
+    @property
+    def effective(self) -> tuple[BlindSpot, ...]:
+        """Host-wide blind spots that still apply after the operator's waiver."""
+        return tuple(b for b in self.blind_spots if not (b.waivable and self.namespace_waived))
+
+    @property
+    def blind(self) -> bool:
+        return bool(self.effective)
+
+    def could_hide(self, owner: int | None, mode: int | None) -> tuple[int, ...]:
+        """Pids of hidden processes that could open a file of this owner and mode."""
+        return tuple(h.pid for h in self.hidden if h.could_open(owner, mode))
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "complete": not self.blind and not self.hidden,
+            "blind_spots": [b.to_dict() for b in self.effective],
+            "waived": [b.code for b in self.blind_spots if b not in self.effective],
+            "uninspectable_pids": [h.pid for h in self.hidden],
+        }
+
+
+def namespace_blind_spots(proc: str = "/proc") -> list[BlindSpot]:
+    """Are we, and is /proc, in the host's initial PID namespace?"""
+    try:
+        shown = os.readlink(f"{proc}/self")
+    except OSError:
+        shown = ""
+    if shown != str(os.getpid()):
+        return [BlindSpot(FOREIGN_PROC, f"{proc} is mounted from another PID namespace than "
+                          "this process's, so it does not show the processes that matter")]
+    try:
+        ino = os.stat(f"{proc}/self/ns/pid").st_ino
+    except OSError:
+        ino = None
+    if ino == PROC_PID_INIT_INO:
+        return []
+    return [BlindSpot(PID_NAMESPACE, "this process runs in a PID namespace that is not the "
+                      "host's (a container without hostPID?), so processes outside it that "
+                      "map a region are invisible", waivable=True)]
+
+
+@dataclass(frozen=True)
+class ProcMount:
+    """The options of the /proc mount that is on top (what path lookups see)."""
+
+    hidepid: str | None
+    subset: str | None
+    gid: int | None
+
+
+def parse_proc_mount(mountinfo: str, mount_point: str = "/proc") -> ProcMount | None:
+    """The last proc mount at `mount_point` in /proc/self/mountinfo text."""
+    found = None
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields = head.split()
+        if not sep or len(fields) < 5 or fields[4] != mount_point:
+            continue
+        super_fields = tail.split()
+        if not super_fields or super_fields[0] != "proc":
+            found = None  # something else mounted over /proc
+            continue
+        options: dict[str, str] = {}
+        for opt in (super_fields[2] if len(super_fields) > 2 else "").split(","):
+            key, _, value = opt.partition("=")
+            options[key] = value
+        gid = options.get("gid")
+        found = ProcMount(options.get("hidepid"), options.get("subset"),
+                          int(gid) if gid and gid.isdigit() else None)
+    return found
+
+
+def mount_blind_spots(mount: ProcMount | None, groups: Collection[int]) -> list[BlindSpot]:
+    """hidepid hides processes we may not ptrace; subset=pid hides /proc/locks."""
+    if mount is None:
+        return []
+    spots = []
+    if mount.hidepid not in (None, "0", "off") and not (
+            mount.gid is not None and mount.gid in groups):
+        spots.append(BlindSpot(HIDEPID, f"/proc is mounted with hidepid={mount.hidepid}, so "
+                               "processes this user may not inspect are hidden or unreadable"))
+    if mount.subset == "pid":
+        spots.append(BlindSpot(PROC_SUBSET, "/proc is mounted with subset=pid, which hides "
+                               "/proc/locks (who holds a region's lock)"))
+    return spots
+
+
+def host_blind_spots(proc: str = "/proc") -> list[BlindSpot]:
+    """Every host-wide blind spot of this process, read afresh."""
+    spots = namespace_blind_spots(proc)
+    try:
+        with open(f"{proc}/self/mountinfo") as f:
+            mountinfo = f.read()
+    except OSError:
+        mountinfo = ""
+    groups = {os.getegid(), *os.getgroups()}
+    return spots + mount_blind_spots(parse_proc_mount(mountinfo, proc), groups)
+
+
+def hidden_process(pid: int, proc: str = "/proc") -> HiddenProcess | None:
+    """What /proc/PID/status says about a process we could not inspect (None: gone)."""
+    try:
+        with open(f"{proc}/{pid}/status", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return HiddenProcess(pid, None, True)
+    uids: frozenset[int] | None = None
+    caps = 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        try:
+            if key == "Uid":
+                uids = frozenset(int(v) for v in value.split())
+            elif key in ("CapPrm", "CapEff"):
+                caps |= int(value.strip(), 16)
+        except ValueError:
+            return HiddenProcess(pid, None, True)
+    return HiddenProcess(pid, uids, bool(caps & _OPEN_ANY_CAPS))
+
+
+def assess(denied_pids: Iterable[int], *, namespace_waived: bool = False,
+           proc: str = "/proc") -> Visibility:
+    """This run's visibility, from the pids a scan could not read."""
+    hidden = [h for h in (hidden_process(p, proc) for p in sorted(set(denied_pids)))
+              if h is not None]
+    return Visibility(tuple(host_blind_spots(proc)), tuple(hidden), namespace_waived)
+
+
+def advice(spots: Iterable[BlindSpot]) -> str:
+    """What an operator can do about these blind spots."""
+    codes = {b.code for b in spots}
+    tips = []
+    if codes & {PID_NAMESPACE, FOREIGN_PROC}:
+        tips.append("run it in the host's PID namespace (Kubernetes: hostPID: true; docker: "
+                    "--pid=host), or pass --shm-private-to-namespace if this shm directory "
+                    "is used only inside this namespace")
+    if HIDEPID in codes:
+        tips.append("run it as root with CAP_SYS_PTRACE on a /proc without hidepid (systemd: "
+                    "no ProtectProc=), or in the group named by /proc's gid= option")
+    if PROC_SUBSET in codes:
+        tips.append("mount /proc without subset=pid (systemd: no ProcSubset=pid)")
+    return "; ".join(tips)
