@@ -148,26 +148,28 @@ def _measure(mechanisms: tuple[str, ...]) -> CopyCosts:
     nbytes = CALIBRATION_BYTES
     big, small = CALIBRATION_BYTES // _BIG, CALIBRATION_BYTES // _SMALL
 
+    # each job does all that its method does per job in the worker (views, index
+    # slices, address arrays), not only the copying
     def slices(piece: int) -> Callable[[], object]:
         s_rows, d_rows, a, b = shapes[piece]
-        pairs = [(d_rows[i], s_rows[j]) for i, j in zip(a.tolist(), b.tolist(), strict=True)]
-        return lambda: [d.copy_(s) for d, s in pairs]
+        return lambda: [d_rows[i:i + 1].copy_(s_rows[j:j + 1])
+                        for i, j in zip(a.tolist(), b.tolist(), strict=True)]
 
     def index_op(name: str, piece: int, one_row_calls: bool = False) -> Callable[[], object]:
         s_rows, d_rows, perm, _ = shapes[piece]
+        n = big if one_row_calls else perm.numel()
+        step = 1 if one_row_calls else n
         if name == "gather":
-            calls = [(s_rows, perm[i:i + 1], d_rows[i:i + 1]) for i in range(big)] \
-                if one_row_calls else [(s_rows, perm, d_rows)]
-            return lambda: [torch.index_select(s, 0, i, out=o) for s, i, o in calls]
-        calls = [(d_rows, perm[i:i + 1], s_rows[i:i + 1]) for i in range(big)] \
-            if one_row_calls else [(d_rows, perm, s_rows)]
-        return lambda: [d.index_copy_(0, i, s) for d, i, s in calls]
+            return lambda: [torch.index_select(s_rows, 0, perm[i:i + step],
+                                               out=d_rows[i:i + step]) for i in range(0, n, step)]
+        return lambda: [d_rows.index_copy_(0, perm[i:i + step], s_rows[i:i + step])
+                        for i in range(0, n, step)]
 
     def pieces(mechanism: str, piece: int) -> Callable[[], object]:
         s_rows, d_rows, a, b = shapes[piece]
-        p = batch.make_pieces(batch.row_addresses(d_rows, a), batch.row_addresses(s_rows, b),
-                              piece, check_overlap=False)
-        return lambda: batch.copy_pieces(p, mechanism)
+        return lambda: batch.copy_pieces(batch.make_pieces(
+            batch.row_addresses(d_rows, a), batch.row_addresses(s_rows, b), piece,
+            check_overlap=False), mechanism)
 
     jobs: dict[str, Callable[[], object]] = {"copy big": slices(_BIG),
                                              "copy small": slices(_SMALL)}
