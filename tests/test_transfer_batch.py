@@ -22,12 +22,12 @@ torch = import_torch()
 @pytest.fixture
 def fresh_probe() -> Iterator[None]:
     """Forget what was probed and measured, before and after: each test probes anew."""
-    cached = (batch.available_mechanisms, costs.calibrate)  # the originals, even if patched
-    for fn in cached:
-        fn.cache_clear()
+    probe, forget = batch.available_mechanisms, costs.forget_calibration  # even if patched
+    probe.cache_clear()
+    forget()
     yield
-    for fn in cached:
-        fn.cache_clear()
+    probe.cache_clear()
+    forget()
 
 
 def _buffers(size: int = 1 << 20, seed: int = 0) -> tuple[Any, Any]:

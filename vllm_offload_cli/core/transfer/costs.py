@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 METHODS = ("slices", "gather", "scatter", "staged", "batched")
 STAGE_BYTES = 4 * 1024 * 1024  # rows gathered per staging chunk, in bytes
 CALIBRATION_BYTES = 16 * 1024 * 1024  # per buffer: more than a core's caches
-_BIG, _SMALL = 64 * 1024, 4 * 1024  # piece sizes of the two shapes
+_BIG, _SMALL = 256 * 1024, 8 * 1024  # piece sizes of the two shapes
 _ROUNDS = 4
 
 
@@ -157,7 +157,7 @@ def _measure(mechanisms: tuple[str, ...]) -> CopyCosts:
 
     def index_op(name: str, piece: int, one_row_calls: bool = False) -> Callable[[], object]:
         s_rows, d_rows, perm, _ = shapes[piece]
-        n = big if one_row_calls else perm.numel()
+        n = perm.numel()
         step = 1 if one_row_calls else n
         if name == "gather":
             return lambda: [torch.index_select(s_rows, 0, perm[i:i + step],
@@ -176,8 +176,9 @@ def _measure(mechanisms: tuple[str, ...]) -> CopyCosts:
     for name in ("gather", "scatter"):
         jobs[f"{name} big"] = index_op(name, _BIG)
         jobs[f"{name} small"] = index_op(name, _SMALL)
-        jobs[f"{name} calls"] = index_op(name, _BIG, one_row_calls=True)
-    for mechanism in mechanisms:
+        jobs[f"{name} calls"] = index_op(name, _SMALL, one_row_calls=True)
+    timed = _worth_measuring(mechanisms)
+    for mechanism in timed:
         jobs[f"{mechanism} big"] = pieces(mechanism, _BIG)
         jobs[f"{mechanism} small"] = pieces(mechanism, _SMALL)
     t = _timings(jobs)
@@ -186,10 +187,10 @@ def _measure(mechanisms: tuple[str, ...]) -> CopyCosts:
     index = {}
     for name in ("gather", "scatter"):
         per_row, per_byte = _fit(t[f"{name} big"], t[f"{name} small"], nbytes, big, small)
-        calls = max(0.0, (t[f"{name} calls"] - t[f"{name} big"]) / (big - 1))
+        calls = max(0.0, (t[f"{name} calls"] - t[f"{name} small"]) / (small - 1))
         index[name] = Cost(calls, per_row, per_byte)
     batched: dict[str, Cost] = {}
-    for mechanism in mechanisms:
+    for mechanism in timed:
         per_piece, per_byte = _fit(t[f"{mechanism} big"], t[f"{mechanism} small"], nbytes,
                                    big, small)
         batched[mechanism] = Cost(per_piece, 0.0, per_byte)
@@ -203,10 +204,32 @@ def _measure(mechanisms: tuple[str, ...]) -> CopyCosts:
                      time.perf_counter() - start)
 
 
-@functools.cache
+_LOCK = threading.Lock()
+
+
+def _worth_measuring(mechanisms: tuple[str, ...]) -> tuple[str, ...]:
+    """ctypes.memmove is libc's memmove: only worth timing where memcpy is not there."""
+    if "memcpy" in mechanisms:
+        return tuple(m for m in mechanisms if m != "memmove")
+    return mechanisms
+
+
 def calibrate() -> CopyCosts:
-    """Measure once per process, on a thread that runs torch single-threaded like the
-    copy threads (its result is cached; a failure falls back to the torch methods)."""
+    """The costs, measured on first call (later calls wait for it, then share it)."""
+    with _LOCK:  # one measurement at a time: two would disturb each other
+        return _calibrated()
+
+
+def forget_calibration() -> None:
+    """Measure again on the next call (after the mechanisms changed, e.g. in tests)."""
+    with _LOCK:
+        _calibrated.cache_clear()
+
+
+@functools.cache
+def _calibrated() -> CopyCosts:
+    """Measure on a thread that runs torch single-threaded like the copy threads; a
+    failure with a batched mechanism falls back to measuring the torch methods alone."""
     result: list[CopyCosts] = []
     errors: list[BaseException] = []
 

@@ -36,7 +36,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.transfer import batch
-from vllm_offload_cli.core.transfer.costs import METHODS, STAGE_BYTES, CopyCosts, calibrate
+from vllm_offload_cli.core.transfer.costs import (
+    METHODS,
+    STAGE_BYTES,
+    CopyCosts,
+    calibrate,
+)
 from vllm_offload_cli.core.transfer.costs import choose_method as _choose
 from vllm_offload_cli.core.transfer.openmp import single_threaded_torch
 from vllm_offload_cli.core.transfer.plan import Direction, TransferPlan
@@ -234,7 +239,7 @@ class CpuBackend:
                  job_bytes: Callable[[TransferPlan], int],
                  threads: int | None = None, costs: CopyCosts | None = None) -> None:
         torch = import_torch()
-        self._costs = costs  # None: measured on the first job that has a choice
+        self._costs = costs  # None: measured once per process, by the first job with a choice
         self._pairs = list(pairs)
         self._sink = sink
         self._job_bytes = job_bytes
