@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ METHODS = ("slices", "gather", "scatter", "staged", "batched")
 STAGE_BYTES = 4 * 1024 * 1024  # rows gathered per staging chunk, in bytes
 CALIBRATION_BYTES = 16 * 1024 * 1024  # per buffer: more than a core's caches
 _BIG, _SMALL = 256 * 1024, 8 * 1024  # piece sizes of the two shapes
-_ROUNDS = 4
+_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -113,17 +114,27 @@ def choose_method(plan: TransferPlan, row_bytes: int, dense: bool, costs: CopyCo
 # -- calibration ---------------------------------------------------------------------------------
 
 def _timings(jobs: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Seconds of each job: the least disturbed of _ROUNDS rounds (other processes only
-    ever add time), the jobs taking turns so that a burst of load elsewhere hits all."""
+    """Seconds of each job, robust to load from other processes.
+
+    The jobs take turns, round after round. Each job's time is taken relative to the
+    first job of the same round (a burst of load elsewhere scales a whole round, not
+    one job), the median of those ratios over the rounds is kept, and it is scaled by
+    the first job's least disturbed round (other processes only ever add time).
+    """
     for fn in jobs.values():
         fn()  # warm: first touch, caches, lazy set-up
-    best = dict.fromkeys(jobs, float("inf"))
+    names = list(jobs)
+    rounds: list[dict[str, float]] = []
     for _ in range(_ROUNDS):
-        for name, fn in jobs.items():
+        took = {}
+        for name in names:
             t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            jobs[name]()
+            took[name] = max(time.perf_counter() - t0, 1e-9)
+        rounds.append(took)
+    reference = min(r[names[0]] for r in rounds)
+    return {name: reference * statistics.median(r[name] / r[names[0]] for r in rounds)
+            for name in names}
 
 
 def _fit(t_big: float, t_small: float, nbytes: int, big: int, small: int) -> tuple[float, float]:
