@@ -137,9 +137,9 @@ class BenchReport:
     pinned: bool | None  # None on CPU: nothing to pin
     pin_warning: str | None
     removed: bool
+    copy_costs: dict[str, Any] | None = None  # CPU: the calibration the methods came from
     cuda_strategy: str | None = None
     target: dict[str, Any] = field(default_factory=dict)
-    copy_costs: dict[str, Any] | None = None  # CPU: the calibration the methods came from
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -186,6 +186,15 @@ def _rates(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
     """(best, median) GB/s."""
     rates = [nbytes / s / 1e9 for s in seconds if s > 0]
     return (max(rates), statistics.median(rates)) if rates else (0.0, 0.0)
+
+
+def _copy_costs(device: str) -> dict[str, Any] | None:
+    """The CPU path's measured costs (what its per-job method choices were based on)."""
+    if device != "cpu":
+        return None
+    from vllm_offload_cli.core.transfer.costs import calibrate
+
+    return calibrate().to_dict()
 
 
 class _Baseline:
@@ -423,17 +432,9 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
         world_size=config.world_size, repeat=config.repeat, patterns=config.patterns,
         prefault=tuple(prefault), rows=tuple(rows), pinned=bench.pinned,
         pin_warning=bench.pin_warning, removed=bench.removed,
+        copy_costs=_copy_costs(config.device),
         cuda_strategy=config.cuda_strategy if config.device == "cuda" else None,
-        target=target_summary(rows), copy_costs=_copy_costs(config.device))
-
-
-def _copy_costs(device: str) -> dict[str, Any] | None:
-    """The CPU path's measured costs (what its per-job method choices were based on)."""
-    if device != "cpu":
-        return None
-    from vllm_offload_cli.core.transfer.costs import calibrate
-
-    return calibrate().to_dict()
+        target=target_summary(rows))
 
 
 def target_summary(rows: Sequence[BenchRow]) -> dict[str, Any]:
