@@ -12,10 +12,18 @@ shapes of the same bytes (few big pieces, many small ones) and solves
 for its costs. choose_method then prices every method for a job and takes
 the cheapest. Buffers are bigger than a core's caches so that per-byte costs
 are those of memory, as in a real job.
+
+One pass over the same bytes costs about the same whichever primitive makes it
+(single-threaded, 256 KiB .. 2 MiB pieces: within ~15 %), while a short
+calibration on a shared host misjudges one primitive's rate by up to 2x. So
+the per-byte cost is shared: the median of the primitives' own figures. What
+tells the methods apart is what each measures for itself, robustly: its cost
+per call, per row and per piece, and how many passes it makes (staged: two).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -187,7 +195,9 @@ def _measure(mechanisms: tuple[str, ...]) -> CopyCosts:
     for name in ("gather", "scatter"):
         jobs[f"{name} big"] = index_op(name, _BIG)
         jobs[f"{name} small"] = index_op(name, _SMALL)
-        jobs[f"{name} calls"] = index_op(name, _SMALL, one_row_calls=True)
+        # one call per big row: what a call costs where it matters (scattered big
+        # blocks), including a one-row index kernel's slower streaming
+        jobs[f"{name} calls"] = index_op(name, _BIG, one_row_calls=True)
     timed = _worth_measuring(mechanisms)
     for mechanism in timed:
         jobs[f"{mechanism} big"] = pieces(mechanism, _BIG)
@@ -198,20 +208,23 @@ def _measure(mechanisms: tuple[str, ...]) -> CopyCosts:
     index = {}
     for name in ("gather", "scatter"):
         per_row, per_byte = _fit(t[f"{name} big"], t[f"{name} small"], nbytes, big, small)
-        calls = max(0.0, (t[f"{name} calls"] - t[f"{name} small"]) / (small - 1))
+        calls = max(0.0, (t[f"{name} calls"] - t[f"{name} big"]) / (big - 1))
         index[name] = Cost(calls, per_row, per_byte)
     batched: dict[str, Cost] = {}
     for mechanism in timed:
         per_piece, per_byte = _fit(t[f"{mechanism} big"], t[f"{mechanism} small"], nbytes,
                                    big, small)
         batched[mechanism] = Cost(per_piece, 0.0, per_byte)
+    shared = statistics.median(c.per_byte for c in (copy, *index.values(), *batched.values()))
+    copy, gather, scatter = (dataclasses.replace(c, per_byte=shared)
+                             for c in (copy, index["gather"], index["scatter"]))
     best: str | None = None
     for mechanism, cost in batched.items():  # a later one must win clearly: 5 %
         price = cost.seconds(big + small, 0, 2 * nbytes)
         if best is None or price < 0.95 * batched[best].seconds(big + small, 0, 2 * nbytes):
             best = mechanism
-    return CopyCosts(copy, index["gather"], index["scatter"],
-                     batched[best] if best else None, best, mechanisms,
+    chosen = dataclasses.replace(batched[best], per_byte=shared) if best else None
+    return CopyCosts(copy, gather, scatter, chosen, best, mechanisms,
                      time.perf_counter() - start)
 
 
