@@ -3,7 +3,7 @@
 The CPU path can copy a job several ways (see transfer.cpu); which is fastest
 depends on the machine (call overhead, the C library's memcpy against torch's
 copy loop, how the kernel copies for process_vm_readv), so it is measured, not
-assumed. A calibration of about a tenth of a second, once per process and on
+assumed. A calibration of a few tenths of a second, once per process and on
 a copy thread like the ones that do the work, times each primitive on two
 shapes of the same bytes (few big pieces, many small ones) and solves
 
