@@ -40,6 +40,7 @@ def main() -> int:
     shm_dir = tempfile.mkdtemp(prefix="vllm-offload-bench-", dir="/dev/shm")
     ratios: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     figures: dict[tuple[int, str], list[tuple[float, float, float, float]]] = defaultdict(list)
+    methods: dict[tuple[int, str], set[str]] = defaultdict(set)
     rounds = []
     try:
         for r in range(args.rounds):
@@ -51,6 +52,7 @@ def main() -> int:
             for row in report.rows:
                 key = (row.block_bytes, row.pattern)
                 ratios[key].append((row.store.ratio, row.load.ratio))
+                methods[key].add(f"{row.store.method}/{row.load.method}")
                 figures[key].append((row.store.gbps, row.store.memcpy_gbps, row.load.gbps,
                                      row.load.memcpy_gbps))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
@@ -60,13 +62,15 @@ def main() -> int:
         print(json.dumps(rounds, indent=2))
         return 0
     print(f"{'block':>9} {'pattern':<17} {'store':>6} {'memcpy':>6} {'ratio':>6}  "
-          f"{'load':>6} {'memcpy':>6} {'ratio':>6}   (GB/s; medians over {args.rounds} rounds)")
+          f"{'load':>6} {'memcpy':>6} {'ratio':>6}  method (GB/s; medians over {args.rounds} "
+          "rounds)")
     for (block, pattern), values in ratios.items():
         fig = [statistics.median(v) for v in zip(*figures[(block, pattern)], strict=True)]
         store = statistics.median(v[0] for v in values)
         load = statistics.median(v[1] for v in values)
         print(f"{format_bytes(block):>9} {pattern:<17} {fig[0]:6.2f} {fig[1]:6.2f} "
-              f"{store:5.2f}x  {fig[2]:6.2f} {fig[3]:6.2f} {load:5.2f}x")
+              f"{store:5.2f}x  {fig[2]:6.2f} {fig[3]:6.2f} {load:5.2f}x  "
+              f"{', '.join(sorted(methods[(block, pattern)]))}")
     return 0
 
 

@@ -48,6 +48,14 @@ def test_json_envelope_has_every_figure_and_the_region_is_gone(cli: Any, shm_dir
                                                     abs=1e-3)
             assert figure["method"]
     assert set(data["target"]["patterns"]) == set(PATTERNS)
+    assert {p: v["ratio"] for p, v in data["target"]["patterns"].items()} == {
+        "contiguous": 0.9, "device-scattered": 0.8, "scattered": 0.8}
+    costs = data["copy_costs"]  # what the per-row method choices were based on
+    assert costs["mechanism"] is None or costs["mechanism"] in costs["mechanisms"]
+    assert all(costs[k]["per_byte_ns"] > 0 for k in ("copy", "gather", "scatter"))
+    batched = [r[side]["method"] for r in rows for side in ("store", "load")
+               if r[side]["method"].startswith("batched")]
+    assert all(m == f"batched:{costs['mechanism']}" for m in batched)
     assert list(shm_dir.iterdir()) == []
 
 

@@ -3,11 +3,14 @@
 For each block size a scratch region is created and pre-faulted (the
 pre-fault figure). Then, for each block-id pattern and direction, `repeat`
 rounds each time PIPELINE_DEPTH plain copies of the job's bytes between two
-contiguous buffers (host memcpy on CPU; pinned device<->host on CUDA) and then
+contiguous buffers (host memcpy on CPU; pinned device<->host on CUDA) and
 PIPELINE_DEPTH copy-worker jobs submitted back to back, as an engine keeps
-several in flight, timed from the first submit to the last completion.
-Interleaving puts the baseline and the worker under the same conditions on a
-busy host; figures are the best round (the least disturbed), median beside it. On CUDA the
+several in flight, timed from the first submit to the last completion; which
+of the two goes first alternates from round to round. Interleaving puts the
+baseline and the worker under the same conditions on a busy host: the ratio
+is the median over rounds of each round's worker/baseline ratio, so a burst
+of load elsewhere hits both sides of one round, not one side of the figure.
+GB/s figures are the best round (the least disturbed), median beside. On CUDA the
 worker runs once pinned and once pageable. Each (size, pattern) ends with a
 byte-for-byte check of one store and one load. The scratch region is removed
 whatever happens, Ctrl-C included.
@@ -49,7 +52,8 @@ AUTO_TRANSFER_BYTES = 128 * MiB
 # blocks) and back. scattered: random blocks on both sides (a fragmented cache).
 PATTERNS = ("contiguous", "device-scattered", "scattered")
 PIPELINE_DEPTH = 2  # jobs in flight per timed round, and copies per baseline round
-TARGET_RATIO = 0.7  # DESIGN section 6: CPU store/load >= 0.7x memcpy for blocks >= 64 KiB
+# DESIGN section 6: CPU store/load against memcpy for blocks >= 64 KiB
+TARGET_RATIOS = {"contiguous": 0.9, "device-scattered": 0.8, "scattered": 0.8}
 TARGET_MIN_BLOCK = 64 * KiB
 
 Progress = Callable[[int, int], None]
@@ -81,10 +85,7 @@ class Throughput:
     memcpy_gbps: float  # best round of the baseline
     memcpy_median_gbps: float
     method: str
-
-    @property
-    def ratio(self) -> float:
-        return self.gbps / self.memcpy_gbps if self.memcpy_gbps > 0 else 0.0
+    ratio: float = 0.0  # median over rounds of (worker / baseline) in the same round
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -175,6 +176,7 @@ class BenchReport:
     pinned: bool | None  # None on CPU: nothing to pin
     pin_warning: str | None
     removed: bool
+    copy_costs: dict[str, Any] | None = None  # CPU: the calibration the methods came from
     cuda_strategy: str | None = None
     target: dict[str, Any] = field(default_factory=dict)
     huge_pages: HugePageComparison | None = None
@@ -225,6 +227,15 @@ def _rates(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
     """(best, median) GB/s."""
     rates = [nbytes / s / 1e9 for s in seconds if s > 0]
     return (max(rates), statistics.median(rates)) if rates else (0.0, 0.0)
+
+
+def _copy_costs(device: str) -> dict[str, Any] | None:
+    """The CPU path's measured costs (what its per-job method choices were based on)."""
+    if device != "cpu":
+        return None
+    from vllm_offload_cli.core.transfer.costs import calibrate
+
+    return calibrate().to_dict()
 
 
 class _Baseline:
@@ -360,16 +371,20 @@ class _Bench:
         self.jobs(worker, store, src, dst, depth)  # warm-up, both of them
         baseline.batch(store, depth)
         walls, inner, copies, method = [], [], [], ""
-        for _ in range(self.config.repeat):
-            copies.append(baseline.batch(store, depth))
+        for i in range(self.config.repeat):
+            if i % 2 == 0:
+                copies.append(baseline.batch(store, depth))
             wall, seconds, method = self.jobs(worker, store, src, dst, depth)
+            if i % 2 == 1:
+                copies.append(baseline.batch(store, depth))
             walls.append(wall)
             inner += seconds
         nbytes = baseline.nbytes
         best, median = _rates(nbytes * depth, walls)
         memcpy_best, memcpy_median = _rates(nbytes * depth, copies)
+        paired = [c / w for c, w in zip(copies, walls, strict=True) if w > 0 and c > 0]
         return Throughput(best, median, _rates(nbytes, inner)[1], memcpy_best, memcpy_median,
-                          method)
+                          method, statistics.median(paired) if paired else 0.0)
 
     def measure(self, worker: CopyWorker, baseline: _Baseline, view: Tensor,
                 device_rows: Tensor, block: int, num_blocks: int, n: int, pattern: str,
@@ -522,12 +537,13 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
         world_size=config.world_size, repeat=config.repeat, patterns=config.patterns,
         prefault=tuple(prefault), rows=tuple(rows), pinned=bench.pinned,
         pin_warning=bench.pin_warning, removed=bench.removed,
+        copy_costs=_copy_costs(config.device),
         cuda_strategy=config.cuda_strategy if config.device == "cuda" else None,
         target=target_summary(rows), huge_pages=huge)
 
 
 def target_summary(rows: Sequence[BenchRow]) -> dict[str, Any]:
-    """Does the CPU path meet DESIGN's >= 0.7x memcpy for blocks >= 64 KiB, per pattern?"""
+    """Does the CPU path meet DESIGN's ratios to memcpy for blocks >= 64 KiB, per pattern?"""
     judged = [r for r in rows if r.block_bytes >= TARGET_MIN_BLOCK and r.mode == "cpu"]
     if not judged:
         return {}
@@ -535,6 +551,6 @@ def target_summary(rows: Sequence[BenchRow]) -> dict[str, Any]:
     for r in judged:
         worst[r.pattern] = min(worst.get(r.pattern, r.store.ratio), r.store.ratio,
                                r.load.ratio)
-    return {"ratio": TARGET_RATIO, "min_block_bytes": TARGET_MIN_BLOCK,
-            "patterns": {p: {"min_ratio": round(v, 3), "met": v >= TARGET_RATIO}
-                         for p, v in worst.items()}}
+    return {"min_block_bytes": TARGET_MIN_BLOCK,
+            "patterns": {p: {"ratio": TARGET_RATIOS[p], "min_ratio": round(v, 3),
+                             "met": v >= TARGET_RATIOS[p]} for p, v in worst.items()}}

@@ -1,34 +1,31 @@
-"""The CPU copy path: vectorised gather/scatter between device rows and region rows.
+"""The CPU copy path: block copies between device rows and region rows, on copy threads.
 
 It is real (CI runs it, and it stands in for the engine's copies where there
 is no GPU) and asynchronous like CUDA: each direction has its own thread and
-FIFO queue, and torch's kernels release the GIL while they copy.
+FIFO queue, and the copies themselves run on a small pool of copy threads.
 
-Method. torch has no CPU operation that copies rows with both a source and a
-destination index list, so each job is copied one of four ways, picked per
-tensor by a cost model counted in bytes (one Python-level torch call costs
-about as much as copying OP_COST_BYTES):
+Method. Each job is copied one of five ways, picked per tensor by measured
+costs (transfer.costs: a short calibration, once per process):
 
 * slices  - one slice copy per run where source and destination both advance
             by one (a fully contiguous job is one copy);
-* gather  - one `index_select(out=...)` per run of consecutive destinations:
-            rows are fetched by index straight into the destination slice;
+* gather  - one `index_select(out=...)` per run of consecutive destinations;
 * scatter - one `index_copy_` per run of consecutive sources;
-* staged  - both sides scattered: gather a bounded chunk into a staging buffer,
-            then scatter it (two passes over the bytes, two calls per chunk).
+* staged  - gather a bounded chunk into a staging buffer, then scatter it;
+* batched - every run or block one piece of a batched copy (transfer.batch:
+            process_vm_readv or memcpy through ctypes, the GIL released): one
+            pass over the bytes however both sides are scattered.
 
-Parallelism. A job of a few big calls runs on its direction thread, each call
-split over torch's threads. A job of many calls (scattered blocks) would start
-one parallel region per call, which is slow from a background thread (see
-core.openmp); its calls are dealt instead, in order, into one share per copy
-thread of a small pool whose threads run torch single-threaded.
+Parallelism. Every job is cut into about equal shares, one per copy thread,
+each running torch single-threaded: a parallel region started from a
+background thread is slow (see core.openmp), and a share per thread keeps
+both cores streaming for contiguous and scattered jobs alike.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import queue
 import threading
 import time
@@ -38,55 +35,35 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.transfer import batch
+from vllm_offload_cli.core.transfer.costs import (
+    METHODS,
+    STAGE_BYTES,
+    CopyCosts,
+    calibrate,
+)
+from vllm_offload_cli.core.transfer.costs import choose_method as _choose
 from vllm_offload_cli.core.transfer.openmp import single_threaded_torch
 from vllm_offload_cli.core.transfer.plan import Direction, TransferPlan
 from vllm_offload_cli.core.transfer.result import ResultSink, TransferResult
-from vllm_offload_cli.core.transfer.views import copy_many
 
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
+__all__ = ["METHODS", "CpuBackend", "RowPair", "Staging", "choose_method", "copy_rows",
+           "deal", "units"]
+
 logger = logging.getLogger(__name__)
 
-# What one extra torch call costs, in bytes a core copies in the same time
-# (Python and dispatch, ~5 us), and what one more row of a batched row copy
-# costs (a view, a C++ loop step and a cold row's page walks: measured ~6 us
-# more than streaming the same 64 KiB)
-OP_COST_BYTES = 64 * 1024
-ROW_COST_BYTES = 64 * 1024
-STAGE_BYTES = 4 * 1024 * 1024  # rows gathered per staging chunk, in bytes
-# torch splits one call over its threads from 32768 elements (16-byte words:
-# 512 KiB); index_select does so per row, one parallel region per row
-PARALLEL_ROW_BYTES = 32768 * 16
 MAX_COPY_THREADS = 16
-_SCATTER_FACTOR = 1.1  # index_copy_ is a little slower per byte than index_select
-METHODS = ("slices", "gather", "scatter", "staged")
 
 
-def choose_method(plan: TransferPlan, row_bytes: int) -> str:
-    """The cheapest way to copy `plan` for rows of `row_bytes` (ties: earliest in METHODS).
-
-    Costs are bytes copied plus OP_COST_BYTES per torch call (ROW_COST_BYTES per
-    row of a batched row copy); the staged path copies every byte twice.
-    """
+def choose_method(plan: TransferPlan, pair: RowPair, costs: CopyCosts | None = None) -> str:
+    """The cheapest method for one tensor of `plan`; calibrates on first need."""
     if plan.joint_run_count <= 1:
-        return "slices"  # one copy: nothing is cheaper
-    total = plan.num_blocks * row_bytes
-    k = OP_COST_BYTES
-    if row_bytes >= PARALLEL_ROW_BYTES:  # gathered as batched single rows
-        gather = total + plan.num_blocks * ROW_COST_BYTES
-    else:
-        singles = int((plan.run_lengths("dst") == 1).sum()) if plan.dst_run_count > 1 else 0
-        gather = total + singles * ROW_COST_BYTES + (plan.dst_run_count - singles) * k
-    costs: dict[str, float] = {
-        "slices": total + plan.joint_run_count * k,
-        "gather": gather,
-        "staged": 2 * total + 2 * math.ceil(total / STAGE_BYTES) * k,
-    }
-    if _SCATTER_FACTOR * total + k < min(costs.values()):  # only then is sorting worth it
-        costs["scatter"] = _SCATTER_FACTOR * total + plan.src_run_count * k
-    return min((m for m in METHODS if m in costs), key=lambda m: costs[m])
+        return "slices"  # one copy: nothing is cheaper, and nothing to measure
+    return _choose(plan, pair.row_bytes, pair.dense, costs or calibrate())
 
 
 class Staging:
@@ -118,19 +95,21 @@ class RowPair:
             return self.device, self.region
         return self.region, self.device
 
+    @property
+    def dense(self) -> bool:
+        """Are consecutive rows adjacent on both sides (a run of blocks is one piece)?"""
+        return all(t.stride(0) * t.element_size() == self.row_bytes
+                   for t in (self.device, self.region))
+
 
 # -- units of work ---------------------------------------------------------------------
 
-ROW_BATCH_BYTES = 8 * 1024 * 1024  # rows per torch._foreach_copy_ call, in bytes
-
 
 class Unit(NamedTuple):
-    """Part of a job: `work(staging)` copies `nbytes`. `pooled` units (many small
-    copies) run best on the single-threaded copy threads, others as one big call."""
+    """Part of a job: `work(staging)` copies `nbytes`."""
 
     nbytes: int
     work: Callable[[Staging], None]
-    pooled: bool = False
 
 
 def _copy(dst: Tensor, src: Tensor, staging: Staging) -> None:
@@ -152,71 +131,85 @@ def _staged(src: Tensor, src_idx: Tensor, dst: Tensor, dst_idx: Tensor,
     dst.index_copy_(0, dst_idx, rows)
 
 
-def _rows(dst: Tensor, dst_ids: list[int], src: Tensor, src_ids: list[int],
-          staging: Staging) -> None:
-    """Single-row copies, a batch per C++ call; row views are made here, on the copy
-    thread, so making one batch overlaps another thread's copying."""
-    step = max(1, ROW_BATCH_BYTES // max(1, src.shape[1] * src.element_size()))
-    for a in range(0, len(dst_ids), step):
-        copy_many([dst[i] for i in dst_ids[a:a + step]], [src[i] for i in src_ids[a:a + step]])
+def _batched(pieces: batch.Pieces, mechanism: str, staging: Staging) -> None:
+    batch.copy_pieces(pieces, mechanism)
 
 
-def units(pair: RowPair, plan: TransferPlan, method: str, shares: int = 1) -> list[Unit]:
-    """The work that copies `plan` for one tensor by `method`: one call per run, and
-    single rows batched into `shares` units."""
+def _parts(length: int, most: int) -> list[tuple[int, int]]:
+    """[offset, offset + n) parts of a run of `length` rows, none longer than `most`."""
+    return [(a, min(length, a + most)) for a in range(0, length, max(1, most))]
+
+
+def pieces_of(pair: RowPair, plan: TransferPlan) -> batch.Pieces:
+    """The job as batched-copy pieces: one per joint run where rows are dense, else one
+    per block. Destinations are distinct rows (the plan checked that) of tensors that
+    cannot alias (a device tensor and a mapping), so overlap is not searched again."""
+    torch = import_torch()
+    src, dst = pair.sides(plan.direction)
+    if pair.dense and plan.joint_run_count < plan.num_blocks:
+        lengths = plan.run_lengths("joint")
+        starts = lengths.cumsum(0) - lengths
+        return batch.make_pieces(batch.row_addresses(dst, plan.dst[starts]),
+                                 batch.row_addresses(src, plan.src[starts]),
+                                 lengths * pair.row_bytes, check_overlap=False)
+    return batch.make_pieces(batch.row_addresses(dst, plan.dst),
+                             batch.row_addresses(src, plan.src),
+                             torch.full_like(plan.dst, pair.row_bytes), check_overlap=False)
+
+
+def units(pair: RowPair, plan: TransferPlan, method: str, shares: int = 1,
+          mechanism: str | None = None) -> list[Unit]:
+    """The work that copies `plan` for one tensor by `method`: one call per run, runs cut
+    so that no unit holds more than a `shares`-th of the job (one per copy thread)."""
     src, dst = pair.sides(plan.direction)
     row = pair.row_bytes
+    n = plan.num_blocks
     out: list[Unit] = []
-    if plan.num_blocks == 0:
+    if n == 0:
         return out
+    most = -(-n // max(1, shares))  # rows per unit at most
     part = functools.partial
     if method == "slices":
         for run in plan.joint_runs():
-            d, s, n = run.dst, run.src, run.length
-            out.append(Unit(n * row, part(_copy, dst[d:d + n], src[s:s + n])))
+            for a, b in _parts(run.length, most):
+                d, s = run.dst + a, run.src + a
+                out.append(Unit((b - a) * row, part(_copy, dst[d:d + b - a], src[s:s + b - a])))
     elif method == "gather":
         spans = plan.dst_spans()
         firsts = plan.dst[[s.start for s in spans]].tolist()
-        sources = plan.src.tolist()
-        row_dst: list[int] = []
-        row_src: list[int] = []
         for span, first in zip(spans, firsts, strict=True):
-            n = span.stop - span.start
-            if n == 1 or row >= PARALLEL_ROW_BYTES:
-                # one row, or rows so big that index_select would start a parallel
-                # region per row: plain row copies, batched below
-                row_dst += range(first, first + n)
-                row_src += sources[span.start:span.stop]
-                continue
-            out.append(Unit(n * row, part(_gather, src, plan.src[span.start:span.stop],
-                                          dst[first:first + n])))
-        per = -(-len(row_dst) // max(1, shares)) if row_dst else 1
-        for a in range(0, len(row_dst), per):
-            ids = row_dst[a:a + per]
-            out.append(Unit(len(ids) * row, part(_rows, dst, ids, src, row_src[a:a + per]),
-                            pooled=True))
+            for a, b in _parts(span.stop - span.start, most):
+                idx = plan.src[span.start + a:span.start + b]
+                out.append(Unit((b - a) * row, part(_gather, src, idx,
+                                                    dst[first + a:first + b])))
     elif method == "scatter":
         targets = plan.dst_by_src
         spans = plan.src_spans()
         firsts = plan.src_sorted[[s.start for s in spans]].tolist()
         for span, first in zip(spans, firsts, strict=True):
-            n = span.stop - span.start
-            out.append(Unit(n * row, part(_scatter, dst, targets[span.start:span.stop],
-                                          src[first:first + n])))
+            for a, b in _parts(span.stop - span.start, most):
+                idx = targets[span.start + a:span.start + b]
+                out.append(Unit((b - a) * row, part(_scatter, dst, idx,
+                                                    src[first + a:first + b])))
     elif method == "staged":
-        chunk = max(1, STAGE_BYTES // row)
-        for a in range(0, plan.num_blocks, chunk):
-            n = min(chunk, plan.num_blocks - a)
-            out.append(Unit(n * row, part(_staged, src, plan.src[a:a + n], dst,
-                                          plan.dst[a:a + n])))
+        for a, b in _parts(n, min(most, max(1, STAGE_BYTES // row))):
+            out.append(Unit((b - a) * row, part(_staged, src, plan.src[a:b], dst,
+                                                plan.dst[a:b])))
+    elif method == "batched":
+        chosen = mechanism or next(iter(batch.available_mechanisms()), None)
+        if chosen is None:
+            raise RuntimeError("no batched copy mechanism works here")
+        for share in pieces_of(pair, plan).split(shares):
+            out.append(Unit(share.nbytes, part(_batched, share, chosen)))
     else:
         raise ValueError(f"unknown copy method {method!r}")
     return out
 
 
-def copy_rows(pair: RowPair, plan: TransferPlan, method: str, staging: Staging) -> None:
+def copy_rows(pair: RowPair, plan: TransferPlan, method: str, staging: Staging,
+              mechanism: str | None = None) -> None:
     """dst[plan.dst[i]] = src[plan.src[i]] for every pair of blocks, on this thread."""
-    for unit in units(pair, plan, method):
+    for unit in units(pair, plan, method, mechanism=mechanism):
         unit.work(staging)
 
 
@@ -244,8 +237,9 @@ class CpuBackend:
 
     def __init__(self, pairs: Sequence[RowPair], sink: ResultSink,
                  job_bytes: Callable[[TransferPlan], int],
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, costs: CopyCosts | None = None) -> None:
         torch = import_torch()
+        self._costs = costs  # None: measured once per process, by the first job with a choice
         self._pairs = list(pairs)
         self._sink = sink
         self._job_bytes = job_bytes
@@ -309,13 +303,17 @@ class CpuBackend:
         used: list[str] = []
         work: list[Unit] = []
         for pair in self._pairs:
-            method = choose_method(plan, pair.row_bytes)
-            work += units(pair, plan, method, self.threads)
+            method = choose_method(plan, pair, self._costs)
+            mechanism = None
+            if method == "batched":
+                costs = self._costs or calibrate()
+                mechanism = costs.mechanism
+                method = f"batched:{mechanism}"
+            work += units(pair, plan, method.partition(":")[0], self.threads, mechanism)
             if method not in used:
                 used.append(method)
-        if self._pool is None or (len(work) <= self.threads
-                                  and not any(u.pooled for u in work)):
-            self._run_share(work)  # a few big calls: torch's own threads split each one
+        if self._pool is None:
+            self._run_share(work)
             return "+".join(used)
         futures: list[Future[None]] = [self._pool.submit(self._run_share, s)
                                        for s in deal(work, self.threads)]

@@ -1,0 +1,248 @@
+"""A batched copy: a whole list of (source, destination, length) pieces per call, GIL released.
+
+torch has no CPU operation that copies rows with both a source and a
+destination index list, so a job scattered on both sides was either one torch
+call per block (about as costly as copying 64 KiB) or two passes through a
+staging buffer. This module copies such a list without a compiler, through
+the C library that is already loaded, by one of these mechanisms:
+
+* memcpy   - libc's memcpy once per piece; ctypes drops the GIL around every
+             call, so the copy threads really run in parallel.
+* vm-readv - process_vm_readv(2) on our own pid: up to IOV_MAX pieces on both
+             sides per system call; the iovec arrays (two 64-bit words each) are
+             built by torch, vectorised, so a piece costs no Python at all. A
+             sandbox may refuse it (seccomp, YAMA, ENOSYS); the probe finds out.
+* memmove  - ctypes' own binding of the C library's memmove: present wherever
+             ctypes is, the fallback when libc cannot be opened by name.
+
+Which of them work here is probed once per process, each on a small scattered
+copy whose bytes are checked; a refusal is logged and the mechanism dropped.
+Where none works, the CPU path keeps its pure torch methods. Which one is
+fastest is not decided here but measured (transfer.costs).
+
+Pieces are checked before any byte moves: lengths positive, destinations
+disjoint from each other and from every source (sources may repeat).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import functools
+import itertools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.torch_import import import_torch
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per process_vm_readv call
+MECHANISMS = ("memcpy", "vm-readv", "memmove")  # preferred first when costs tie
+
+
+@dataclass(frozen=True, eq=False)
+class Pieces:
+    """Validated pieces: copy length[i] bytes from src[i] to dst[i] (int64 CPU tensors)."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    length: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.dst.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum()) if self.count else 0
+
+    def split(self, shares: int) -> list[Pieces]:
+        """At most `shares` consecutive parts of about equal bytes (for the copy threads)."""
+        n = self.count
+        if shares <= 1 or n <= 1:
+            return [self] if n else []
+        torch = import_torch()
+        ends = self.length.cumsum(0)
+        total = int(ends[-1])
+        cuts = torch.searchsorted(ends, torch.arange(1, shares, dtype=torch.int64)
+                                  * total // shares, right=True).tolist()
+        bounds = sorted({0, *(min(n, c) for c in cuts), n})
+        return [Pieces(self.dst[a:b], self.src[a:b], self.length[a:b])
+                for a, b in itertools.pairwise(bounds) if b > a]
+
+
+def make_pieces(dst: torch.Tensor, src: torch.Tensor, length: torch.Tensor | int, *,
+                check_overlap: bool = True) -> Pieces:
+    """Check a list of pieces (addresses as int64 tensors); raises InvalidInputError.
+
+    `check_overlap=False` is for callers that built the addresses from
+    distinct destination rows of tensors already known not to alias.
+    """
+    torch = import_torch()
+    lengths: Tensor = (torch.full_like(dst, length) if isinstance(length, int) else length)
+    if any(not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1
+           or t.device.type != "cpu" for t in (dst, src, lengths)):
+        raise InvalidInputError("pieces must be 1-D int64 CPU tensors of addresses and "
+                                "lengths", code="invalid_pieces")
+    if not dst.numel() == src.numel() == lengths.numel():
+        raise InvalidInputError(f"{dst.numel()} destinations, {src.numel()} sources and "
+                                f"{lengths.numel()} lengths: they must pair up",
+                                code="invalid_pieces")
+    if dst.numel() == 0:
+        return Pieces(dst, src, lengths)
+    if int(lengths.min()) <= 0:
+        raise InvalidInputError("every piece must have a positive length",
+                                code="invalid_pieces")
+    if int(torch.minimum(dst, src).min()) <= 0:
+        raise InvalidInputError("a piece has a null or negative address",
+                                code="invalid_pieces")
+    if check_overlap:
+        _refuse_overlap(dst, src, lengths)
+    return Pieces(dst, src, lengths)
+
+
+def _refuse_overlap(dst: Tensor, src: Tensor, length: Tensor) -> None:
+    """Destinations must not overlap each other or any source (sources may share bytes)."""
+    torch = import_torch()
+    d_start, order = torch.sort(dst)
+    d_end = d_start + length[order]
+    if d_start.numel() > 1 and bool((d_start[1:] < d_end[:-1]).any()):
+        raise InvalidInputError("two pieces write overlapping destination bytes",
+                                code="overlapping_pieces")
+    s_start, s_order = torch.sort(src)
+    s_end_max = torch.cummax(s_start + length[s_order], 0).values
+    # sources starting before a destination ends; do any of them end after it starts?
+    before = torch.searchsorted(s_start, d_end, side="left")
+    has = before > 0
+    reach = s_end_max[(before - 1).clamp(min=0)]
+    if bool((has & (reach > d_start)).any()):
+        raise InvalidInputError("a piece's destination overlaps a piece's source",
+                                code="overlapping_pieces")
+
+
+# -- the C library -----------------------------------------------------------------------------
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        lib.memcpy.restype = None
+        lib.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                                         ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+        lib.process_vm_readv.restype = ctypes.c_ssize_t
+    except (OSError, AttributeError) as exc:
+        logger.debug("the C library cannot be opened by name: %s", exc)
+        return None
+    return lib
+
+
+def process_vm_readv(local: int, local_count: int, remote: int, remote_count: int) -> int:
+    """process_vm_readv(getpid(), ...): bytes copied; raises OSError (the syscall wrapper
+    that tests replace to simulate a kernel or sandbox that refuses it)."""
+    lib = _libc()
+    if lib is None:
+        raise OSError(errno.ENOSYS, "no C library")
+    got = int(lib.process_vm_readv(os.getpid(), local, local_count, remote, remote_count, 0))
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
+    return got
+
+
+def _iovecs(addresses: Tensor, length: Tensor) -> Tensor:
+    """struct iovec[] {void *base; size_t len;} as an (n, 2) int64 tensor."""
+    torch = import_torch()
+    stacked: Tensor = torch.stack([addresses, length], 1).contiguous()
+    return stacked
+
+
+def _copy_vm_readv(p: Pieces) -> None:
+    for a in range(0, p.count, IOV_MAX):
+        b = min(p.count, a + IOV_MAX)
+        local = _iovecs(p.dst[a:b], p.length[a:b])
+        remote = _iovecs(p.src[a:b], p.length[a:b])
+        want = int(p.length[a:b].sum())
+        got = process_vm_readv(local.data_ptr(), b - a, remote.data_ptr(), b - a)
+        if got != want:
+            raise OperationFailedError(f"process_vm_readv copied {got} of {want} bytes")
+
+
+def _per_piece(fn: Callable[..., object]) -> Callable[[Pieces], None]:
+    def copy(p: Pieces) -> None:
+        for _ in map(fn, p.dst.tolist(), p.src.tolist(), p.length.tolist()):
+            pass
+    return copy
+
+
+def _copier(mechanism: str) -> Callable[[Pieces], None]:
+    if mechanism == "vm-readv":
+        return _copy_vm_readv
+    if mechanism == "memcpy":
+        lib = _libc()
+        if lib is None:
+            raise OperationFailedError("memcpy: the C library cannot be opened")
+        return _per_piece(lib.memcpy)
+    if mechanism == "memmove":
+        return _per_piece(ctypes.memmove)
+    raise ValueError(f"unknown batched copy mechanism {mechanism!r}")
+
+
+def copy_pieces(pieces: Pieces, mechanism: str) -> None:
+    """Copy every piece on the calling thread by `mechanism` (the GIL is released while
+    bytes move)."""
+    if pieces.count:
+        _copier(mechanism)(pieces)
+
+
+# -- which mechanisms work here ----------------------------------------------------------------
+
+def _probe(mechanism: str) -> str | None:
+    """None if `mechanism` copies a small scattered list exactly here, else why not."""
+    torch = import_torch()
+    src = torch.arange(64 * 1024, dtype=torch.int32).view(torch.int8)  # 256 KiB
+    dst = torch.zeros_like(src)
+    sizes = torch.tensor([4096, 1, 8191, 65536, 3], dtype=torch.int64)
+    src_off = torch.tensor([8192, 77, 100_000, 131_072, 5], dtype=torch.int64)
+    dst_off = torch.tensor([200_000, 9, 16_384, 32_768, 0], dtype=torch.int64)
+    pieces = make_pieces(dst.data_ptr() + dst_off, src.data_ptr() + src_off, sizes)
+    try:
+        copy_pieces(pieces, mechanism)
+    except (OSError, OperationFailedError, AttributeError, ctypes.ArgumentError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    expected = torch.zeros_like(src)
+    for d, s, n in zip(dst_off.tolist(), src_off.tolist(), sizes.tolist(), strict=True):
+        expected[d:d + n] = src[s:s + n]
+    if not torch.equal(dst, expected):
+        return "copied bytes differ from the source"
+    return None
+
+
+@functools.cache
+def available_mechanisms() -> tuple[str, ...]:
+    """Mechanisms that proved to copy exactly in this process (probed once)."""
+    usable = []
+    for mechanism in MECHANISMS:
+        why = _probe(mechanism)
+        if why is None:
+            usable.append(mechanism)
+        else:
+            logger.info("batched copy by %s is not available here: %s", mechanism, why)
+    return tuple(usable)
+
+
+def row_addresses(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Start address of each row `ids` of a 2-D tensor whose rows are contiguous."""
+    stride = rows.stride(0) * rows.element_size()
+    addresses: Tensor = rows.data_ptr() + ids * stride
+    return addresses
