@@ -29,8 +29,10 @@ ALLOWED: dict[str, set[str]] = {
     "core.reclaim": {"core.base", "core.region", "core.host"},
     "core.transfer": {"core.base", "core.region"},
     "core": {"core.base", "core.region", "core.transfer"},  # core/__init__ re-exports only
+    # merge and render a fleet's per-node answers; Ray only in fleet.ray_runner
+    "fleet": {"core.base"},
     "cli": {"core.base", "core.region", "core.host", "core.layout", "core.reclaim",
-            "core.transfer", "package"},
+            "core.transfer", "fleet", "package"},
     "package": {"cli"},  # __main__.py runs the CLI
 }
 THIRD_PARTY_FORBIDDEN_IN_CORE = {"typer", "rich", "click"}
