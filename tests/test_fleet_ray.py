@@ -91,7 +91,7 @@ def _fleet(fleet: FleetCluster, *args: str, timeout: float = 240) -> tuple[int, 
 
 def _by_dir(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The fleet's node entries keyed by the shm dir each node used."""
-    return {n["data"]["shm_dir"]: n for n in doc["data"]["nodes"] if n["data"]}
+    return {n["host"]["shm_dir"]: n for n in doc["data"]["nodes"] if n["host"]}
 
 
 def _holder(shm: Path, engine_id: str) -> subprocess.Popen[str]:
@@ -233,6 +233,78 @@ def test_unreachable_cluster_is_one_error_line() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stdout == "" and proc.stderr.startswith("Error: cannot connect to the Ray")
+
+
+def _alive() -> int:
+    return len([n for n in ray.nodes() if n["Alive"]])
+
+
+@pytest.fixture
+def blind_node(fleet: FleetCluster) -> Iterator[Path]:
+    """A node in its own PID namespace, like Ray in a container without hostPID.
+
+    Its tasks cannot see the host's processes: a region held from outside
+    looks unheld there. Started with `ray start` inside `unshare`, joining
+    the test cluster; gone (and known dead) before the next test.
+    """
+    shm = Path(tempfile.mkdtemp(prefix="vllm-offload-fleet-", dir="/dev/shm"))
+    ray_cli = Path(sys.executable).parent / "ray"
+    ray.init(address=fleet.address, logging_level="ERROR", log_to_driver=False)
+    others = _alive()
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--kill-child", "--mount-proc", str(ray_cli), "start",
+         "--address", fleet.address, "--num-cpus", "1", "--object-store-memory",
+         str(NODE_ARGS["object_store_memory"]), "--disable-usage-stats", "--block"],
+        env={**os.environ, "VLLM_OFFLOAD_SHM_DIR": str(shm)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: _alive() > others, timeout=180)
+        yield shm
+    finally:
+        proc.kill()  # unshare ignores SIGTERM; its death kills the namespace and the node
+        proc.wait(timeout=60)
+        wait_until(lambda: _alive() <= others, timeout=120)
+        ray.shutdown()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _blind_local(*args: str) -> dict[str, Any]:
+    """The node-local command run in a PID namespace of its own, as the blind node runs it."""
+    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m",
+                           "vllm_offload_cli", *args, "--json"], capture_output=True, text=True,
+                          timeout=60)
+    doc: dict[str, Any] = json.loads(proc.stdout)
+    return doc
+
+
+def test_gc_on_a_node_that_cannot_see_the_hosts_processes(
+        fleet: FleetCluster, dirs: list[Path], blind_node: Path) -> None:
+    """Fleet gc is node-local gc there: the node's answer (a refusal, exit 6, once gc knows
+    its blind spots) is the fleet's answer for that node, and the fleet exit code carries it.
+    A region held from outside the node's namespace is never removed."""
+    holder = _holder(blind_node, "held")  # a host process the blind node cannot see
+    try:
+        leak = _stale(dirs[0], "leak")
+        code, plan = _fleet(fleet, "gc", "--dry-run", "--min-age", "0")
+        node = _by_dir(plan)[str(blind_node)]
+        local = _blind_local("gc", "--dry-run", "--min-age", "0", "--shm-dir", str(blind_node))
+        assert node["exit_code"] == local["exit_code"]
+        assert [e["code"] for e in node["errors"]] == [e["code"] for e in local["errors"]]
+        assert code == plan["exit_code"] == max(n["exit_code"] for n in plan["data"]["nodes"])
+        if local["exit_code"] == 6:  # node-local gc refuses where it is blind
+            assert node["status"] == "refused" and code == 6
+            assert any(e["node_id"] == node["node_id"] for e in plan["errors"])
+        else:  # it keeps the region: its lock is held from outside
+            assert [k["engine_id"] for k in node["data"]["kept"]] == ["held"]
+        assert [r["engine_id"] for r in _by_dir(plan)[str(dirs[0])]["data"]["removed"]] == [
+            "leak"]
+
+        _fleet(fleet, "gc", "--min-age", "0")
+        assert (blind_node / "vllm_offload_held.mmap").exists()
+        assert not leak.exists()  # the other nodes were collected all the same
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,11 @@ def man_page(cmds: list[Cmd]) -> str:
             _roff('With --json a command prints exactly one JSON document on stdout: '
                   '{"schema_version": 1, "command": NAME, "ok": BOOL, "exit_code": INT, '
                   '"data": {...}, "errors": [{"code", "message"}], "warnings": [{"code", '
-                  '"message"}]}. Diagnostics and progress go to stderr.'),
+                  '"message"}]}. Diagnostics and progress go to stderr. A fleet command\'s '
+                  'data has "nodes": one entry per node with "node_id", "label", "status" '
+                  '(ok, error, refused, absent, failed, timed_out), "exit_code", "reason", '
+                  'and that node\'s own "data", "errors" and "warnings"; "partial" is true '
+                  'when a node did not answer.'),
             ".SH EXIT STATUS"]
     for code, meaning in EXIT_CODES:
         out += [".TP", f".B {code}", _roff(meaning)]

@@ -133,6 +133,7 @@ class FleetResult:
                 "status": n.status, "exit_code": n.exit_code,
                 "reason": n.reason or None, "reason_code": n.reason_code or None,
                 "seconds": round(n.seconds, 3),
+                "host": env.get("node"),  # hostname, pid, version, shm_dir of the answer
                 "data": env.get("data"), "errors": env.get("errors", []),
                 "warnings": env.get("warnings", []),
             })
