@@ -61,9 +61,9 @@ def test_node_task_is_the_node_local_envelope(cli: Any, shm_dir: Path) -> None:
     assert doc["node"]["shm_dir"] == str(shm_dir) and doc["node"]["pid"] == os.getpid()
     assert {k: v for k, v in doc.items() if k != "node"}.keys() == local.keys()
     assert doc["exit_code"] == local["exit_code"] == 0
-    strip = [("engine_id", "state", "paths", "size_bytes")]
-    assert [[r[k] for k in strip[0]] for r in doc["data"]["regions"]] == \
-        [[r[k] for k in strip[0]] for r in local["data"]["regions"]]
+    keys = ("engine_id", "state", "paths", "size_bytes")
+    assert [[r[k] for k in keys] for r in doc["data"]["regions"]] == \
+        [[r[k] for k in keys] for r in local["data"]["regions"]]
 
 
 def test_node_task_uses_the_nodes_own_default(shm_dir: Path,
@@ -144,3 +144,16 @@ def test_gc_plan_lists_every_node(two_dirs: tuple[Path, Path]) -> None:
 
 def test_no_node_is_a_failure() -> None:
     assert FleetResult("fleet inspect", "auto", (), 60).exit_code == 1
+
+
+def test_a_node_on_another_version_is_warned_about(shm_dir: Path) -> None:
+    node = _answer("a", "inspect", INSPECT, shm_dir)
+    result = FleetResult("fleet inspect", "auto", (node,), 60)
+    assert node.envelope is not None
+
+    def mismatches(version: str) -> list[dict[str, str]]:
+        return [w for w in result.warnings(version) if w["code"] == "version_mismatch"]
+
+    assert mismatches(node.envelope["node"]["version"]) == []
+    [warning] = mismatches("0.0.0-other")
+    assert "node 10.0.0.1 runs vllm-offload" in warning["message"]

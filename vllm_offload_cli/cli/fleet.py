@@ -126,7 +126,7 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
                                         "is used on every node", code="usage")
             result = run_fleet(local.name, {**kwargs, **fixed}, shm_dir=shm_dir,
                                address=address, timeout=timeout)
-            for w in result.warnings():
+            for w in result.warnings(__version__):
                 inv.warn(w["code"], w["message"])
             return Outcome(result.data(), exit_code=result.exit_code, errors=result.errors(),
                            render=lambda out: render(out, result, inv.verbosity))

@@ -115,8 +115,15 @@ class FleetResult:
                                 "node_id": n.node_id})
         return out
 
-    def warnings(self) -> list[dict[str, str]]:
+    def warnings(self, version: str) -> list[dict[str, str]]:
+        """Each node's warnings, naming the node; a node running another version first."""
         out = []
+        for n in self.nodes:
+            theirs = ((n.envelope or {}).get("node") or {}).get("version")
+            if theirs is not None and theirs != version:
+                out.append({"code": "version_mismatch", "node_id": n.node_id, "message":
+                            f"node {self.label(n)} runs vllm-offload {theirs}, this host "
+                            f"{version}; install the same version on every node"})
         for n in self.nodes:
             for w in (n.envelope or {}).get("warnings") or []:
                 out.append({"code": str(w.get("code", "warning")),
