@@ -368,6 +368,8 @@ def test_a_node_killed_mid_run_shows_as_failed(
     assert proc.returncode == 7 and doc["data"]["partial"] is True
     dead = [n for n in doc["data"]["nodes"] if n["status"] == "failed"]
     assert len(dead) == 1 and dead[0]["data"] is None and dead[0]["reason"]
+    assert dead[0]["reason_code"] == "node_died"
+    assert dead[0]["reason"].startswith("the node died during the run")
     assert dead[0]["node_id"] == node.node_id
     assert doc["errors"][0]["code"] == "node_failed"
     answered = _by_dir(doc)

@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
@@ -89,6 +90,15 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def _mark_dead(ray: Any, results: list[NodeResult]) -> list[NodeResult]:
+    """A node that is gone now died during the run, whatever its task's error says."""
+    if not any(r.outcome == FAILED for r in results):
+        return results
+    alive = {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
+    return [replace(r, reason_code="node_died", reason=f"the node died during the run ({r.reason})")
+            if r.outcome == FAILED and r.node_id not in alive else r for r in results]
+
+
 def run_on_every_node(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], *,
                       address: str | None, timeout: float) -> tuple[str, list[NodeResult]]:
     """Call fn(*args) once on each alive node; (address, one NodeResult per node)."""
@@ -153,7 +163,7 @@ def _run(ray: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], *,
                 continue
             results.append(NodeResult(node_id, name, ANSWERED, envelope=doc,
                                       seconds=done_at[ref]))
-        return where, results
+        return where, _mark_dead(ray, results)
     finally:
         if connected_here:
             ray.shutdown()
