@@ -109,61 +109,73 @@ def run_on_every_node(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], 
 
 def _run(ray: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], *,
          address: str | None, timeout: float) -> tuple[str, list[NodeResult]]:
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     where = resolve_address(address)
     connected_here = not ray.is_initialized()
     if connected_here:
-        _probe(where, timeout)
-        try:
-            ray.init(address=where, logging_level="ERROR", log_to_driver=False,
-                     configure_logging=False)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise OperationFailedError(
-                f"cannot connect to the Ray cluster at {where!r}: {exc}; pass --address or "
-                f"set {RAY_ADDRESS_ENV} (e.g. ray://head:10001 or head:6379)",
-                code="ray_connect") from None
+        _connect(ray, where, timeout)
     try:
         nodes = sorted((n for n in ray.nodes() if n.get("Alive")),
                        key=lambda n: (str(n.get("NodeName", "")), str(n["NodeID"])))
-        remote = ray.remote(fn)
-        started = time.monotonic()
-        refs = {}
-        for node in nodes:
-            strategy = NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
-            refs[node["NodeID"]] = remote.options(
-                num_cpus=0, max_retries=0, scheduling_strategy=strategy,
-                name=f"vllm-offload-fleet-{node['NodeID'][:8]}").remote(*args)
-        pending = list(refs.values())
-        done_at: dict[Any, float] = {}
-        deadline = started + timeout
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            for ref in ready:
-                done_at[ref] = time.monotonic() - started
-        results = []
-        for node in nodes:
-            ref = refs[node["NodeID"]]
-            node_id, name = str(node["NodeID"]), str(node.get("NodeName") or "?")
-            if ref not in done_at:
-                ray.cancel(ref, force=True)
-                results.append(NodeResult(node_id, name, TIMED_OUT, reason=(
-                    f"no answer within {timeout:g} s (--timeout)"), reason_code="timed_out",
-                    seconds=timeout))
-                continue
-            try:
-                doc = ray.get(ref, timeout=0)
-            except Exception as exc:  # whatever Ray raised: this node did not answer
-                code, reason = _failure(exc, ray)
-                results.append(NodeResult(node_id, name, FAILED, reason=reason,
-                                          reason_code=code, seconds=done_at[ref]))
-                continue
-            results.append(NodeResult(node_id, name, ANSWERED, envelope=doc,
-                                      seconds=done_at[ref]))
+        refs = _submit(ray, fn, args, [str(n["NodeID"]) for n in nodes])
+        done_at = _wait(ray, list(refs.values()), timeout)
+        results = [_result(ray, node, refs[str(node["NodeID"])], done_at, timeout)
+                   for node in nodes]
         return where, _mark_dead(ray, results)
     finally:
         if connected_here:
             ray.shutdown()
+
+
+def _connect(ray: Any, where: str, timeout: float) -> None:
+    _probe(where, timeout)
+    try:
+        ray.init(address=where, logging_level="ERROR", log_to_driver=False,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise OperationFailedError(
+            f"cannot connect to the Ray cluster at {where!r}: {exc}; pass --address or "
+            f"set {RAY_ADDRESS_ENV} (e.g. ray://head:10001 or head:6379)",
+            code="ray_connect") from None
+
+
+def _submit(ray: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...],
+            node_ids: list[str]) -> dict[str, Any]:
+    """One task per node, pinned there; node id -> its object ref."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    remote = ray.remote(fn)
+    return {node_id: remote.options(
+        num_cpus=0, max_retries=0, name=f"vllm-offload-fleet-{node_id[:8]}",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(*args) for node_id in node_ids}
+
+
+def _wait(ray: Any, pending: list[Any], timeout: float) -> dict[Any, float]:
+    """Seconds until each ref finished (answer or failure); the late ones are absent."""
+    started = time.monotonic()
+    done_at: dict[Any, float] = {}
+    while pending:
+        left = started + timeout - time.monotonic()
+        if left <= 0:
+            break
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            done_at[ref] = time.monotonic() - started
+    return done_at
+
+
+def _result(ray: Any, node: dict[str, Any], ref: Any, done_at: dict[Any, float],
+            timeout: float) -> NodeResult:
+    node_id, name = str(node["NodeID"]), str(node.get("NodeName") or "?")
+    if ref not in done_at:
+        ray.cancel(ref, force=True)
+        return NodeResult(node_id, name, TIMED_OUT, reason=(
+            f"no answer within {timeout:g} s (--timeout)"), reason_code="timed_out",
+            seconds=timeout)
+    try:
+        doc = ray.get(ref, timeout=0)
+    except Exception as exc:  # whatever Ray raised: this node did not answer
+        code, reason = _failure(exc, ray)
+        return NodeResult(node_id, name, FAILED, reason=reason, reason_code=code,
+                          seconds=done_at[ref])
+    return NodeResult(node_id, name, ANSWERED, envelope=doc, seconds=done_at[ref])
