@@ -315,7 +315,8 @@ def test_gc_on_a_node_that_cannot_see_the_hosts_processes(
 def slow_node(fleet: FleetCluster) -> Iterator[tuple[Any, Path, Path]]:
     """A 4th node whose new workers wait while a gate file exists (helpers/slow_site)."""
     gate = Path(tempfile.mkdtemp(prefix="vllm-offload-gate-")) / "gate"
-    node, shm = fleet.add_node(PYTHONPATH=str(SLOW_SITE), VLLM_OFFLOAD_TEST_GATE=str(gate))
+    path = os.pathsep.join(p for p in (str(SLOW_SITE), os.environ.get("PYTHONPATH")) if p)
+    node, shm = fleet.add_node(PYTHONPATH=path, VLLM_OFFLOAD_TEST_GATE=str(gate))
     try:
         yield node, shm, gate
     finally:
