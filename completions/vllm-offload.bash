@@ -6,10 +6,14 @@ _vllm_offload() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"
     local cmd="" i
     for ((i = 1; i < COMP_CWORD; i++)); do
-        case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
+        case "${COMP_WORDS[i]}" in
+            -*) ;;
+            *) cmd="${cmd:+$cmd }${COMP_WORDS[i]}"
+               case "$cmd" in fleet) ;; *) break ;; esac ;;
+        esac
     done
     if [ -z "$cmd" ]; then
-        COMPREPLY=($(compgen -W "benchmark create garbage-collect inspect preflight verify-rank-layout --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "benchmark create fleet garbage-collect inspect preflight verify-rank-layout --help --version" -- "$cur")); return
     fi
     case "$cmd" in
     benchmark)
@@ -43,6 +47,58 @@ _vllm_offload() {
         esac
         if [[ "$cur" == -* ]]; then
             COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --numa-node --numa-policy --huge-pages --segments --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    fleet) COMPREPLY=($(compgen -W "garbage-collect inspect verify-rank-layout --help" -- "$cur")) ;;
+    "fleet garbage-collect")
+        case "$prev" in
+            --min-age) COMPREPLY=(); return ;;
+            --address) COMPREPLY=(); return ;;
+            --timeout) COMPREPLY=(); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    "fleet gc")
+        case "$prev" in
+            --min-age) COMPREPLY=(); return ;;
+            --address) COMPREPLY=(); return ;;
+            --timeout) COMPREPLY=(); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    "fleet inspect")
+        case "$prev" in
+            --address) COMPREPLY=(); return ;;
+            --timeout) COMPREPLY=(); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--no-residency --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
+        fi ;;
+    "fleet verify-rank-layout")
+        case "$prev" in
+            --world-size) COMPREPLY=(); return ;;
+            --dp-size) COMPREPLY=(); return ;;
+            --devices) COMPREPLY=(); return ;;
+            --rank-source) COMPREPLY=(); return ;;
+            --cpu-page-size) COMPREPLY=(); return ;;
+            --address) COMPREPLY=(); return ;;
+            --timeout) COMPREPLY=(); return ;;
+            --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        esac
+        if [[ "$cur" == -* ]]; then
+            COMPREPLY=($(compgen -W "--world-size --dp-size --devices --rank-source --no-dp-suffix --cpu-page-size --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

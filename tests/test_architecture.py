@@ -31,8 +31,10 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"core.base", "core.region", "core.transfer"},  # core/__init__ re-exports only
     # the engine hook: start-up steps on the core, importable without vLLM and torch
     "engine": {"core.base", "core.region", "core.host", "core.reclaim"},
+    # merge and render a fleet's per-node answers; Ray only in fleet.ray_runner
+    "fleet": {"core.base"},
     "cli": {"core.base", "core.region", "core.host", "core.layout", "core.reclaim",
-            "core.transfer", "engine", "package"},
+            "core.transfer", "engine", "fleet", "package"},
     "package": {"cli"},  # __main__.py runs the CLI
 }
 THIRD_PARTY_FORBIDDEN_IN_CORE = {"typer", "rich", "click"}

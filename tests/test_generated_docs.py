@@ -30,6 +30,13 @@ def test_every_command_is_documented() -> None:
             continue
         assert f".SS {command.name}" in man.replace("\\-", "-")
         assert f"    {command.name})" in bash
+    for group in app.registered_groups:  # `fleet` and its own commands
+        assert group.typer_instance is not None
+        for command in group.typer_instance.registered_commands:
+            name = f"{group.name} {command.name}"
+            assert f'    "{name}")' in bash
+            if not command.hidden:
+                assert f".SS {name}" in man.replace("\\-", "-")
 
 
 @pytest.mark.parametrize(("shell", "rel", "check"), [
@@ -53,7 +60,10 @@ export VLLM_OFFLOAD_SHM_DIR={tmp_path}
 COMP_WORDS=(vllm-offload ins); COMP_CWORD=1; _vllm_offload; echo "${{COMPREPLY[*]}}"
 COMP_WORDS=(vllm-offload inspect --form); COMP_CWORD=2; _vllm_offload; echo "${{COMPREPLY[*]}}"
 COMP_WORDS=(vllm-offload inspect ""); COMP_CWORD=2; _vllm_offload; echo "${{COMPREPLY[*]}}"
+COMP_WORDS=(vllm-offload fleet ins); COMP_CWORD=2; _vllm_offload; echo "${{COMPREPLY[*]}}"
+COMP_WORDS=(vllm-offload fleet gc --add); COMP_CWORD=3; _vllm_offload; echo "${{COMPREPLY[*]}}"
+COMP_WORDS=(vllm-offload fleet inspect ""); COMP_CWORD=3; _vllm_offload; echo "${{COMPREPLY[*]}}"
 """
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["inspect", "--format", "abc_dp1"]
+    assert out == ["inspect", "--format", "abc_dp1", "inspect", "--address", "abc_dp1"]

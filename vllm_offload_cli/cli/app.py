@@ -19,7 +19,7 @@ from typer.core import TyperGroup, _main
 from typer.exceptions import Abort
 
 from vllm_offload_cli import __version__
-from vllm_offload_cli.cli import benchmark, create, gc, inspect, preflight, verify
+from vllm_offload_cli.cli import benchmark, create, fleet, gc, inspect, preflight, verify
 from vllm_offload_cli.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
@@ -94,6 +94,7 @@ def _root(
 for _command in (benchmark.benchmark_cmd, create.create, gc.garbage_collect,
                  inspect.inspect_cmd, preflight.preflight, verify.verify_rank_layout):
     _command.register(app)
+app.add_typer(fleet.fleet_app, name="fleet")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

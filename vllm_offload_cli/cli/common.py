@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import io
 import json
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -190,42 +192,51 @@ def _configure_logging(inv: Invocation) -> Callable[[], None]:
     return undo
 
 
-def _emit_error(inv: Invocation, code: str, message: str, exit_code: int) -> None:
-    if inv.json_output:
-        print_json(envelope(inv.command, ok=False, exit_code=exit_code, data={},
-                            errors=[{"code": code, "message": message}],
-                            warnings=inv.warnings))
-    else:
-        inv.err.print(f"Error: {message}", highlight=False, markup=False, soft_wrap=True)
+def _error_envelope(inv: Invocation, code: str, message: str, exit_code: int
+                    ) -> dict[str, Any]:
+    return envelope(inv.command, ok=False, exit_code=exit_code, data={},
+                    errors=[{"code": code, "message": message}], warnings=inv.warnings)
+
+
+def evaluate(inv: Invocation, body: Callable[[], Outcome]
+             ) -> tuple[dict[str, Any], Outcome | None, Exception | None]:
+    """Run `body` inside the error boundary and build its envelope, printing nothing.
+
+    Returns (envelope, outcome or None when it failed, the bug if it raised one
+    outside the error hierarchy). `run_boundary` prints the result; the fleet
+    runs the same function on every node and ships the envelope back.
+    """
+    try:
+        outcome = body()
+    except errors.OffloadError as exc:
+        return _error_envelope(inv, exc.code, exc.message, exit_code_for(exc)), None, None
+    except KeyboardInterrupt:
+        return _error_envelope(inv, "interrupted", "interrupted", EXIT_INTERRUPTED), None, None
+    except Exception as exc:  # a bug: the caller keeps the traceback
+        doc = _error_envelope(inv, "internal_error", f"{type(exc).__name__}: {exc}",
+                              EXIT_FAILED)
+        return doc, None, exc
+    doc = envelope(inv.command, ok=outcome.exit_code == EXIT_OK, exit_code=outcome.exit_code,
+                   data=outcome.data, errors=outcome.errors, warnings=inv.warnings)
+    return doc, outcome, None
 
 
 def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
     """The CLI's one error boundary: known errors become one line and an exit code."""
     undo = _configure_logging(inv)
     try:
-        try:
-            outcome = body()
-        except errors.OffloadError as exc:
-            code = exit_code_for(exc)
-            _emit_error(inv, exc.code, exc.message, code)
-            return code
-        except KeyboardInterrupt:
-            _emit_error(inv, "interrupted", "interrupted", EXIT_INTERRUPTED)
-            return EXIT_INTERRUPTED
-        except Exception as exc:  # a bug: keep the traceback, still honour --json
-            if inv.json_output:
-                print_json(envelope(inv.command, ok=False, exit_code=EXIT_FAILED, data={},
-                                    errors=[{"code": "internal_error",
-                                             "message": f"{type(exc).__name__}: {exc}"}],
-                                    warnings=inv.warnings))
-            raise
+        doc, outcome, bug = evaluate(inv, body)
         if inv.json_output:
-            print_json(envelope(inv.command, ok=outcome.exit_code == EXIT_OK,
-                                exit_code=outcome.exit_code, data=outcome.data,
-                                errors=outcome.errors, warnings=inv.warnings))
-        elif outcome.render is not None:
+            print_json(doc)
+        elif outcome is None and bug is None:
+            inv.err.print(f"Error: {doc['errors'][0]['message']}", highlight=False,
+                          markup=False, soft_wrap=True)
+        elif outcome is not None and outcome.render is not None:
             outcome.render(inv.out)
-        return outcome.exit_code
+        if bug is not None:
+            raise bug
+        code: int = doc["exit_code"]
+        return code
     finally:
         undo()
 
@@ -277,6 +288,7 @@ class Subcommand:
     callback: Callable[..., None]
     aliases: tuple[str, ...] = ()
     typer_kw: Mapping[str, Any] = field(default_factory=dict)
+    body: Callable[..., Outcome] | None = None  # fn(inv, **own_options): parse, core, describe
 
     def register(self, app: typer.Typer) -> None:
         app.command(self.name, **self.typer_kw)(self.callback)
@@ -304,7 +316,7 @@ def subcommand(name: str, *, aliases: tuple[str, ...] = (),
         del command.__wrapped__  # typer must see the new signature, not fn's
         command.__signature__ = inspect.Signature(own + _COMMON)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in own + _COMMON}
-        return Subcommand(name, command, aliases, dict(typer_kw))
+        return Subcommand(name, command, aliases, dict(typer_kw), fn)
 
     return build
 
@@ -327,3 +339,28 @@ def warn_useless_waiver(inv: Invocation, waived: bool) -> None:
     if not any(b.waivable for b in namespace_blind_spots()):
         inv.warn("waiver_unused", "--shm-private-to-namespace has no effect: this process "
                  "runs in the host's PID namespace")
+
+
+def envelope_of(sub: Subcommand, options: Mapping[str, Any], *, shm_dir: Path,
+                verbosity: int = -1) -> dict[str, Any]:
+    """The `--json` envelope of one run of `sub`, built without printing it.
+
+    The same body, error boundary and warning collection as the command line,
+    so a caller (the fleet's per-node task) gets exactly what `sub --json`
+    prints on that machine. A bug becomes an `internal_error` envelope and its
+    traceback goes to stderr.
+    """
+    if sub.body is None:
+        raise TypeError(f"{sub.name} was not built by subcommand()")
+    body = sub.body
+    inv = Invocation(command=sub.name, shm_dir=shm_dir, json_output=True, verbosity=verbosity,
+                     out=Console(file=io.StringIO()),
+                     err=Console(file=sys.stderr, stderr=True, highlight=False))
+    undo = _configure_logging(inv)
+    try:
+        doc, _, bug = evaluate(inv, lambda: body(inv, **options))
+    finally:
+        undo()
+    if bug is not None:
+        traceback.print_exception(type(bug), bug, bug.__traceback__, file=sys.stderr)
+    return doc

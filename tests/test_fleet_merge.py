@@ -1,0 +1,159 @@
+"""The fleet's merge and render, without Ray: real node-local answers, merged.
+
+`node_task` is what every Ray node runs; here it runs in this process against
+private shm dirs (one per "node"), and the answers of nodes that failed or
+timed out are what the Ray runner reports for them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from region_files import region_file
+from rich.console import Console
+
+from vllm_offload_cli.cli import inspect as inspect_cli
+from vllm_offload_cli.cli.fleet import node_task
+from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
+from vllm_offload_cli.fleet.result import (
+    ANSWERED,
+    EXIT_PARTIAL,
+    FAILED,
+    TIMED_OUT,
+    FleetResult,
+    NodeResult,
+)
+
+INSPECT: dict[str, Any] = {"engine_ids": None, "fmt": inspect_cli.Format.table, "output": None,
+                           "no_residency": False}
+GC: dict[str, Any] = {"engine_ids": None, "dry_run": True, "min_age": 0.0,
+                      "include_persistent": False, "all_users": False, "prometheus": None}
+
+
+def _answer(node: str, command: str, options: dict[str, Any], shm: Path) -> NodeResult:
+    return NodeResult(node * 28, "10.0.0.1", ANSWERED,
+                      envelope=node_task(command, options, str(shm)), seconds=0.01)
+
+
+def _show(render: Any, result: FleetResult, **kw: Any) -> str:
+    buf = io.StringIO()
+    render(Console(file=buf, width=200), result, **kw)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def two_dirs(shm_dir: Path) -> tuple[Path, Path]:
+    a, b = shm_dir / "a", shm_dir / "b"
+    a.mkdir()
+    b.mkdir()
+    return a, b
+
+
+def test_node_task_is_the_node_local_envelope(cli: Any, shm_dir: Path) -> None:
+    region_file(shm_dir, "leak")
+    doc = node_task("inspect", INSPECT, str(shm_dir))
+    local = cli("inspect", "--shm-dir", str(shm_dir), "--json").json
+    assert doc["node"]["shm_dir"] == str(shm_dir) and doc["node"]["pid"] == os.getpid()
+    assert {k: v for k, v in doc.items() if k != "node"}.keys() == local.keys()
+    assert doc["exit_code"] == local["exit_code"] == 0
+    keys = ("engine_id", "state", "paths", "size_bytes")
+    assert [[r[k] for k in keys] for r in doc["data"]["regions"]] == \
+        [[r[k] for k in keys] for r in local["data"]["regions"]]
+
+
+def test_node_task_uses_the_nodes_own_default(shm_dir: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_OFFLOAD_SHM_DIR", str(shm_dir))
+    assert node_task("inspect", INSPECT, None)["data"]["shm_dir"] == str(shm_dir)
+
+
+def test_node_task_reports_errors_as_the_cli_does(cli: Any, shm_dir: Path) -> None:
+    missing = str(shm_dir / "nope")
+    doc = node_task("garbage-collect", GC, missing)
+    local = cli("gc", "--dry-run", "--shm-dir", missing, "--json").json
+    assert doc["exit_code"] == local["exit_code"] == 2
+    assert doc["errors"] == local["errors"]
+
+
+def test_partial_answer_exits_7_and_keeps_the_others(two_dirs: tuple[Path, Path]) -> None:
+    a, b = two_dirs
+    region_file(a, "leak_dp1")
+    result = FleetResult("fleet inspect", "head:6379", (
+        _answer("a", "inspect", INSPECT, a), _answer("b", "inspect", INSPECT, b),
+        NodeResult("c" * 56, "10.0.0.3", FAILED, reason="node died: raylet gone",
+                   reason_code="node_died"),
+        NodeResult("d" * 56, "10.0.0.4", TIMED_OUT, reason="no answer within 5 s",
+                   reason_code="timed_out", seconds=5)), timeout=5)
+    assert result.exit_code == EXIT_PARTIAL
+    data = result.data()
+    assert data["partial"] is True and (data["nodes_total"], data["nodes_answered"]) == (4, 2)
+    assert [n["status"] for n in data["nodes"]] == ["ok", "ok", "failed", "timed_out"]
+    assert data["nodes"][0]["data"]["regions"][0]["engine_id"] == "leak_dp1"
+    assert data["nodes"][2]["data"] is None and data["nodes"][2]["exit_code"] is None
+    assert [e["code"] for e in result.errors()] == ["node_failed", "node_timed_out"]
+    # two nodes share one address: the label adds the node id
+    assert [n["label"] for n in data["nodes"][:2]] == ["10.0.0.1/aaaaaaaa", "10.0.0.1/bbbbbbbb"]
+    text = _show(render_inspect, result)
+    assert text.splitlines()[0].split()[:3] == ["NODE", "ENGINE", "ID"]
+    assert "10.0.0.1/aaaaaaaa  leak_dp1" in text
+    assert "node 10.0.0.3: FAILED: node died: raylet gone" in text
+    assert "node 10.0.0.4: TIMED OUT: no answer within 5 s" in text
+    assert "2 of 4 node(s) answered; PARTIAL: 2 node(s) did not; exit 7." in text
+
+
+def test_exit_code_is_the_worst_node_and_refusal_is_named(two_dirs: tuple[Path, Path]) -> None:
+    a, b = two_dirs
+    os.mkfifo(b / "vllm_offload_odd.mmap", 0o600)
+    options = {"engine_id": "odd", "world_size": None, "dp_size": None, "devices": None,
+               "rank_source": None, "no_dp_suffix": False, "cpu_page_size": None}
+    result = FleetResult("fleet verify-rank-layout", "auto", (
+        _answer("a", "verify-rank-layout", options, a),
+        _answer("b", "verify-rank-layout", options, b)), timeout=60)
+    assert [n.status for n in result.nodes] == ["absent", "refused"]
+    assert result.exit_code == 6
+    assert result.errors()[0]["code"] == "not_regular_file"
+    assert "node 10.0.0.1/bbbbbbbb: REFUSED" in _show(render_verify, result)
+
+
+def test_a_region_on_no_node_is_exit_2(two_dirs: tuple[Path, Path]) -> None:
+    opts = {**INSPECT, "engine_ids": ["nowhere"]}
+    result = FleetResult("fleet inspect", "auto", tuple(
+        _answer(n, "inspect", opts, d) for n, d in zip("ab", two_dirs, strict=True)), 60)
+    assert [n.status for n in result.nodes] == ["absent", "absent"] and result.exit_code == 2
+
+
+def test_gc_plan_lists_every_node(two_dirs: tuple[Path, Path]) -> None:
+    a, b = two_dirs
+    old = time.time() - 3600
+    for d, name in ((a, "one"), (b, "two")):
+        os.utime(region_file(d, name), (old, old))
+    result = FleetResult("fleet garbage-collect", "auto", tuple(
+        _answer(n, "garbage-collect", GC, d) for n, d in zip("ab", two_dirs, strict=True)), 60)
+    assert result.exit_code == 0
+    text = _show(render_gc, result, quiet=False)
+    assert "10.0.0.1/aaaaaaaa: Would remove one:" in text
+    assert "10.0.0.1/bbbbbbbb: Would remove two:" in text
+    assert "from 2 region(s) across the fleet (dry run: nothing was changed)." in text
+    assert (a / "vllm_offload_one.mmap").exists() and (b / "vllm_offload_two.mmap").exists()
+
+
+def test_no_node_is_a_failure() -> None:
+    assert FleetResult("fleet inspect", "auto", (), 60).exit_code == 1
+
+
+def test_a_node_on_another_version_is_warned_about(shm_dir: Path) -> None:
+    node = _answer("a", "inspect", INSPECT, shm_dir)
+    result = FleetResult("fleet inspect", "auto", (node,), 60)
+    assert node.envelope is not None
+
+    def mismatches(version: str) -> list[dict[str, str]]:
+        return [w for w in result.warnings(version) if w["code"] == "version_mismatch"]
+
+    assert mismatches(node.envelope["node"]["version"]) == []
+    [warning] = mismatches("0.0.0-other")
+    assert "node 10.0.0.1 runs vllm-offload" in warning["message"]

@@ -1,0 +1,180 @@
+"""`vllm-offload fleet inspect|gc|verify-rank-layout`: the node-local command on every Ray node.
+
+Each node runs the very same subcommand body in-process, inside a Ray task
+pinned to it, and ships back the envelope that `<command> --json` would print
+there (`common.envelope_of`): same parsing of options (done here, with the
+same declarations), same core calls, same error boundary, same exit code. We
+run it in-process rather than as `python -m vllm_offload_cli` on the node: the
+Ray worker already has the package imported, so no interpreter start per
+node, and no guess at which executable is on the node's PATH.
+
+Ray is an optional extra, imported only by `fleet.ray_runner` when a fleet
+command runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from vllm_offload_cli import __version__
+from vllm_offload_cli.cli import gc, verify
+from vllm_offload_cli.cli import inspect as inspect_cli
+from vllm_offload_cli.cli.common import (
+    SHM_DIR_ENV,
+    JsonOpt,
+    Outcome,
+    QuietOpt,
+    Subcommand,
+    VerboseOpt,
+    envelope_of,
+    make_invocation,
+    run_boundary,
+)
+from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
+from vllm_offload_cli.fleet.result import FleetResult
+
+DEFAULT_TIMEOUT = 60.0
+
+# The node-local subcommands a fleet command may run, by name.
+LOCAL: dict[str, Subcommand] = {s.name: s for s in (
+    inspect_cli.inspect_cmd, gc.garbage_collect, verify.verify_rank_layout)}
+
+
+def node_task(command: str, options: dict[str, Any], shm_dir: str | None) -> dict[str, Any]:
+    """Runs on one node: the node-local command's envelope, plus who answered.
+
+    Without --shm-dir each node uses its own default ($VLLM_OFFLOAD_SHM_DIR,
+    else /dev/shm), exactly as the node-local command would there.
+    """
+    where = Path(shm_dir or os.environ.get(SHM_DIR_ENV) or "/dev/shm")
+    doc = envelope_of(LOCAL[command], options, shm_dir=where)
+    doc["node"] = {"hostname": socket.gethostname(), "pid": os.getpid(),
+                   "version": __version__, "shm_dir": str(where)}
+    return doc
+
+
+FleetShmDirOpt = Annotated[Path | None, typer.Option(
+    "--shm-dir", file_okay=False, show_default=False,
+    help="Directory that holds the regions on every node (default: each node's own "
+    f"${SHM_DIR_ENV}, else /dev/shm).")]
+AddressOpt = Annotated[str | None, typer.Option(
+    "--address", metavar="ADDR", show_default=False,
+    help="Ray cluster to use, as for ray.init (e.g. head:6379 or ray://head:10001); default "
+    "$RAY_ADDRESS, else 'auto' (the cluster this host belongs to).")]
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", metavar="SECONDS", min=0.001,
+    help="Report a node that has not answered by then as timed out; the others' "
+    "results are still shown (exit 7).")]
+
+_FLEET_PARAMS = [
+    inspect.Parameter("address", inspect.Parameter.KEYWORD_ONLY, annotation=AddressOpt,
+                      default=None),
+    inspect.Parameter("timeout", inspect.Parameter.KEYWORD_ONLY, annotation=TimeoutOpt,
+                      default=DEFAULT_TIMEOUT),
+    inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=FleetShmDirOpt,
+                      default=None),
+    inspect.Parameter("json_output", inspect.Parameter.KEYWORD_ONLY, annotation=JsonOpt,
+                      default=False),
+    inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=VerboseOpt,
+                      default=0),
+    inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=QuietOpt,
+                      default=0),
+]
+
+
+def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
+              address: str | None, timeout: float) -> FleetResult:
+    """Run the node-local `command` on every alive node and collect the answers."""
+    from vllm_offload_cli.fleet.ray_runner import run_on_every_node
+
+    where, nodes = run_on_every_node(
+        node_task, (command, options, None if shm_dir is None else os.fspath(shm_dir)),
+        address=address, timeout=timeout)
+    if not nodes:
+        raise OperationFailedError(f"the Ray cluster at {where!r} has no alive node",
+                                   code="no_nodes")
+    return FleetResult(f"fleet {command}", where, tuple(nodes), timeout)
+
+
+def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
+                   render: Callable[[Console, FleetResult, int], None]) -> Callable[..., None]:
+    """A fleet command with the node-local command's own options (less `fixed` ones)."""
+    assert local.body is not None
+    own = [p for p in inspect.signature(local.body, eval_str=True).parameters.values()
+           if p.name != "inv" and p.name not in fixed]
+    name = f"fleet {local.name}"
+
+    def command(**kwargs: Any) -> None:
+        address, timeout = kwargs.pop("address"), kwargs.pop("timeout")
+        shm_dir = kwargs.pop("shm_dir")
+        inv = make_invocation(name, shm_dir=shm_dir or Path("/dev/shm"),
+                              json_output=kwargs.pop("json_output"),
+                              verbose=kwargs.pop("verbose"), quiet=kwargs.pop("quiet"))
+
+        def body() -> Outcome:
+            if shm_dir is not None and not shm_dir.is_absolute():
+                raise InvalidInputError(f"--shm-dir {shm_dir} must be an absolute path: it "
+                                        "is used on every node", code="usage")
+            result = run_fleet(local.name, {**kwargs, **fixed}, shm_dir=shm_dir,
+                               address=address, timeout=timeout)
+            for w in result.warnings(__version__):
+                inv.warn(w["code"], w["message"])
+            return Outcome(result.data(), exit_code=result.exit_code, errors=result.errors(),
+                           render=lambda out: render(out, result, inv.verbosity))
+
+        code = run_boundary(inv, body)
+        if code:
+            raise typer.Exit(code)
+
+    command.__doc__ = doc
+    command.__name__ = local.name.replace("-", "_")
+    command.__signature__ = inspect.Signature(own + _FLEET_PARAMS)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in own + _FLEET_PARAMS}
+    return command
+
+
+fleet_app = typer.Typer(
+    name="fleet", no_args_is_help=True, add_completion=False,
+    help="Run inspect, gc or verify-rank-layout on every node of a Ray cluster at once "
+    "(needs the ray extra).")
+
+fleet_app.command("inspect", short_help="inspect on every node: one table with a NODE column.")(
+    _fleet_command(inspect_cli.inspect_cmd, {"fmt": inspect_cli.Format.table, "output": None},
+                   """inspect on every node: one table with a NODE column.
+
+    Runs `vllm-offload inspect --json` on each alive node of the Ray cluster
+    (one task pinned per node) and merges the answers. A node that fails or
+    does not answer within --timeout is listed as such, and the exit status is
+    7 (partial answer); otherwise it is the highest node exit status.
+    """, lambda out, result, _: render_inspect(out, result)))
+
+_gc = _fleet_command(gc.garbage_collect, {"prometheus": None}, """garbage-collect on every node.
+
+    It is node-local garbage-collect, run on each node: every safety rule
+    holds there, and a node that refuses (exit 6, e.g. it cannot see all of
+    its host's processes) is reported as refused. Use --dry-run first: it shows
+    the whole plan, node by node, and changes nothing. Exit status: the highest
+    node exit status, or 7 when a node failed or did not answer.
+    """, lambda out, result, verbosity: render_gc(out, result, quiet=verbosity < 0))
+fleet_app.command("garbage-collect", short_help="garbage-collect on every node; --dry-run "
+                  "shows the plan (alias: gc).")(_gc)
+fleet_app.command("gc", hidden=True)(_gc)
+
+fleet_app.command("verify-rank-layout", short_help="verify-rank-layout on every node.")(
+    _fleet_command(verify.verify_rank_layout, {}, """verify-rank-layout on every node.
+
+    Live mode (ENGINE_ID) checks the region on the node(s) that have it; nodes
+    without it are skipped (exit 2 only when no node has it). Plan mode runs
+    the plan on every node (useful with --devices env, which reads each node's
+    CUDA_VISIBLE_DEVICES). Exit 3 when a node found problems, 7 when a node
+    failed or did not answer.
+    """, lambda out, result, _: render_verify(out, result)))
