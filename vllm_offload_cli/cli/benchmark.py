@@ -110,7 +110,14 @@ def benchmark_cmd(
     bytes as the baseline; on CUDA both pinned and pageable. The region is removed at the
     end, also on Ctrl-C or SIGTERM.
     """
-    from vllm_offload_cli.core.transfer.bench import BenchConfig, resolve_device, run_benchmark
+    from vllm_offload_cli.core.transfer.bench import (
+        BenchConfig,
+        passive_openmp,
+        resolve_device,
+        run_benchmark,
+    )
+
+    passive_openmp()  # before torch loads: see its docstring
 
     shm_dir = shm_dir_checked(inv)
     size_bytes = parse_size(size, what="--size")

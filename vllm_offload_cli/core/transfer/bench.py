@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import secrets
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -177,6 +178,7 @@ class BenchReport:
     pin_warning: str | None
     removed: bool
     copy_costs: dict[str, Any] | None = None  # CPU: the calibration the methods came from
+    omp_wait_policy: str | None = None  # what torch's OpenMP team did between copies
     cuda_strategy: str | None = None
     target: dict[str, Any] = field(default_factory=dict)
     huge_pages: HugePageComparison | None = None
@@ -512,8 +514,28 @@ class _Bench:
             self.drop(region)
 
 
+def passive_openmp() -> str | None:
+    """Make torch's OpenMP team sleep, not spin, between parallel regions, if it is not
+    loaded yet; the policy in force (None: torch was loaded first, left as it was).
+
+    The memcpy baseline runs on the main thread's OpenMP team, which by default spins
+    for a while after each copy; interleaved with the copy worker, those spinning
+    threads took a core from the worker's copy threads and cut its measured speed
+    by a third on a 2-core host. Set only in the benchmark, never by the library.
+    """
+    global _wait_policy
+    if _wait_policy is None and "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        _wait_policy = os.environ["OMP_WAIT_POLICY"]
+    return _wait_policy
+
+
+_wait_policy: str | None = None
+
+
 def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> BenchReport:
     """Measure every block size of `config`; the scratch region never outlives the call."""
+    wait_policy = passive_openmp()
     if config.repeat < 1:
         raise InvalidInputError("repeat must be at least 1", code="invalid_repeat")
     if not config.block_sizes:
@@ -537,7 +559,7 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
         world_size=config.world_size, repeat=config.repeat, patterns=config.patterns,
         prefault=tuple(prefault), rows=tuple(rows), pinned=bench.pinned,
         pin_warning=bench.pin_warning, removed=bench.removed,
-        copy_costs=_copy_costs(config.device),
+        copy_costs=_copy_costs(config.device), omp_wait_policy=wait_policy,
         cuda_strategy=config.cuda_strategy if config.device == "cuda" else None,
         target=target_summary(rows), huge_pages=huge)
 
