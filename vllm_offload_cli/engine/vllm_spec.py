@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.kv_offload.cpu import spec as _cpu_spec
@@ -72,6 +73,19 @@ def _open(spec: Any, rank: int | None, segments: int) -> EngineLease | None:
         return None
 
 
+def _leased(spec: Any, rank: int | None, segments: int,
+            build: Callable[[], Any]) -> tuple[Any, EngineLease | None]:
+    """Open our lease first, then let vLLM build on it; never keep a lease vLLM failed on."""
+    lease = _open(spec, rank, segments)
+    try:
+        built = build()
+    except BaseException:
+        if lease is not None:
+            lease.close()
+        raise
+    return built, lease
+
+
 def _worker_rank(spec: Any) -> int:
     return 0 if spec.replicated_layout else int(spec.config.parallel.rank)
 
@@ -81,13 +95,9 @@ class HardenedCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
 
     def create_worker(self, kv_caches: Any) -> Any:
         segments = getattr(_cpu_spec, "_REGION_SEGMENTS", VLLM_CPU_SEGMENTS)
-        lease = _open(self, _worker_rank(self), segments)
-        try:
-            worker = super().create_worker(kv_caches)
-        except BaseException:
-            if lease is not None:
-                lease.close()
-            raise
+        worker, lease = _leased(self, _worker_rank(self), segments,
+                                lambda: super(HardenedCPUOffloadingSpec, self)
+                                .create_worker(kv_caches))
         if lease is not None:
             self._vllm_offload_lease = lease
             if lease.creator:
@@ -106,13 +116,9 @@ class HardenedTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc
     """
 
     def create_worker(self, kv_caches: Any) -> Any:
-        lease = _open(self, _worker_rank(self), 1)
-        try:
-            worker = super().create_worker(kv_caches)
-        except BaseException:
-            if lease is not None:
-                lease.close()
-            raise
+        worker, lease = _leased(self, _worker_rank(self), 1,
+                                lambda: super(HardenedTieringOffloadingSpec, self)
+                                .create_worker(kv_caches))
         if lease is not None:
             self._vllm_offload_lease = lease
         return worker
@@ -120,13 +126,9 @@ class HardenedTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc
     def get_manager(self) -> Any:
         if self._manager:
             return super().get_manager()
-        lease = _open(self, None, 1)
-        try:
-            manager = super().get_manager()
-        except BaseException:
-            if lease is not None:
-                lease.close()
-            raise
+        manager, lease = _leased(self, None, 1,
+                                 lambda: super(HardenedTieringOffloadingSpec, self)
+                                 .get_manager())
         if lease is not None:
             self._vllm_offload_scheduler_lease = lease
             if not lease.creator:  # workers made it and mapped it: nobody needs the name
