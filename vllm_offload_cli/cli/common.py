@@ -254,15 +254,19 @@ VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
 QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True,
                                        help="Fewer diagnostics on stderr (repeatable).")]
 
-_COMMON = [
-    inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=ShmDirOpt,
-                      default=Path("/dev/shm")),
+# --json, -v and -q: every command, the fleet's included (which has its own --shm-dir)
+OUTPUT_PARAMS = [
     inspect.Parameter("json_output", inspect.Parameter.KEYWORD_ONLY, annotation=JsonOpt,
                       default=False),
     inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=VerboseOpt,
                       default=0),
     inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=QuietOpt,
                       default=0),
+]
+_COMMON = [
+    inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=ShmDirOpt,
+                      default=Path("/dev/shm")),
+    *OUTPUT_PARAMS,
 ]
 
 

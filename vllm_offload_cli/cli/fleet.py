@@ -28,12 +28,10 @@ from vllm_offload_cli import __version__
 from vllm_offload_cli.cli import gc, verify
 from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.common import (
+    OUTPUT_PARAMS,
     SHM_DIR_ENV,
-    JsonOpt,
     Outcome,
-    QuietOpt,
     Subcommand,
-    VerboseOpt,
     envelope_of,
     make_invocation,
     run_boundary,
@@ -82,12 +80,7 @@ _FLEET_PARAMS = [
                       default=DEFAULT_TIMEOUT),
     inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=FleetShmDirOpt,
                       default=None),
-    inspect.Parameter("json_output", inspect.Parameter.KEYWORD_ONLY, annotation=JsonOpt,
-                      default=False),
-    inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=VerboseOpt,
-                      default=0),
-    inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=QuietOpt,
-                      default=0),
+    *OUTPUT_PARAMS,
 ]
 
 

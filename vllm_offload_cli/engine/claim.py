@@ -48,7 +48,7 @@ CREATE, RECLAIMED, JOIN, WOULD_RECLAIM = "create", "reclaimed", "join", "would_r
 
 # Kept-reasons that no retry can change: the leftover is not ours to remove.
 _UNSAFE_KEPT = {gc_report.SYMLINK, gc_report.FOREIGN_OWNER, gc_report.NOT_REGULAR,
-                gc_report.LINK_COUNT, gc_report.OTHER_FILESYSTEM, gc_report.UNSAFE_MODE,
+                gc_report.LINK_COUNT, gc_report.OTHER_FILESYSTEM,
                 gc_report.UNREADABLE, gc_report.UNKNOWN}
 
 

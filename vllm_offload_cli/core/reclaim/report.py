@@ -24,9 +24,6 @@ LINK_COUNT = "link_count"
 OTHER_FILESYSTEM = "other_filesystem"
 CHANGED = "changed"
 UNREADABLE = "unreadable"
-# No longer a reason gc keeps a region (a group/other-readable one is judged by the
-# lease test like any other); the name stays for callers that list unsafe codes.
-UNSAFE_MODE = "unsafe_mode"
 CREATION_RUNNING = "creating"  # its creator is alive and not finished
 # a holder could be hidden from us (visibility.py): never removed, the run exits 6
 UNKNOWN = "unknown"
