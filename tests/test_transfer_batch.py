@@ -4,6 +4,8 @@ fallback taken when the kernel or a sandbox refuses a mechanism (the probe reall
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,7 +150,7 @@ def test_a_refused_process_vm_readv_is_dropped_by_the_probe(monkeypatch: pytest.
     usable = batch.available_mechanisms()
     assert "vm-readv" not in usable and "memcpy" in usable
     measured = costs.calibrate()
-    assert measured.mechanism in ("memcpy", "memmove")
+    assert measured.mechanism in ("cffi", "memcpy", "memmove")
     assert measured.to_dict()["mechanisms"] == list(usable)
 
 
@@ -161,7 +163,25 @@ def test_a_short_process_vm_readv_is_dropped_too(monkeypatch: pytest.MonkeyPatch
 def test_without_a_loadable_libc_only_ctypes_memmove_is_left(monkeypatch: pytest.MonkeyPatch,
                                                             fresh_probe: None) -> None:
     monkeypatch.setattr(batch, "_libc", lambda: None)
+    monkeypatch.setattr(batch, "_cffi_memcpy", lambda: None)
     assert batch.available_mechanisms() == ("memmove",)
+
+
+def test_cffi_is_the_first_choice_where_it_is_installed(fresh_probe: None) -> None:
+    assert batch.available_mechanisms()[0] == "cffi"
+    assert "memcpy" not in costs._worth_measuring(batch.available_mechanisms())
+
+
+def test_without_cffi_ctypes_memcpy_does_the_job() -> None:
+    """A real interpreter where `import cffi` fails: the probe drops it, ctypes copies."""
+    code = ("import sys; sys.modules['cffi'] = None\n"
+            "from vllm_offload_cli.core.transfer import batch, costs\n"
+            "usable = batch.available_mechanisms()\n"
+            "print(','.join(usable)); print(costs.calibrate().mechanism)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert "cffi" not in out[0].split(",") and "memcpy" in out[0].split(",")
+    assert out[1] in ("memcpy", "vm-readv")
 
 
 def _worker_round_trip(shm_dir: Path) -> list[str]:
@@ -194,6 +214,7 @@ def _worker_round_trip(shm_dir: Path) -> list[str]:
 def test_with_every_mechanism_refused_the_worker_copies_with_torch(
         monkeypatch: pytest.MonkeyPatch, fresh_probe: None, shm_dir: Path) -> None:
     monkeypatch.setattr(batch, "_libc", lambda: None)
+    monkeypatch.setattr(batch, "_cffi_memcpy", lambda: None)
     monkeypatch.setattr(batch.ctypes, "memmove", _refuse)
     assert batch.available_mechanisms() == ()
     measured = costs.calibrate()

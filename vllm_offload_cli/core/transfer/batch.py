@@ -6,8 +6,15 @@ call per block (about as costly as copying 64 KiB) or two passes through a
 staging buffer. This module copies such a list without a compiler, through
 the C library that is already loaded, by one of these mechanisms:
 
-* memcpy   - libc's memcpy once per piece; ctypes drops the GIL around every
-             call, so the copy threads really run in parallel.
+* cffi     - libc's memcpy once per piece, called through cffi's ABI mode: no
+             compiler, the GIL dropped around every call like ctypes, but a
+             call costs about 0.4 us against ctypes' 1 us (measured here), and
+             at 64 KiB pieces that is the difference between 0.7x and 0.85x of
+             memcpy. memcpy is declared with uintptr_t arguments so Python ints
+             pass without building pointer objects: on every Linux ABI a
+             pointer and a uintptr_t travel in the same register. The probe
+             checks the bytes, so a platform where that is not so drops it.
+* memcpy   - the same through ctypes (where cffi is not installed).
 * vm-readv - process_vm_readv(2) on our own pid: up to IOV_MAX pieces on both
              sides per system call; the iovec arrays (two 64-bit words each) are
              built by torch, vectorised, so a piece costs no Python at all. A
@@ -47,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per process_vm_readv call
-MECHANISMS = ("memcpy", "vm-readv", "memmove")  # preferred first when costs tie
+MECHANISMS = ("cffi", "memcpy", "vm-readv", "memmove")  # preferred first when costs tie
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,6 +154,32 @@ def _libc() -> ctypes.CDLL | None:
     return lib
 
 
+_CFFI_KEEP: list[object] = []  # the ffi and library objects: dropped, they may dlclose
+
+
+@functools.cache
+def _cffi_memcpy() -> Callable[[int, int, int], None] | None:
+    """libc's memcpy through cffi (ABI mode: nothing compiled), or None without cffi."""
+    try:
+        import cffi
+
+        ffi = cffi.FFI()
+        ffi.cdef("void memcpy(uintptr_t dst, uintptr_t src, size_t n);")
+    except Exception as exc:  # not installed, or a broken install: ctypes does the job
+        logger.debug("cffi is not usable here: %s", exc)
+        return None
+    for name in (None, ctypes.util.find_library("c")):
+        try:
+            lib = ffi.dlopen(name)
+            fn: Callable[[int, int, int], None] = lib.memcpy
+        except (OSError, AttributeError) as exc:
+            logger.debug("cffi cannot open the C library %r: %s", name, exc)
+            continue
+        _CFFI_KEEP.extend((ffi, lib))
+        return fn
+    return None
+
+
 def process_vm_readv(local: int, local_count: int, remote: int, remote_count: int) -> int:
     """process_vm_readv(getpid(), ...): bytes copied; raises OSError (the syscall wrapper
     that tests replace to simulate a kernel or sandbox that refuses it)."""
@@ -188,6 +221,11 @@ def _per_piece(fn: Callable[..., object]) -> Callable[[Pieces], None]:
 def _copier(mechanism: str) -> Callable[[Pieces], None]:
     if mechanism == "vm-readv":
         return _copy_vm_readv
+    if mechanism == "cffi":
+        fn = _cffi_memcpy()
+        if fn is None:
+            raise OperationFailedError("cffi is not installed, or cannot open the C library")
+        return _per_piece(fn)
     if mechanism == "memcpy":
         lib = _libc()
         if lib is None:
@@ -218,7 +256,8 @@ def _probe(mechanism: str) -> str | None:
     pieces = make_pieces(dst.data_ptr() + dst_off, src.data_ptr() + src_off, sizes)
     try:
         copy_pieces(pieces, mechanism)
-    except (OSError, OperationFailedError, AttributeError, ctypes.ArgumentError) as exc:
+    except (OSError, OperationFailedError, AttributeError, TypeError, OverflowError,
+            ctypes.ArgumentError) as exc:
         return f"{type(exc).__name__}: {exc}"
     expected = torch.zeros_like(src)
     for d, s, n in zip(dst_off.tolist(), src_off.tolist(), sizes.tolist(), strict=True):

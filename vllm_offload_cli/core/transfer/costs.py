@@ -105,11 +105,11 @@ def job_costs(plan: TransferPlan, row_bytes: int, dense: bool,
         "staged": costs.gather.seconds(chunks, n, total) + costs.scatter.seconds(chunks, n,
                                                                                   total),
     }
-    scatter_floor = costs.scatter.seconds(1, n, total)
-    if scatter_floor < min(out.values()):  # only then is counting source runs worth it
-        out["scatter"] = costs.scatter.seconds(plan.src_run_count, n, total)
     if costs.batched is not None:
         out["batched"] = costs.batched.seconds(runs if dense else n, 0, total)
+    scatter_floor = costs.scatter.seconds(1, n, total)
+    if scatter_floor < min(out.values()):  # only then is sorting by source worth it
+        out["scatter"] = costs.scatter.seconds(plan.src_run_count, n, total)
     return out
 
 
@@ -232,10 +232,11 @@ _LOCK = threading.Lock()
 
 
 def _worth_measuring(mechanisms: tuple[str, ...]) -> tuple[str, ...]:
-    """ctypes.memmove is libc's memmove: only worth timing where memcpy is not there."""
-    if "memcpy" in mechanisms:
-        return tuple(m for m in mechanisms if m != "memmove")
-    return mechanisms
+    """Time one per-piece libc call path: cffi's is the cheapest call, then ctypes'
+    memcpy, then ctypes.memmove (libc's memmove); they move bytes alike, so timing
+    the slower ones too would only lengthen the calibration."""
+    calls = [m for m in ("cffi", "memcpy", "memmove") if m in mechanisms][:1]
+    return tuple(m for m in mechanisms if m in calls or m not in ("cffi", "memcpy", "memmove"))
 
 
 def calibrate() -> CopyCosts:

@@ -291,6 +291,7 @@ class CpuBackend:
             unit.work(staging)
 
     def _serve(self, direction: Direction) -> None:
+        single_threaded_torch()  # it copies a share of every job, like the pool threads
         q = self._queues[direction]
         while True:
             item = q.get()
@@ -312,12 +313,21 @@ class CpuBackend:
             work += units(pair, plan, method.partition(":")[0], self.threads, mechanism)
             if method not in used:
                 used.append(method)
-        if self._pool is None:
-            self._run_share(work)
+        shares = deal(work, self.threads)
+        if self._pool is None or len(shares) <= 1:
+            for share in shares:
+                self._run_share(share)
             return "+".join(used)
+        # the pool takes all shares but one, which this thread copies itself: it is
+        # running already, while a pool thread costs a wake-up before it starts
         futures: list[Future[None]] = [self._pool.submit(self._run_share, s)
-                                       for s in deal(work, self.threads)]
-        errors = [f.exception() for f in futures]  # wait for all: none may outlive the job
+                                       for s in shares[1:]]
+        errors: list[BaseException | None] = []
+        try:
+            self._run_share(shares[0])
+        except Exception as exc:
+            errors.append(exc)
+        errors += [f.exception() for f in futures]  # wait for all: none may outlive the job
         first_error = next((e for e in errors if e is not None), None)
         if first_error is not None:
             raise first_error
