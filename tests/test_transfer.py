@@ -8,6 +8,8 @@ import logging
 import math
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -603,15 +605,45 @@ def test_copy_threads_run_torch_single_threaded_and_leave_others_alone() -> None
     assert later == [before], "threads started later keep torch's default"
 
 
-def test_deal_cuts_work_into_ordered_shares_of_similar_size() -> None:
-    from vllm_offload_cli.core.transfer.cpu import Unit, deal
+def test_unit_queue_hands_every_unit_out_exactly_once_across_threads() -> None:
+    from vllm_offload_cli.core.transfer.cpu import Staging, Unit, UnitQueue
 
-    work = [Unit(n, lambda staging: None) for n in (5, 1, 1, 1, 4, 4, 2, 2)]
-    shares = deal(work, 2)
-    assert [u for share in shares for u in share] == work  # order kept, nothing lost
-    assert [sum(u.nbytes for u in share) for share in shares] == [12, 8]
-    assert deal(work, 1) == [work] and deal([], 4) == []
-    assert len(deal(work, 16)) <= 8
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def unit(i: int) -> Unit:
+        def work(staging: Staging) -> None:
+            time.sleep(0.001 * (i % 3))  # uneven units: threads take different counts
+            with lock:
+                done.append(i)
+        return Unit(1, work)
+
+    todo = UnitQueue([unit(i) for i in range(200)])
+    threads = [threading.Thread(target=todo.drain, args=(Staging(),)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(done) == list(range(200))
+
+
+def test_unit_queue_stops_handing_out_work_after_a_failure() -> None:
+    from vllm_offload_cli.core.transfer.cpu import Staging, Unit, UnitQueue
+
+    ran: list[int] = []
+
+    def work(i: int) -> Unit:
+        def go(staging: Staging) -> None:
+            ran.append(i)
+            if i == 2:
+                raise OSError("disk on fire")
+        return Unit(1, go)
+
+    todo = UnitQueue([work(i) for i in range(10)])
+    with pytest.raises(OSError, match="disk on fire"):
+        todo.drain(Staging())
+    todo.drain(Staging())  # a second thread arriving late takes nothing more
+    assert ran == [0, 1, 2]
 
 
 def test_scattered_rows_are_shared_by_the_copy_threads(regions: Factory) -> None:

@@ -16,15 +16,17 @@ costs (transfer.costs: a short calibration, once per process):
             process_vm_readv or memcpy through ctypes, the GIL released): one
             pass over the bytes however both sides are scattered.
 
-Parallelism. Every job is cut into about equal shares, one per copy thread,
+Parallelism. Every job is cut into a few units per copy thread, which the
+threads take as they free up (the thread that planned the job copies too),
 each running torch single-threaded: a parallel region started from a
-background thread is slow (see core.openmp), and a share per thread keeps
-both cores streaming for contiguous and scattered jobs alike.
+background thread is slow (see core.openmp), and units taken on demand keep
+both cores streaming to the end of a job, contiguous or scattered.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -51,12 +53,13 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-__all__ = ["METHODS", "CpuBackend", "RowPair", "Staging", "choose_method", "copy_rows",
-           "deal", "units"]
+__all__ = ["METHODS", "CpuBackend", "RowPair", "Staging", "UnitQueue", "choose_method",
+           "copy_rows", "units"]
 
 logger = logging.getLogger(__name__)
 
 MAX_COPY_THREADS = 16
+UNITS_PER_THREAD = 4  # a job is cut into this many units per copy thread, taken as they free up
 
 
 def choose_method(plan: TransferPlan, pair: RowPair, costs: CopyCosts | None = None) -> str:
@@ -213,20 +216,33 @@ def copy_rows(pair: RowPair, plan: TransferPlan, method: str, staging: Staging,
         unit.work(staging)
 
 
-def deal(work: Sequence[Unit], shares: int) -> list[list[Unit]]:
-    """Cut `work` into at most `shares` consecutive groups of about equal bytes."""
-    total = sum(u.nbytes for u in work)
-    if shares <= 1 or len(work) <= 1 or total == 0:
-        return [list(work)] if work else []
-    target = total / shares
-    groups: list[list[Unit]] = [[]]
-    size = 0
-    for unit in work:
-        if size >= target * len(groups) and len(groups) < shares:
-            groups.append([])
-        groups[-1].append(unit)
-        size += unit.nbytes
-    return groups
+class UnitQueue:
+    """The units of one job, taken one at a time by whichever copy thread is free.
+
+    Threads that start late (a pool thread needs a wake-up) or run slow (another
+    process took the core) simply take fewer units, so all finish within about
+    one unit of each other; a fixed share per thread would wait for the slowest.
+    """
+
+    def __init__(self, work: Sequence[Unit]) -> None:
+        self._work = list(work)
+        self._next = itertools.count().__next__  # one C call: atomic under the GIL
+        self._failed = False
+
+    def __len__(self) -> int:
+        return len(self._work)
+
+    def drain(self, staging: Staging) -> None:
+        """Copy units until none is left (or another thread's unit failed)."""
+        while not self._failed:
+            i = self._next()
+            if i >= len(self._work):
+                return
+            try:
+                self._work[i].work(staging)
+            except BaseException:
+                self._failed = True
+                raise
 
 
 _STOP = object()
@@ -285,10 +301,8 @@ class CpuBackend:
             staging = self._local.staging = Staging()
         return staging
 
-    def _run_share(self, share: list[Unit]) -> None:
-        staging = self._staging()
-        for unit in share:
-            unit.work(staging)
+    def _drain(self, todo: UnitQueue) -> None:
+        todo.drain(self._staging())
 
     def _serve(self, direction: Direction) -> None:
         single_threaded_torch()  # it copies a share of every job, like the pool threads
@@ -310,21 +324,21 @@ class CpuBackend:
                 costs = self._costs or calibrate()
                 mechanism = costs.mechanism
                 method = f"batched:{mechanism}"
-            work += units(pair, plan, method.partition(":")[0], self.threads, mechanism)
+            work += units(pair, plan, method.partition(":")[0],
+                          self.threads * UNITS_PER_THREAD, mechanism)
             if method not in used:
                 used.append(method)
-        shares = deal(work, self.threads)
-        if self._pool is None or len(shares) <= 1:
-            for share in shares:
-                self._run_share(share)
+        todo = UnitQueue(work)
+        helpers = min(self.threads, len(todo)) - 1
+        if self._pool is None or helpers <= 0:
+            todo.drain(self._staging())
             return "+".join(used)
-        # the pool takes all shares but one, which this thread copies itself: it is
-        # running already, while a pool thread costs a wake-up before it starts
-        futures: list[Future[None]] = [self._pool.submit(self._run_share, s)
-                                       for s in shares[1:]]
+        # this thread copies too: it is running already, a pool thread needs a wake-up
+        futures: list[Future[None]] = [self._pool.submit(self._drain, todo)
+                                       for _ in range(helpers)]
         errors: list[BaseException | None] = []
         try:
-            self._run_share(shares[0])
+            todo.drain(self._staging())
         except Exception as exc:
             errors.append(exc)
         errors += [f.exception() for f in futures]  # wait for all: none may outlive the job
