@@ -33,6 +33,7 @@ disjoint from each other and from every source (sources may repeat).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import errno
@@ -213,8 +214,10 @@ def _copy_vm_readv(p: Pieces) -> None:
 
 def _per_piece(fn: Callable[..., object]) -> Callable[[Pieces], None]:
     def copy(p: Pieces) -> None:
-        for _ in map(fn, p.dst.tolist(), p.src.tolist(), p.length.tolist()):
-            pass
+        # the loop runs in C (deque drains map): between two calls this thread holds
+        # the GIL as briefly as possible, so the other copy thread rarely waits for it
+        collections.deque(map(fn, p.dst.tolist(), p.src.tolist(), p.length.tolist()),
+                          maxlen=0)
     return copy
 
 
