@@ -408,6 +408,50 @@ def test_unknown_layout_and_strategy_are_refused(regions: Factory) -> None:
 
 # -- failures and shutdown --------------------------------------------------------------------
 
+def test_planning_that_fails_at_submit_is_reported_as_the_job_result(
+        regions: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Units are planned on the caller's thread; a failure there never escapes submit, the
+    copy thread plans again and the job's result carries the error."""
+    from vllm_offload_cli.core.transfer import cpu
+
+    region = regions(num_blocks=8, cpu_page_size=4096)
+    device = torch.full((4, 4096), 3, dtype=torch.uint8)
+    calls: list[str] = []
+
+    def broken(*args: Any, **kwargs: Any) -> list[Any]:
+        calls.append(threading.current_thread().name)
+        raise RuntimeError("no way to cut this job")
+
+    with CopyWorker(region, [device]) as worker:
+        monkeypatch.setattr(cpu, "units", broken)
+        worker.submit_store(1, [0, 1], [4, 5])  # must not raise
+        (failed,) = finish(worker, [1])
+    assert not failed.success and "no way to cut this job" in (failed.error or "")
+    assert calls[0] == threading.current_thread().name  # tried at submit first
+    assert any(name.startswith("vllm-offload-store") for name in calls[1:])
+
+
+def test_a_job_queued_behind_another_is_planned_at_submit(regions: Factory,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_offload_cli.core.transfer import cpu
+
+    region = regions(num_blocks=8, cpu_page_size=4096)
+    device = torch.full((4, 4096), 3, dtype=torch.uint8)
+    planned_on: list[str] = []
+    real_units = cpu.units
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        planned_on.append(threading.current_thread().name)
+        return real_units(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "units", spy)
+    with CopyWorker(region, [device]) as worker:
+        worker.submit_store(1, [0, 1, 2, 3], [4, 5, 6, 7])  # one run: needs no costs
+        (done,) = finish(worker, [1])
+    assert done.success and planned_on == [threading.current_thread().name]
+    assert raw_page(region.mmap_path, 5 * region.geometry.row_stride, 4096) == bytes([3]) * 4096
+
+
 def test_a_failed_copy_is_reported_and_the_worker_carries_on(regions: Factory) -> None:
     """Free the device tensor's memory under the worker: that job fails, loudly, alone."""
     region = regions(num_blocks=8, cpu_page_size=4096)

@@ -235,5 +235,6 @@ def test_the_worker_uses_the_mechanism_that_was_measured(monkeypatch: pytest.Mon
         measured.copy, measured.gather, measured.scatter, cheap, measured.mechanism,
         measured.mechanisms, measured.seconds))
     monkeypatch.setattr("vllm_offload_cli.core.transfer.cpu.calibrate", costs.calibrate)
+    monkeypatch.setattr("vllm_offload_cli.core.transfer.cpu.measured", costs.calibrate)
     methods = _worker_round_trip(shm_dir)
     assert methods == [f"batched:{measured.mechanism}"] * 2
