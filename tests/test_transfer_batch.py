@@ -67,16 +67,29 @@ def test_every_mechanism_copies_exactly(mechanism: str, layout: str) -> None:
     assert torch.equal(dst, _expected(src, torch.zeros_like(dst), pieces))
 
 
-def test_split_keeps_every_piece_in_order_in_shares_of_similar_size() -> None:
+def test_chunks_keep_every_piece_in_order_in_shares_of_similar_size() -> None:
     src, dst = _buffers()
     p = _pieces(src, dst, MANY)
-    shares = p.split(3)
-    assert len(shares) == 3
-    assert torch.equal(torch.cat([s.dst for s in shares]), p.dst)
-    assert torch.equal(torch.cat([s.length for s in shares]), p.length)
-    sizes = [s.nbytes for s in shares]
+    chunks = p.chunks(3)
+    assert len(chunks) == 3
+    assert [d for c in chunks for d in c.dst] == p.dst.tolist()
+    assert [s for c in chunks for s in c.src] == p.src.tolist()
+    assert [n for c in chunks for n in c.length] == p.length.tolist()
+    sizes = [c.nbytes for c in chunks]
     assert sum(sizes) == p.nbytes and max(sizes) - min(sizes) <= 2 * int(p.length.max())
-    assert p.split(1) == [p] and _pieces(src, dst, ODD[:1]).split(4)[0].count == 1
+    assert p.chunks(1) == [batch.Chunk(p.dst.tolist(), p.src.tolist(), p.length.tolist())]
+    assert len(_pieces(src, dst, ODD[:1]).chunks(4)) == 1
+
+
+def test_each_chunk_copies_only_its_own_pieces() -> None:
+    src, dst = _buffers()
+    p = _pieces(src, dst, MANY)
+    for mechanism in batch.available_mechanisms():
+        dst.zero_()
+        first, *_ = p.chunks(4)
+        batch.copy_chunk(first, mechanism)
+        done = MANY[:len(first.dst)]
+        assert torch.equal(dst, _expected(src, torch.zeros_like(dst), done)), mechanism
 
 
 @pytest.mark.parametrize(("pieces", "message"), [
@@ -128,7 +141,7 @@ def test_invalid_pieces_are_refused_before_any_copy(build: Any, message: str) ->
 def test_no_pieces_copy_nothing() -> None:
     empty = torch.empty(0, dtype=torch.int64)
     p = batch.make_pieces(empty, empty, 8)
-    assert p.count == 0 and p.nbytes == 0 and p.split(4) == []
+    assert p.count == 0 and p.nbytes == 0 and p.chunks(4) == []
     batch.copy_pieces(p, "memcpy")
 
 

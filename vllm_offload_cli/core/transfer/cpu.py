@@ -135,8 +135,8 @@ def _staged(src: Tensor, src_idx: Tensor, dst: Tensor, dst_idx: Tensor,
     dst.index_copy_(0, dst_idx, rows)
 
 
-def _batched(pieces: batch.Pieces, mechanism: str, staging: Staging) -> None:
-    batch.copy_pieces(pieces, mechanism)
+def _batched(chunk: batch.Chunk, mechanism: str, staging: Staging) -> None:
+    batch.copy_chunk(chunk, mechanism)
 
 
 def _parts(length: int, most: int) -> list[tuple[int, int]]:
@@ -203,8 +203,8 @@ def units(pair: RowPair, plan: TransferPlan, method: str, shares: int = 1,
         chosen = mechanism or next(iter(batch.available_mechanisms()), None)
         if chosen is None:
             raise RuntimeError("no batched copy mechanism works here")
-        for share in pieces_of(pair, plan).split(shares):
-            out.append(Unit(share.nbytes, part(_batched, share, chosen)))
+        for chunk in pieces_of(pair, plan).chunks(shares):
+            out.append(Unit(chunk.nbytes, part(_batched, chunk, chosen)))
     else:
         raise ValueError(f"unknown copy method {method!r}")
     return out
