@@ -18,6 +18,10 @@ package shells `vllm` and `vllm.distributed` are made without running their
 Everything else (the spec factory, OffloadingConfig, the CPU and tiering
 specs, vLLM's SharedOffloadRegion, the CPU and tiering managers, vLLM's
 logger and envs) is vLLM's own code from the wheel.
+
+tests/helpers/vllm_engine.py takes the other road, `cuda_stand_in()`: the real
+`vllm` package and `vllm.config` (with the libraries .ci/run installs), only
+the platform and the CUDA copy worker replaced.
 """
 
 from __future__ import annotations
