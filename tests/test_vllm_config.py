@@ -189,6 +189,8 @@ def check_worker(doc: dict[str, Any], want: Geometry) -> None:
     """vLLM's view of this rank's slot, and the bytes every rank wrote, seen through ours."""
     rank = doc["worker"]
     assert "exception" not in doc, doc
+    # VllmConfig's post-init turned kv_offloading_size into the connector and its bytes
+    assert (doc["kv_connector"], doc["kv_role"]) == ("OffloadingConnector", "kv_both")
     assert doc["rank"] == rank and doc["hooked"] and doc["token_set"]
     assert doc["view_shape"] == [want.num_chunks, want.page]
     assert doc["view_stride"] == [want.row_stride, 1]

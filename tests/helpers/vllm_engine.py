@@ -139,7 +139,9 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
                                  distributed_init_method=init, backend="gloo")
     offloading = build_offloading_config(config, kv_config)
     spec = OffloadingSpecFactory.create_spec(offloading)
-    doc: dict[str, Any] = {"worker": rank, "pid": os.getpid(), **describe(spec, offloading)}
+    doc: dict[str, Any] = {"worker": rank, "pid": os.getpid(), **describe(spec, offloading),
+                           "kv_connector": config.kv_transfer_config.kv_connector,
+                           "kv_role": config.kv_transfer_config.kv_role}
     try:
         got = spec.get_worker(None)
     except Exception as exc:
