@@ -70,10 +70,11 @@ class Engine:
         self.token = token or secrets.token_hex(16)
         self.ranks: list[Rank] = []
 
-    def spawn(self, rank: int | None) -> Rank:
+    def spawn(self, rank: int | None, wrap: list[str] | None = None) -> Rank:
+        """One process; `wrap` prefixes its command (e.g. `unshare` for a blind rank)."""
         n, stride, page, world, seg = self.args
         proc = subprocess.Popen(
-            [sys.executable, str(HELPER), str(self.shm_dir), self.engine_id, n,
+            [*(wrap or []), sys.executable, str(HELPER), str(self.shm_dir), self.engine_id, n,
              "none" if rank is None else str(rank), stride, page, world, seg],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "VLLM_OFFLOAD_ENGINE_TOKEN": self.token},

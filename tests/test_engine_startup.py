@@ -10,6 +10,8 @@ Exactly one rank reclaims, no rank sees stale bytes, collisions name the pid.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -256,3 +258,52 @@ def test_a_leftover_of_another_user_is_refused_not_removed(engines: Any,
     info = engines().spawn(0).ready()
     assert info["code"] == "foreign_owner" and "uid 12345" in info["error"]
     assert leftover.exists()
+
+
+def _blind(cmd: list[str] | None = None) -> list[str]:
+    """A new PID namespace with its own /proc: the rank sees only itself (skips if denied)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a PID namespace")
+    wrap = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    probe = subprocess.run([*wrap, "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.decode()}")
+    return [*wrap, *(cmd or [])]
+
+
+@pytest.mark.parametrize("holder", [False, True], ids=["nobody-holds-it", "hidden-holder"])
+def test_a_rank_that_cannot_prove_a_leftover_unused_refuses_it(
+        engines: Any, shm_dir: Path, holders: Any, holder: bool) -> None:
+    """`unknown` end to end: a blind rank neither reclaims nor joins nor replaces.
+
+    In its own PID namespace a rank cannot see the processes outside, so no
+    leftover is provably stale, whether or not one of them (here a plain vLLM
+    process) still maps it. The same leftover seen from the host: reclaimed when
+    nobody holds it, refused as another engine's (naming the pid) when held.
+    """
+    old = engines(num_blocks=BLOCKS // 2)
+    [r] = old.start(1)
+    assert r.ask("fill 9") == "ok"
+    r.kill()  # a SIGKILLed engine's leftover, made by the hook: manifest and all
+    bare = shm_dir / "vllm_offload_prod.mmap"
+    before = (bare.stat().st_ino, bare.read_bytes())
+    names = sorted(p.name for p in region_files(shm_dir))  # the file and its manifest
+    h = holders("vllm", str(shm_dir), "prod", str(BLOCKS // 2), "0", str(STRIDE),
+                str(PAGE)) if holder else None
+
+    blind = engines().spawn(0, wrap=_blind())
+    info = blind.ready()
+    assert info.get("code") == "region_not_stale", info
+    assert f"{bare} is unknown: nothing proves it unused (" in info["error"]
+    assert "PID namespace" in info["error"]  # the blind spot, in the error itself
+    assert blind.proc.wait(timeout=30) == 3
+    assert (bare.stat().st_ino, bare.read_bytes()) == before  # not removed, not rewritten
+    assert sorted(p.name for p in region_files(shm_dir)) == names
+
+    seen = engines().start(1)[0]  # the same step on the host sees everything
+    if h is not None:
+        assert (seen.info.get("code"), seen.info.get("pid")) == ("engine_id_collision", h.pid)
+        assert (bare.stat().st_ino, bare.read_bytes()) == before
+    else:
+        assert seen.ok and seen.info["action"] == "reclaimed", seen.info
+        assert seen.info["ino"] != before[0]

@@ -18,6 +18,10 @@ package shells `vllm` and `vllm.distributed` are made without running their
 Everything else (the spec factory, OffloadingConfig, the CPU and tiering
 specs, vLLM's SharedOffloadRegion, the CPU and tiering managers, vLLM's
 logger and envs) is vLLM's own code from the wheel.
+
+tests/helpers/vllm_engine.py takes the other road, `cuda_stand_in()`: the real
+`vllm` package and `vllm.config` (with the libraries .ci/run installs), only
+the platform and the CUDA copy worker replaced.
 """
 
 from __future__ import annotations
@@ -121,3 +125,47 @@ def load(root: Path, barrier: FileBarrier | None = None) -> None:
 
     _stub("vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
           OffloadingConnectorStats=Stats)
+
+
+def cuda_stand_in() -> None:
+    """For the real-VllmConfig path: only the device and the CUDA copy worker stand in.
+
+    vLLM's own `vllm` package is imported (no shells). The platform becomes a
+    subclass of vLLM's own `Platform` with the CUDA enum, as vLLM only uses the
+    shared region on CUDA-alike devices; CPUOffloadingWorker (CUDA streams and
+    tensors) becomes `FakeGpuWorker` in the two spec modules that build it.
+    """
+    import vllm.platforms
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class CudaStandIn(Platform):  # type: ignore[misc]
+        _enum = PlatformEnum.CUDA
+        device_name = "cuda"
+        device_type = "cuda"
+        dispatch_key = "CUDA"
+
+    vllm.platforms._current_platform = CudaStandIn()
+    from vllm.v1.kv_offload.cpu import spec as cpu_spec
+    from vllm.v1.kv_offload.tiering import spec as tiering_spec
+
+    cpu_spec.CPUOffloadingWorker = FakeGpuWorker
+    tiering_spec.CPUOffloadingWorker = FakeGpuWorker
+
+
+def tiny_model_class(torch: Any) -> type:
+    """A model class for vLLM's registry (never run): ModelConfig inspects, not loads."""
+
+    class VllmOffloadTinyForCausalLM(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+            super().__init__()
+
+        def embed_input_ids(self, input_ids: Any) -> Any:
+            return input_ids
+
+        def forward(self, input_ids: Any, positions: Any, **kwargs: Any) -> Any:
+            return input_ids
+
+        def compute_logits(self, hidden_states: Any) -> Any:
+            return hidden_states
+
+    return VllmOffloadTinyForCausalLM

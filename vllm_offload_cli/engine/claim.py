@@ -223,10 +223,11 @@ def claim(
                                reclaimed_bytes, 0, notes=("pre-provisioned by "
                                                           "`vllm-offload create`",))
         if r.state != STALE:
+            why = f" ({r.problems[-1].message})" if r.problems else ""
             raise UnsafeRegionError(
-                f"{path} is {r.state}: nothing proves it unused, so it is neither joined nor "
-                "removed; `vllm-offload inspect` shows why", path=path, engine_id=engine_id,
-                code="region_not_stale")
+                f"{path} is {r.state}: nothing proves it unused{why}, so it is neither joined "
+                "nor removed; `vllm-offload inspect` shows why", path=path,
+                engine_id=engine_id, code="region_not_stale")
         if dry_run:
             return ClaimResult(engine_id, path, WOULD_RECLAIM, first_state, (), tuple(r.paths),
                                sum(s.size_bytes for s in r.segments), 0,
