@@ -209,7 +209,49 @@ def test_the_token_is_made_once_and_inherited(monkeypatch: pytest.MonkeyPatch) -
         assert process_token(child.pid) == token  # what a sibling rank reads from /proc
     finally:
         child.communicate(b"\n")
-    assert process_token(os.getpid()) is None  # set after exec: not in our own environ
+    from vllm_offload_cli.engine import identity
+
+    assert identity._environ_token(os.getpid()) is None  # set after exec: not in environ
+    assert process_token(os.getpid()) == token  # ...but our beacon says it
+
+
+def test_a_worker_forked_after_the_token_was_set_is_still_this_engine() -> None:
+    """vLLM forks its workers: /proc/PID/environ shows the parent's exec-time environment,
+    without the token; the inherited beacon proves the worker is ours."""
+    from vllm_offload_cli.engine import identity
+
+    token = identity.engine_token()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forked worker: no exec, so no new environment block
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        assert identity._environ_token(pid) != token
+        assert identity.process_token(pid) == token
+    finally:
+        os.close(write)
+        os.waitpid(pid, 0)
+
+
+def test_a_process_holding_another_engines_beacon_is_read_as_that_engine() -> None:
+    import sys
+
+    from vllm_offload_cli.engine import identity
+
+    other = "ab" * 16
+    code = (f"import os; fd = os.memfd_create({identity.BEACON_PREFIX + other!r}); "
+            "print(1, flush=True); input()")
+    env = {k: v for k, v in os.environ.items() if k != identity.ENGINE_TOKEN_ENV}
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+    try:
+        assert child.stdout is not None and child.stdout.readline()
+        assert identity.process_token(child.pid) == other != identity.engine_token()
+    finally:
+        child.communicate(b"\n")
 
 
 def test_the_plugin_never_raises_into_vllm_unless_strict(

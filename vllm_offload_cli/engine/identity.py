@@ -6,6 +6,12 @@ gives each engine a random token, set in the environment of the first
 process (the API server or engine core, via the plugin) before any worker is
 spawned; children inherit it. Attachments in the manifest record it, and a
 holder's token can also be read from `/proc/<pid>/environ` (same user only).
+
+`/proc/<pid>/environ` shows the environment a process was exec'd with, so a
+worker forked after the token was set does not show it there. Every process
+that knows the token therefore also holds a beacon: an anonymous memfd named
+after it (nothing in /dev/shm, gone with the process), which forked children
+inherit and `/proc/<pid>/fd` shows to the same user.
 """
 
 from __future__ import annotations
@@ -31,19 +37,47 @@ def valid_token(token: str | None) -> bool:
     return token is not None and _TOKEN_RE.fullmatch(token) is not None
 
 
+BEACON_PREFIX = "vllm-offload-engine-"
+_BEACON_RE = re.compile(r"/memfd:" + BEACON_PREFIX + r"([0-9a-f]{32})(?: \(deleted\))?")
+_beacon: tuple[str, int] | None = None  # (token, fd), held for the life of the process
+
+
 def engine_token(environ: MutableMapping[str, str] | None = None) -> str:
-    """This engine's token; made (and exported to future children) when absent or malformed."""
+    """This engine's token; made (and exported to future children) when absent or malformed.
+
+    For the process's own environment it also holds the token's beacon.
+    """
     env = os.environ if environ is None else environ
     token = env.get(ENGINE_TOKEN_ENV)
     if not valid_token(token):
         token = secrets.token_hex(16)
         env[ENGINE_TOKEN_ENV] = token
     assert token is not None
+    if environ is None:
+        _hold_beacon(token)
     return token
 
 
+def _hold_beacon(token: str) -> None:
+    global _beacon
+    if _beacon is not None and _beacon[0] == token:
+        return
+    try:  # close-on-exec: an exec'd child of this engine has the token in its environment
+        fd = os.memfd_create(BEACON_PREFIX + token, os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # no memfd here: the environment is the only proof
+        return
+    if _beacon is not None:
+        os.close(_beacon[1])
+    _beacon = (token, fd)
+
+
 def process_token(pid: int) -> str | None:
-    """The token in another process's initial environment; None if absent or unreadable."""
+    """Another process's token: from its initial environment, else from a beacon it holds;
+    None if it has neither or they cannot be read."""
+    return _environ_token(pid) or _beacon_token(pid)
+
+
+def _environ_token(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             data = f.read(1 << 20)
@@ -54,6 +88,22 @@ def process_token(pid: int) -> str | None:
         if entry.startswith(prefix):
             value = entry[len(prefix):].decode("ascii", "replace")
             return value if valid_token(value) else None
+    return None
+
+
+def _beacon_token(pid: int) -> str | None:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        found = _BEACON_RE.fullmatch(target)
+        if found:
+            return found.group(1)
     return None
 
 
