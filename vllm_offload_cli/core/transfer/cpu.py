@@ -60,7 +60,7 @@ __all__ = ["METHODS", "CpuBackend", "RowPair", "Staging", "UnitQueue", "choose_m
 logger = logging.getLogger(__name__)
 
 MAX_COPY_THREADS = 16
-UNITS_PER_THREAD = 8  # a job is cut into this many units per copy thread, taken as they free up
+UNITS_PER_THREAD = 16  # a job is cut into this many units per copy thread, taken as they free up
 
 
 def choose_method(plan: TransferPlan, pair: RowPair, costs: CopyCosts | None = None) -> str:
