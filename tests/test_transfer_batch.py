@@ -16,7 +16,7 @@ from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.region.geometry import default_row_stride
-from vllm_offload_cli.core.transfer import CopyWorker, batch, costs
+from vllm_offload_cli.core.transfer import CopyWorker, batch, chain, costs
 
 torch = import_torch()
 
@@ -163,7 +163,7 @@ def test_a_refused_process_vm_readv_is_dropped_by_the_probe(monkeypatch: pytest.
     usable = batch.available_mechanisms()
     assert "vm-readv" not in usable and "memcpy" in usable
     measured = costs.calibrate()
-    assert measured.mechanism in ("cffi", "memcpy", "memmove")
+    assert measured.mechanism in ("ucontext", "cffi", "memcpy", "memmove")
     assert measured.to_dict()["mechanisms"] == list(usable)
 
 
@@ -177,12 +177,59 @@ def test_without_a_loadable_libc_only_ctypes_memmove_is_left(monkeypatch: pytest
                                                             fresh_probe: None) -> None:
     monkeypatch.setattr(batch, "_libc", lambda: None)
     monkeypatch.setattr(batch, "_cffi_memcpy", lambda: None)
+    monkeypatch.setattr(chain, "usable", lambda: "no libc here")
     assert batch.available_mechanisms() == ("memmove",)
 
 
-def test_cffi_is_the_first_choice_where_it_is_installed(fresh_probe: None) -> None:
-    assert batch.available_mechanisms()[0] == "cffi"
-    assert "memcpy" not in costs._worth_measuring(batch.available_mechanisms())
+def test_context_chains_are_the_first_choice_where_they_work(fresh_probe: None) -> None:
+    assert chain.usable() is None, chain.usable()
+    assert batch.available_mechanisms()[:2] == ("ucontext", "cffi")
+    timed = costs._worth_measuring(batch.available_mechanisms())
+    assert "ucontext" in timed and not {"cffi", "memcpy", "memmove"} & set(timed)
+
+
+def test_a_context_chain_runs_again_and_past_its_slot_count() -> None:
+    """Running a chain clobbers libc's link words; they are restored before every run. More
+    pieces than one chain holds are copied in several runs."""
+    src, dst = _buffers()
+    pieces = [(64 * i, (7919 * i) % 900_000, 1 + i % 61) for i in range(chain.MAX_SLOTS * 2 + 17)]
+    p = _pieces(src, dst, pieces)
+    for _ in range(3):
+        dst.zero_()
+        chain.copy_lists(p.dst.tolist(), p.src.tolist(), p.length.tolist())
+        assert torch.equal(dst, _expected(src, torch.zeros_like(dst), pieces))
+
+
+def test_a_context_chain_belongs_to_the_thread_that_built_it() -> None:
+    import threading
+
+    built = chain.Chain()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            built.copy([1], [2], [3])
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors and "thread that built it" in str(errors[0])
+
+
+def test_a_probe_that_crashes_in_the_child_leaves_context_chains_out(
+        monkeypatch: pytest.MonkeyPatch, fresh_probe: None) -> None:
+    """What a libc with another context layout would do: the child dies, we go on."""
+    chain.usable.cache_clear()
+    monkeypatch.setattr(chain, "PROBE", "import os; os.abort()")
+    try:
+        why = chain.usable()
+        assert why is not None and "child process failed" in why
+        assert "ucontext" not in batch.available_mechanisms()
+        assert batch.available_mechanisms()[0] == "cffi"
+    finally:
+        chain.usable.cache_clear()
 
 
 def test_without_cffi_ctypes_memcpy_does_the_job() -> None:
@@ -193,7 +240,7 @@ def test_without_cffi_ctypes_memcpy_does_the_job() -> None:
             "print(','.join(usable)); print(costs.calibrate().mechanism)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
-    assert "cffi" not in out[0].split(",") and "memcpy" in out[0].split(",")
+    assert not {"cffi", "ucontext"} & set(out[0].split(",")) and "memcpy" in out[0].split(",")
     assert out[1] in ("memcpy", "vm-readv")
 
 
@@ -228,6 +275,7 @@ def test_with_every_mechanism_refused_the_worker_copies_with_torch(
         monkeypatch: pytest.MonkeyPatch, fresh_probe: None, shm_dir: Path) -> None:
     monkeypatch.setattr(batch, "_libc", lambda: None)
     monkeypatch.setattr(batch, "_cffi_memcpy", lambda: None)
+    monkeypatch.setattr(chain, "usable", lambda: "refused")
     monkeypatch.setattr(batch.ctypes, "memmove", _refuse)
     assert batch.available_mechanisms() == ()
     measured = costs.calibrate()

@@ -232,11 +232,16 @@ _LOCK = threading.Lock()
 
 
 def _worth_measuring(mechanisms: tuple[str, ...]) -> tuple[str, ...]:
-    """Time one per-piece libc call path: cffi's is the cheapest call, then ctypes'
-    memcpy, then ctypes.memmove (libc's memmove); they move bytes alike, so timing
-    the slower ones too would only lengthen the calibration."""
-    calls = [m for m in ("cffi", "memcpy", "memmove") if m in mechanisms][:1]
-    return tuple(m for m in mechanisms if m in calls or m not in ("cffi", "memcpy", "memmove"))
+    """Time one in-process memcpy path: a context chain (no GIL between pieces), else
+    cffi's call, ctypes' memcpy, ctypes.memmove. They move bytes alike and differ in what
+    a piece costs on top; a one-thread calibration cannot see the GIL waits that per-piece
+    calls add once two copy threads share a job, so the chain, where it works, is the
+    one to time."""
+    calls = [m for m in _IN_PROCESS if m in mechanisms][:1]
+    return tuple(m for m in mechanisms if m in calls or m not in _IN_PROCESS)
+
+
+_IN_PROCESS = ("ucontext", "cffi", "memcpy", "memmove")
 
 
 def calibrate() -> CopyCosts:
