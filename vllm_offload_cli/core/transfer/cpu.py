@@ -12,8 +12,9 @@ costs (transfer.costs: a short calibration, once per process):
 * gather  - one `index_select(out=...)` per run of consecutive destinations;
 * scatter - one `index_copy_` per run of consecutive sources;
 * staged  - gather a bounded chunk into a staging buffer, then scatter it;
-* batched - every run or block one piece of a batched copy (transfer.batch:
-            process_vm_readv or memcpy through ctypes, the GIL released): one
+* batched - every run or block one piece of a batched copy (transfer.batch: a
+            chain of memcpy calls run by one swapcontext, memcpy per piece
+            through cffi or ctypes, or process_vm_readv; the GIL released): one
             pass over the bytes however both sides are scattered.
 
 Parallelism. Every job is cut into a few units per copy thread, which the
