@@ -78,7 +78,6 @@ class Chain:
         self._stacks: Any = None
         self._words: memoryview | None = None  # the contexts as 64-bit words
         self._tops: _StackTops | None = None  # the stacks' top bytes
-        self._saved_tops = b""
         self._args = (0, 0, 0)  # word index of dst, src, length within a context
         self._link_offset = 0  # byte offset of uc_link within a stack's top
         self._ret_address = int(self._ffi.cast("uintptr_t", self._ret))
@@ -102,7 +101,7 @@ class Chain:
         self._words[a_dst:a_dst + per * k:per] = array.array("Q", dst)
         self._words[a_src:a_src + per * k:per] = array.array("Q", src)
         self._words[a_len:a_len + per * k:per] = array.array("Q", length)
-        self._tops[:TOP_BYTES * k] = self._saved_tops[:TOP_BYTES * k]  # links, intact again
+        self._tops.restore(k)  # the links, intact again
         top_last = self._stacks + k * STACK_BYTES - TOP_BYTES  # ...and the last one returns
         self._ffi.cast("uintptr_t *", top_last + self._link_offset)[0] = self._ret_address
         if self._lib.swapcontext(self._ret, self._ctx) != 0:
@@ -138,28 +137,25 @@ class Chain:
         at = [i for i in range(0, TOP_BYTES, 8) if top0[i:i + 8] == link_value]
         if len(at) != 1:
             raise OperationFailedError("this libc keeps uc_link where it cannot be found")
-        tops = bytearray()
-        for i in range(slots):
-            tops += ffi.buffer(stacks + (i + 1) * STACK_BYTES - TOP_BYTES, TOP_BYTES)
         self._ctx, self._stacks, self._slots = ctx, stacks, slots
         self._words = words
         self._args = (found[0], found[1], found[2])
         self._link_offset = at[0]
-        self._saved_tops = bytes(tops)
         self._tops = _StackTops(ffi, stacks, slots)
 
 
 class _StackTops:
-    """The top TOP_BYTES of every stack, addressed as one run of bytes (slot after slot)."""
+    """The top TOP_BYTES of every stack, and a copy of them as makecontext left them."""
 
     def __init__(self, ffi: Any, stacks: Any, slots: int) -> None:
         self._views = [memoryview(ffi.buffer(stacks + (i + 1) * STACK_BYTES - TOP_BYTES,
                                              TOP_BYTES)) for i in range(slots)]
+        self._saved = [bytes(v) for v in self._views]
 
-    def __setitem__(self, key: slice, value: bytes) -> None:
-        stop = key.stop // TOP_BYTES
-        for i in range(stop):
-            self._views[i][:] = value[i * TOP_BYTES:(i + 1) * TOP_BYTES]
+    def restore(self, count: int) -> None:
+        """Put back the first `count` stacks' tops (a run overwrote their link words)."""
+        for view, saved in zip(self._views[:count], self._saved[:count], strict=True):
+            view[:] = saved
 
 
 _LOCAL = threading.local()
