@@ -176,9 +176,15 @@ def units(pair: RowPair, plan: TransferPlan, method: str, shares: int = 1,
     part = functools.partial
     if method == "slices":
         for run in plan.joint_runs():
-            for a, b in _parts(run.length, most):
-                d, s = run.dst + a, run.src + a
-                out.append(Unit((b - a) * row, part(_copy, dst[d:d + b - a], src[s:s + b - a])))
+            if run.length <= most:
+                out.append(Unit(run.length * row, part(
+                    _copy, dst[run.dst:run.dst + run.length], src[run.src:run.src + run.length])))
+                continue
+            # a long run: its parts as views made by one torch call per side, not two each
+            d_parts = import_torch().split(dst[run.dst:run.dst + run.length], most)
+            s_parts = import_torch().split(src[run.src:run.src + run.length], most)
+            out += [Unit(d.shape[0] * row, part(_copy, d, s))
+                    for d, s in zip(d_parts, s_parts, strict=True)]
     elif method == "gather":
         spans = plan.dst_spans()
         firsts = plan.dst[[s.start for s in spans]].tolist()
