@@ -20,39 +20,20 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import ray
 from ray.cluster_utils import Cluster
+from scale_fixtures import HOLDER, median_time  # benchmarks/, beside this script
 
 from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.fleet import run_fleet
 from vllm_offload_cli.core.region import SharedOffloadRegion
 
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
-HOLDER = """
-import sys
-from vllm_offload_cli.core.region import SharedOffloadRegion
-rs = [SharedOffloadRegion(e, 4, None, 4096, 4096, shm_dir=sys.argv[1]) for e in sys.argv[2:]]
-print("ready", flush=True)
-sys.stdin.read()
-"""
-
-
-def median_time(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def populate(shm: str, node: int, regions: int, procs: list[subprocess.Popen[str]]) -> None:
     """A third held by a live process, a third persistent (`create`), a third leaked."""
     ids = [f"n{node}r{i:03d}_dp{i % 4}" for i in range(regions)]

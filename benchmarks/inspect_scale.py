@@ -16,33 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+
+from scale_fixtures import HOLDER, median_time  # benchmarks/, beside this script
 
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.region.geometry import PAGESIZE
-
-HOLDER = """
-import sys, time
-from vllm_offload_cli.core.region import SharedOffloadRegion
-rs = [SharedOffloadRegion(e, 4, None, 4096, 4096, shm_dir=sys.argv[1]) for e in sys.argv[2:]]
-print("ready", flush=True)
-sys.stdin.read()
-"""
-
-
-def median_time(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
