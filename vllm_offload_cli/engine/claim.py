@@ -36,6 +36,7 @@ from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
 from vllm_offload_cli.core.region import capacity
 from vllm_offload_cli.core.region.fsguard import FileId
+from vllm_offload_cli.core.region.locking import lock_waiting
 from vllm_offload_cli.core.region.naming import region_path, validate_engine_id
 from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
@@ -84,20 +85,9 @@ def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> 
     """
     fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        deadline = time.monotonic() + timeout
-        delay = 0.002
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RegionTimeoutError(
-                        f"waited {timeout:.0f} s for the start-up lock on {shm_dir}, held by "
-                        f"{_lock_holder_text(os.fstat(fd))}", path=os.fspath(shm_dir),
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+        lock_waiting(fd, fcntl.LOCK_EX, timeout=timeout, timed_out=lambda: RegionTimeoutError(
+            f"waited {timeout:.0f} s for the start-up lock on {shm_dir}, held by "
+            f"{_lock_holder_text(os.fstat(fd))}", path=os.fspath(shm_dir)))
         yield
     finally:
         os.close(fd)

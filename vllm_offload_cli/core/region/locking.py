@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import time
+from collections.abc import Callable
 
 from vllm_offload_cli.core.base.errors import RegionTimeoutError
 
@@ -25,25 +26,27 @@ def try_lock_exclusive(fd: int) -> bool:
     return True
 
 
-def lock_shared(fd: int, *, timeout: float, path: str = "") -> None:
-    """Take LOCK_SH, waiting out a brief exclusive holder such as a gc probe."""
+def lock_waiting(fd: int, operation: int, *, timeout: float,
+                 timed_out: Callable[[], Exception]) -> None:
+    """flock(fd, operation) polled with back-off (1 ms doubling to 50 ms) rather than
+    blocking in the kernel, so the wait can end at `timeout`: then `timed_out()` is raised."""
     deadline = time.monotonic() + timeout
     delay = 0.001
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
             return
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
         if time.monotonic() > deadline:
-            raise RegionTimeoutError(
-                f"{path} stayed exclusively locked for {timeout:.0f} s; "
-                "is a garbage collection stuck on it?", path=path,
-            )
+            raise timed_out()
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
 
 
-def unlock(fd: int) -> None:
-    fcntl.flock(fd, fcntl.LOCK_UN)
+def lock_shared(fd: int, *, timeout: float, path: str = "") -> None:
+    """Take LOCK_SH, waiting out a brief exclusive holder such as a gc probe."""
+    lock_waiting(fd, fcntl.LOCK_SH, timeout=timeout, timed_out=lambda: RegionTimeoutError(
+        f"{path} stayed exclusively locked for {timeout:.0f} s; "
+        "is a garbage collection stuck on it?", path=path))
