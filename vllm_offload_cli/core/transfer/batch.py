@@ -13,11 +13,8 @@ the C library that is already loaded, by one of these mechanisms:
 * cffi     - libc's memcpy once per piece, called through cffi's ABI mode: no
              compiler, the GIL dropped around every call like ctypes, but a
              call costs about 0.4 us against ctypes' 1 us (measured here); at
-             64 KiB pieces on two threads, 0.89x of memcpy against 0.77x.
-             memcpy is declared with uintptr_t arguments so Python ints pass
-             without building pointer objects: on every Linux ABI a
-             pointer and a uintptr_t travel in the same register. The probe
-             checks the bytes, so a platform where that is not so drops it.
+             64 KiB pieces on two threads, 0.89x of memcpy against 0.77x
+             (see transfer.cffi_libc for how it is declared).
 * memcpy   - the same through ctypes (where cffi is not installed).
 * vm-readv - process_vm_readv(2) on our own pid: up to IOV_MAX pieces on both
              sides per system call; the iovec arrays (two 64-bit words each) are
@@ -54,6 +51,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.transfer import chain
+from vllm_offload_cli.core.transfer.cffi_libc import cffi_libc
 
 if TYPE_CHECKING:
     import torch
@@ -177,30 +175,13 @@ def _libc() -> ctypes.CDLL | None:
     return lib
 
 
-_CFFI_KEEP: list[object] = []  # the ffi and library objects: dropped, they may dlclose
-
-
-@functools.cache
 def _cffi_memcpy() -> Callable[[int, int, int], None] | None:
     """libc's memcpy through cffi (ABI mode: nothing compiled), or None without cffi."""
-    try:
-        import cffi
-
-        ffi = cffi.FFI()
-        ffi.cdef("void memcpy(uintptr_t dst, uintptr_t src, size_t n);")
-    except Exception as exc:  # not installed, or a broken install: ctypes does the job
-        logger.debug("cffi is not usable here: %s", exc)
+    loaded = cffi_libc()
+    if loaded is None:
         return None
-    for name in (None, ctypes.util.find_library("c")):
-        try:
-            lib = ffi.dlopen(name)
-            fn: Callable[[int, int, int], None] = lib.memcpy
-        except (OSError, AttributeError) as exc:
-            logger.debug("cffi cannot open the C library %r: %s", name, exc)
-            continue
-        _CFFI_KEEP.extend((ffi, lib))
-        return fn
-    return None
+    fn: Callable[[int, int, int], None] = loaded[1].memcpy
+    return fn
 
 
 def process_vm_readv(local: int, local_count: int, remote: int, remote_count: int) -> int:

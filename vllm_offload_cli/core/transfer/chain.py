@@ -38,6 +38,7 @@ import threading
 from typing import Any
 
 from vllm_offload_cli.core.base.errors import OperationFailedError
+from vllm_offload_cli.core.transfer.cffi_libc import cffi_libc
 
 logger = logging.getLogger(__name__)
 
@@ -46,24 +47,14 @@ STACK_BYTES = 16 * 1024  # memcpy needs little; a signal handler may run here to
 TOP_BYTES = 256  # the top of a stack that makecontext writes and a run may overwrite
 MAX_SLOTS = 256  # pieces per swapcontext: at most 5 MiB of contexts and stacks per thread
 _SENTINELS = (0x7A11C0DE5EED0001, 0x7A11C0DE5EED0002, 0x7A11C0DE5EED0003)
-_CDEF = """
-typedef struct { void *ss_sp; int ss_flags; size_t ss_size; } vo_stack_t;
-typedef struct { unsigned long uc_flags; void *uc_link; vo_stack_t uc_stack; } vo_uctx;
-int getcontext(void *ucp);
-void makecontext(void *ucp, void (*func)(void), int argc, ...);
-int swapcontext(void *oucp, const void *ucp);
-void *memcpy(void *dst, const void *src, size_t n);
-"""
 
 
-@functools.cache
 def _libc() -> tuple[Any, Any]:
-    """(ffi, lib), or raises ImportError/OSError where cffi or libc are missing."""
-    import cffi
-
-    ffi = cffi.FFI()
-    ffi.cdef(_CDEF)
-    return ffi, ffi.dlopen(None)
+    """(ffi, lib); raises where cffi or the C library cannot be loaded."""
+    loaded = cffi_libc()
+    if loaded is None:
+        raise OperationFailedError("cffi or the C library cannot be loaded")
+    return loaded
 
 
 class Chain:
@@ -189,9 +180,7 @@ def self_test() -> None:
             raise SystemExit(3)
 
 
-PROBE = ("import importlib.util, sys; "
-         "s = importlib.util.spec_from_file_location('vllm_offload_chain_probe', sys.argv[1]); "
-         "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); m.self_test()")
+PROBE = "from vllm_offload_cli.core.transfer import chain; chain.self_test()"
 
 
 @functools.cache
@@ -202,8 +191,8 @@ def usable() -> str | None:
         _libc()
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
-    try:  # this module alone (no torch import): the probe takes a few tens of milliseconds
-        done = subprocess.run([sys.executable, "-c", PROBE, __file__], capture_output=True,
+    try:  # torch is imported lazily, not by this: the probe takes ~0.2 s
+        done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True,
                               timeout=60,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     except (OSError, subprocess.SubprocessError) as exc:
