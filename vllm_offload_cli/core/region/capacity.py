@@ -70,24 +70,24 @@ def cgroup_headroom(proc_root: Path = Path("/proc"),
         if controllers == "":  # cgroup v2: walk up, every ancestor's limit applies
             node = cgroup_root / rel if rel else cgroup_root
             while True:
-                limit = _read_int(node / "memory.max")
-                used = _read_int(node / "memory.current")
-                if limit is not None and used is not None:
-                    free = max(limit - used, 0)
-                    if best is None or free < best[1]:
-                        best = (limit, free)
+                best = _tighter(best, node / "memory.max", node / "memory.current")
                 if node == cgroup_root or cgroup_root not in node.parents:
                     break
                 node = node.parent
         elif "memory" in controllers.split(","):
             base = cgroup_root / "memory" / rel
-            limit = _read_int(base / "memory.limit_in_bytes")
-            used = _read_int(base / "memory.usage_in_bytes")
-            if limit is not None and used is not None:
-                free = max(limit - used, 0)
-                if best is None or free < best[1]:
-                    best = (limit, free)
+            best = _tighter(best, base / "memory.limit_in_bytes", base / "memory.usage_in_bytes")
     return best if best is not None else (None, None)
+
+
+def _tighter(best: tuple[int, int] | None, limit_file: Path,
+             usage_file: Path) -> tuple[int, int] | None:
+    """`best` or this cgroup's (limit, free), whichever leaves less free."""
+    limit, used = _read_int(limit_file), _read_int(usage_file)
+    if limit is None or used is None:
+        return best
+    free = max(limit - used, 0)
+    return (limit, free) if best is None or free < best[1] else best
 
 
 def mem_available(proc_root: Path = Path("/proc")) -> int | None:
