@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from tests.region_files import private_shm_dir
 from vllm_offload_cli.cli.app import app
 
 HELPER = Path(__file__).parent / "helpers" / "holder.py"
@@ -25,11 +24,8 @@ HELPER = Path(__file__).parent / "helpers" / "holder.py"
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     """A private directory on /dev/shm (real tmpfs), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="vllm-offload-test-", dir="/dev/shm"))
-    try:
+    with private_shm_dir() as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

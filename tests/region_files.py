@@ -1,14 +1,28 @@
-"""Region files as engines leave them behind, shared by the gc tests."""
+"""Region files as engines leave them behind, and the private tmpfs directory they go in."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 SLOT = 4096
 # holder.py geometry: 4 rows, 2 slots of 4 KiB
 GEOMETRY = ("4", "0", str(2 * SLOT), str(SLOT), "2")
 SIZE = 4 * 2 * SLOT
+
+
+@contextmanager
+def private_shm_dir() -> Iterator[Path]:
+    """A private directory on /dev/shm (real tmpfs), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="vllm-offload-test-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def region_file(shm_dir: Path, engine_id: str, *, segment: int = 0, size: int = SIZE,

@@ -11,16 +11,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from pathlib import Path
+from contextlib import suppress
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.region_files import private_shm_dir
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.units import format_size, parse_size
 from vllm_offload_cli.core.region import manifest as manifest_io
@@ -56,14 +53,7 @@ any_text = st.text(st.characters(codec="utf-8"), max_size=80) | st.from_regex(
     r"[\n\x00]?", fullmatch=True)
 
 
-@contextmanager
-def _scratch() -> Iterator[Path]:
-    """A private tmpfs directory per example (fixtures are per test, not per example)."""
-    path = Path(tempfile.mkdtemp(prefix="vllm-offload-test-", dir="/dev/shm"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+_scratch = private_shm_dir  # one per example: fixtures are per test, not per example
 
 
 # -- naming ---------------------------------------------------------------------------
