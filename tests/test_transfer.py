@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
@@ -179,9 +181,11 @@ def test_large_scattered_job_is_exact(regions: Factory) -> None:
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "batched"]
                          + [f"batched:{m}" for m in MECHANISMS])
 @pytest.mark.parametrize("case", ["random", "runs", "repeated_sources", "one"])
-def test_every_copy_method_is_exact(method: str, case: str) -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_every_copy_method_is_exact(method: str, case: str, threads: int) -> None:
     """Each method (the batched one by every mechanism), forced, against a reference built
-    with plain indexing."""
+    with plain indexing; whole, and cut into the units of 3 copy threads (down to one
+    row per unit, so that cuts fall inside runs)."""
     method, _, mechanism = method.partition(":")
     if mechanism and mechanism not in available_mechanisms():
         pytest.skip(f"{mechanism} is refused on this host")
@@ -205,7 +209,7 @@ def test_every_copy_method_is_exact(method: str, case: str) -> None:
     pair = RowPair(as_words(device_rows, w), as_words(region_rows, w), width)
     plan = plan_transfer(1, Direction.STORE, src, dst, device_blocks=n_dev,
                          region_blocks=n_reg)
-    copy_rows(pair, plan, method, Staging(), mechanism or None)
+    copy_rows(pair, plan, method, Staging(), mechanism or None, threads, smallest=1)
     expected = torch.zeros(n_reg, width, dtype=torch.int8)
     expected[dst] = device_rows[src]
     assert torch.equal(region_rows, expected)
@@ -217,7 +221,7 @@ def test_every_copy_method_is_exact(method: str, case: str) -> None:
         keep = [0, 3, 4]
         src, dst = src[keep], dst[keep]
     load = plan_transfer(2, Direction.LOAD, dst, src, device_blocks=n_dev, region_blocks=n_reg)
-    copy_rows(pair, load, method, Staging(), mechanism or None)
+    copy_rows(pair, load, method, Staging(), mechanism or None, threads, smallest=1)
     assert torch.equal(back[src], device_rows[src])
 
 
@@ -325,6 +329,10 @@ BAD_JOBS: dict[str, tuple[str, Any, Any, str]] = {
     "not_a_sequence": ("store", 3, [0], "must be a sequence"),
     "string": ("store", "01", [0, 1], "must be a sequence"),
     "float_tensor": ("store", torch.tensor([0.0]), [0], "got dtype torch.float32"),
+    "numpy_bool": ("store", np.array([True, False]), [0, 1], "got bool values"),
+    "numpy_float": ("store", [0, 1], np.array([0.5, 1.0]), "got float64 values"),
+    "mixed": ("store", [0, "1"], [0, 1], "must be integer block ids"),
+    "huge": ("store", [2**64 - 1], [0], "must be integer block ids"),
 }
 
 
@@ -348,6 +356,32 @@ def test_invalid_jobs_are_refused_before_any_byte_moves(regions: Factory, name: 
         assert empty.success and empty.bytes == 0
     assert (Path(region.mmap_path).read_bytes()) == bytes(region.total_size_bytes)
     assert torch.equal(device, torch.full((4, 4096), 0xAB, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["tensor", "numpy", "list", "range", "uint32"])
+def test_block_ids_of_any_integer_kind_are_taken_and_copied_at_submit(
+        regions: Factory, kind: str) -> None:
+    """vLLM reuses its id buffers: changing them after submit must not change the job."""
+    region = regions(num_blocks=16, cpu_page_size=4096)
+    device = torch.stack([torch.full((4096,), i, dtype=torch.uint8) for i in range(8)])
+    src_ids = [5, 1, 2]
+    made: dict[str, Any] = {"tensor": torch.tensor(src_ids), "numpy": np.array(src_ids),
+                            "list": list(src_ids), "range": range(5, 8),
+                            "uint32": np.array(src_ids, dtype=np.uint32)}
+    src = made[kind]
+    want = [int(x) for x in src]
+    dst = np.array([3, 4, 9])  # ascending: nothing would be sorted, so nothing copied
+    with CopyWorker(region, [device]) as worker:
+        worker.submit_store(1, src, dst)
+        if kind != "range":
+            src[0] = 0  # the caller reuses its buffers at once
+        dst[:] = 15
+        (done,) = finish(worker, [1])
+        assert done.success
+        view = worker.region_views[0]
+        for block, source in zip([3, 4, 9], want, strict=True):
+            assert torch.equal(view[block].view(torch.uint8), device[source])
+        assert not view[15].any()
 
 
 def test_job_ids_must_be_integers_and_unique_in_flight(regions: Factory) -> None:
@@ -647,6 +681,27 @@ def test_copy_threads_run_torch_single_threaded_and_leave_others_alone() -> None
     thread.start()
     thread.join()
     assert later == [before], "threads started later keep torch's default"
+
+
+@pytest.mark.parametrize(("n", "threads", "smallest"),
+                         [(2048, 2, 4), (2048, 4, 1), (10, 2, 4), (1, 2, 1), (100, 1, 1),
+                          (4096, 16, 64)])
+def test_units_shrink_from_a_third_of_the_job_to_the_smallest(n: int, threads: int,
+                                                              smallest: int) -> None:
+    from vllm_offload_cli.core.transfer.cpu import unit_cuts
+
+    cuts = unit_cuts(n, threads, smallest)
+    sizes = [b - a for a, b in itertools.pairwise([0, *cuts, n])]
+    assert sum(sizes) == n and all(s > 0 for s in sizes)
+    if threads == 1:
+        assert cuts == []
+        return
+    assert sizes[0] == max(smallest, -(-n // (threads + 1)))  # big units first
+    assert all(a >= b for a, b in itertools.pairwise(sizes[:-1]))  # then smaller
+    assert all(s >= smallest for s in sizes[:-1])  # none under the floor but the last
+    assert len(sizes) <= 2 * (threads + 1) * max(1, n.bit_length())  # few trips to Python
+    if n >= 4 * smallest * (threads + 1):
+        assert sizes[-1] <= smallest  # threads finish within a small unit of each other
 
 
 def test_unit_queue_hands_every_unit_out_exactly_once_across_threads() -> None:

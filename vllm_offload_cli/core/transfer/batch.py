@@ -35,7 +35,6 @@ disjoint from each other and from every source (sources may repeat).
 from __future__ import annotations
 
 import array
-import bisect
 import collections
 import ctypes
 import ctypes.util
@@ -46,7 +45,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.torch_import import import_torch
@@ -54,8 +53,11 @@ from vllm_offload_cli.core.transfer import chain
 from vllm_offload_cli.core.transfer.cffi_libc import cffi_libc
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
     import torch
-    from torch import Tensor
+
+    Addresses = npt.NDArray[np.int64]
 
 logger = logging.getLogger(__name__)
 
@@ -65,94 +67,119 @@ MECHANISMS = ("ucontext", "cffi", "memcpy", "vm-readv", "memmove")  # preferred 
 
 @dataclass(frozen=True, eq=False)
 class Pieces:
-    """Validated pieces: copy length[i] bytes from src[i] to dst[i] (int64 CPU tensors)."""
+    """Validated pieces: copy length[i] bytes from src[i] to dst[i] (int64 numpy arrays)."""
 
-    dst: torch.Tensor
-    src: torch.Tensor
-    length: torch.Tensor
+    dst: Addresses
+    src: Addresses
+    length: Addresses
 
     @property
     def count(self) -> int:
-        return int(self.dst.numel())
+        return int(self.dst.size)
 
     @property
     def nbytes(self) -> int:
         return int(self.length.sum()) if self.count else 0
 
     def chunks(self, shares: int) -> list[Chunk]:
-        """At most `shares` consecutive parts of about equal bytes (for the copy threads),
-        as plain ints: a copy thread walks them without another torch call, and cutting
-        them is list slicing (a torch call each costs ~10 us, more with cold caches)."""
-        dst, src, length = self.dst.tolist(), self.src.tolist(), self.length.tolist()
-        n = len(dst)
+        """At most `shares` consecutive parts of about equal bytes."""
+        total = self.nbytes
+        return self.chunks_at([total * k // shares for k in range(1, max(1, shares))])
+
+    def chunks_at(self, cuts: list[int]) -> list[Chunk]:
+        """Consecutive parts, a new one starting at the first piece that ends past each
+        byte offset of `cuts` (ascending); parts are views of the arrays, so cutting costs
+        a few numpy calls, and a copy thread turns its own part into what its mechanism
+        takes."""
+        import numpy as np
+
+        n = self.count
         if n == 0:
             return []
-        if shares <= 1 or n == 1:
-            return [Chunk(dst, src, length)]
-        ends = list(itertools.accumulate(length))
-        total = ends[-1]
-        cuts = (bisect.bisect_right(ends, total * k // shares) for k in range(1, shares))
-        bounds = sorted({0, *(min(n, c) for c in cuts), n})
-        return [Chunk(dst[a:b], src[a:b], length[a:b])
+        if not cuts or n == 1:
+            return [Chunk(self.dst, self.src, self.length)]
+        ends = np.cumsum(self.length)
+        at = np.searchsorted(ends, np.asarray(cuts, dtype=np.int64), side="right").tolist()
+        bounds = sorted({0, *(min(n, c) for c in at), n})
+        return [Chunk(self.dst[a:b], self.src[a:b], self.length[a:b])
                 for a, b in itertools.pairwise(bounds) if b > a]
 
 
 class Chunk(NamedTuple):
-    """Part of a validated list of pieces, as Python ints."""
+    """Part of a validated list of pieces (int64 numpy arrays, views of the Pieces')."""
 
-    dst: list[int]
-    src: list[int]
-    length: list[int]
+    dst: Addresses
+    src: Addresses
+    length: Addresses
 
     @property
     def nbytes(self) -> int:
-        return sum(self.length)
+        return int(self.length.sum())
 
 
-def make_pieces(dst: torch.Tensor, src: torch.Tensor, length: torch.Tensor | int, *,
-                check_overlap: bool = True) -> Pieces:
-    """Check a list of pieces (addresses as int64 tensors); raises InvalidInputError.
+def _addresses(values: Any) -> Addresses | None:
+    """A 1-D int64 CPU tensor or numpy array as a numpy array (shared); None if not one."""
+    import numpy as np
+
+    torch = import_torch()
+    if isinstance(values, torch.Tensor):
+        if values.dtype != torch.int64 or values.dim() != 1 or values.device.type != "cpu":
+            return None
+        values = values.detach().numpy()
+    if not isinstance(values, np.ndarray) or values.dtype != np.int64 or values.ndim != 1:
+        return None
+    return values
+
+
+def make_pieces(dst: Any, src: Any, length: Any, *, check_overlap: bool = True) -> Pieces:
+    """Check a list of pieces (addresses as 1-D int64 tensors or numpy arrays; `length` may
+    be one int for all); raises InvalidInputError.
 
     `check_overlap=False` is for callers that built the addresses from
     distinct destination rows of tensors already known not to alias.
     """
-    torch = import_torch()
-    lengths: Tensor = (torch.full_like(dst, length) if isinstance(length, int) else length)
-    if any(not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1
-           or t.device.type != "cpu" for t in (dst, src, lengths)):
-        raise InvalidInputError("pieces must be 1-D int64 CPU tensors of addresses and "
-                                "lengths", code="invalid_pieces")
-    if not dst.numel() == src.numel() == lengths.numel():
-        raise InvalidInputError(f"{dst.numel()} destinations, {src.numel()} sources and "
-                                f"{lengths.numel()} lengths: they must pair up",
+    import numpy as np
+
+    d, s = _addresses(dst), _addresses(src)
+    lengths = (np.full(d.shape, length, dtype=np.int64)
+               if isinstance(length, int) and d is not None else _addresses(length))
+    if d is None or s is None or lengths is None:
+        raise InvalidInputError("pieces must be 1-D int64 CPU tensors (or numpy arrays) of "
+                                "addresses and lengths", code="invalid_pieces")
+    if not d.size == s.size == lengths.size:
+        raise InvalidInputError(f"{d.size} destinations, {s.size} sources and "
+                                f"{lengths.size} lengths: they must pair up",
                                 code="invalid_pieces")
-    if dst.numel() == 0:
-        return Pieces(dst, src, lengths)
+    if d.size == 0:
+        return Pieces(d, s, lengths)
     if int(lengths.min()) <= 0:
         raise InvalidInputError("every piece must have a positive length",
                                 code="invalid_pieces")
-    if int(torch.minimum(dst, src).min()) <= 0:
+    if min(int(d.min()), int(s.min())) <= 0:
         raise InvalidInputError("a piece has a null or negative address",
                                 code="invalid_pieces")
     if check_overlap:
-        _refuse_overlap(dst, src, lengths)
-    return Pieces(dst, src, lengths)
+        _refuse_overlap(d, s, lengths)
+    return Pieces(d, s, lengths)
 
 
-def _refuse_overlap(dst: Tensor, src: Tensor, length: Tensor) -> None:
+def _refuse_overlap(dst: Addresses, src: Addresses, length: Addresses) -> None:
     """Destinations must not overlap each other or any source (sources may share bytes)."""
-    torch = import_torch()
-    d_start, order = torch.sort(dst)
+    import numpy as np
+
+    order = np.argsort(dst, kind="stable")
+    d_start = dst[order]
     d_end = d_start + length[order]
-    if d_start.numel() > 1 and bool((d_start[1:] < d_end[:-1]).any()):
+    if d_start.size > 1 and bool((d_start[1:] < d_end[:-1]).any()):
         raise InvalidInputError("two pieces write overlapping destination bytes",
                                 code="overlapping_pieces")
-    s_start, s_order = torch.sort(src)
-    s_end_max = torch.cummax(s_start + length[s_order], 0).values
+    s_order = np.argsort(src, kind="stable")
+    s_start = src[s_order]
+    s_end_max = np.maximum.accumulate(s_start + length[s_order])
     # sources starting before a destination ends; do any of them end after it starts?
-    before = torch.searchsorted(s_start, d_end, side="left")
+    before = np.searchsorted(s_start, d_end, side="left")
     has = before > 0
-    reach = s_end_max[(before - 1).clamp(min=0)]
+    reach = s_end_max[np.maximum(before - 1, 0)]
     if bool((has & (reach > d_start)).any()):
         raise InvalidInputError("a piece's destination overlaps a piece's source",
                                 code="overlapping_pieces")
@@ -206,25 +233,27 @@ def _iovecs(addresses: list[int], length: list[int]) -> array.array[int]:
 
 
 def _copy_vm_readv(c: Chunk) -> None:
-    for a in range(0, len(c.dst), IOV_MAX):
-        b = min(len(c.dst), a + IOV_MAX)
-        local = _iovecs(c.dst[a:b], c.length[a:b])
-        remote = _iovecs(c.src[a:b], c.length[a:b])
-        want = sum(c.length[a:b])
+    dst, src, length = c.dst.tolist(), c.src.tolist(), c.length.tolist()
+    for a in range(0, len(dst), IOV_MAX):
+        b = min(len(dst), a + IOV_MAX)
+        local = _iovecs(dst[a:b], length[a:b])
+        remote = _iovecs(src[a:b], length[a:b])
+        want = sum(length[a:b])
         got = process_vm_readv(local.buffer_info()[0], b - a, remote.buffer_info()[0], b - a)
         if got != want:
             raise OperationFailedError(f"process_vm_readv copied {got} of {want} bytes")
 
 
 def _chained(c: Chunk) -> None:
-    chain.copy_lists(c.dst, c.src, c.length)
+    chain.copy_arrays(c.dst, c.src, c.length)
 
 
 def _per_piece(fn: Callable[..., object]) -> Callable[[Chunk], None]:
     def copy(c: Chunk) -> None:
         # the loop runs in C (deque drains map): between two calls this thread holds
         # the GIL as briefly as possible, so the other copy thread rarely waits for it
-        collections.deque(map(fn, c.dst, c.src, c.length), maxlen=0)
+        collections.deque(map(fn, c.dst.tolist(), c.src.tolist(), c.length.tolist()),
+                          maxlen=0)
     return copy
 
 
@@ -260,7 +289,7 @@ def copy_pieces(pieces: Pieces, mechanism: str) -> None:
 
 def copy_chunk(chunk: Chunk, mechanism: str) -> None:
     """Copy one chunk of validated pieces on the calling thread by `mechanism`."""
-    if chunk.dst:
+    if chunk.dst.size:
         _copier(mechanism)(chunk)
 
 
@@ -301,8 +330,9 @@ def available_mechanisms() -> tuple[str, ...]:
     return tuple(usable)
 
 
-def row_addresses(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Start address of each row `ids` of a 2-D tensor whose rows are contiguous."""
+def row_addresses(rows: torch.Tensor, ids: Addresses) -> Addresses:
+    """Start address of each row `ids` (numpy int64) of a 2-D tensor whose rows are
+    contiguous."""
     stride = rows.stride(0) * rows.element_size()
-    addresses: Tensor = rows.data_ptr() + ids * stride
+    addresses: Addresses = rows.data_ptr() + ids * stride
     return addresses

@@ -35,10 +35,12 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import Any, Union
 
 from vllm_offload_cli.core.base.errors import OperationFailedError
 from vllm_offload_cli.core.transfer.cffi_libc import cffi_libc
+
+Words = Union["array.array[int]", memoryview]  # 64-bit words (format "Q")
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +75,17 @@ class Chain:
         self._link_offset = 0  # byte offset of uc_link within a stack's top
         self._ret_address = int(self._ffi.cast("uintptr_t", self._ret))
 
-    def copy(self, dst: list[int], src: list[int], length: list[int]) -> None:
-        """memcpy(dst[i], src[i], length[i]) for every i, in order, without Python between."""
+    def copy(self, dst: Words, src: Words, length: Words) -> None:
+        """memcpy(dst[i], src[i], length[i]) for every i, in order, without Python between.
+
+        Each argument is a sequence of 64-bit words: an array.array("Q") or a
+        memoryview of format "Q" (see `words`)."""
         if threading.get_ident() != self._owner:
             raise OperationFailedError("a context chain runs on the thread that built it")
         for a in range(0, len(dst), MAX_SLOTS):
             self._run(dst[a:a + MAX_SLOTS], src[a:a + MAX_SLOTS], length[a:a + MAX_SLOTS])
 
-    def _run(self, dst: list[int], src: list[int], length: list[int]) -> None:
+    def _run(self, dst: Words, src: Words, length: Words) -> None:
         k = len(dst)
         if k == 0:
             return
@@ -89,9 +94,9 @@ class Chain:
         assert self._words is not None and self._tops is not None
         per = CTX_BYTES // 8
         a_dst, a_src, a_len = self._args
-        self._words[a_dst:a_dst + per * k:per] = array.array("Q", dst)
-        self._words[a_src:a_src + per * k:per] = array.array("Q", src)
-        self._words[a_len:a_len + per * k:per] = array.array("Q", length)
+        self._words[a_dst:a_dst + per * k:per] = dst
+        self._words[a_src:a_src + per * k:per] = src
+        self._words[a_len:a_len + per * k:per] = length
         self._tops.restore(k)  # the links, intact again
         top_last = self._stacks + k * STACK_BYTES - TOP_BYTES  # ...and the last one returns
         self._ffi.cast("uintptr_t *", top_last + self._link_offset)[0] = self._ret_address
@@ -152,12 +157,27 @@ class _StackTops:
 _LOCAL = threading.local()
 
 
-def copy_lists(dst: list[int], src: list[int], length: list[int]) -> None:
-    """Copy pieces through this thread's chain (built on first use)."""
+def _chain() -> Chain:
+    """This thread's chain (built on first use)."""
     chain: Chain | None = getattr(_LOCAL, "chain", None)
     if chain is None:
         chain = _LOCAL.chain = Chain()
-    chain.copy(dst, src, length)
+    return chain
+
+
+def copy_lists(dst: list[int], src: list[int], length: list[int]) -> None:
+    """Copy pieces given as lists of ints through this thread's chain."""
+    _chain().copy(array.array("Q", dst), array.array("Q", src), array.array("Q", length))
+
+
+def words(values: Any) -> memoryview:
+    """A C-contiguous int64 (or uint64) numpy array as unsigned 64-bit words, not copied."""
+    return memoryview(values).cast("B").cast("Q")
+
+
+def copy_arrays(dst: Any, src: Any, length: Any) -> None:
+    """Copy pieces given as C-contiguous int64 numpy arrays (no list is made of them)."""
+    _chain().copy(words(dst), words(src), words(length))
 
 
 def self_test() -> None:

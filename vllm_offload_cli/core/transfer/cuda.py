@@ -102,7 +102,7 @@ def engine_copy(pairs: Sequence[CudaPair], plan: TransferPlan) -> None:
             srcs = [src[r.src:r.src + r.length] for r in runs]
             dsts = [dst[r.dst:r.dst + r.length] for r in runs]
         else:
-            ids = ids if ids is not None else (plan.src.tolist(), plan.dst.tolist())
+            ids = ids if ids is not None else (plan.src_ids.tolist(), plan.dst_ids.tolist())
             srcs = [src[i] for i in ids[0]]
             dsts = [dst[i] for i in ids[1]]
         copy_many(dsts, srcs, non_blocking=True)
