@@ -23,7 +23,7 @@ complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fi
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l cpu-page-size -r -d 'Block size(s) to measure: one worker\'s bytes per block. Repeatable or comma-separated.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l world-size -r -d 'Worker slots per row (the benchmark fills slot 0).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l blocks-per-transfer -r -d 'Blocks per store/load job (the batch size).'
-complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l repeat -r -d 'Timed rounds per figure (each: 2 memcpys, then 2 jobs in flight); the best round is shown, the median is also in --json.'
+complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l repeat -r -d 'Timed rounds per figure (each: a memcpy, 2 jobs in flight, a memcpy); the best round is shown, the median is also in --json.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l pattern -r -d 'Block-id patterns to measure (repeatable).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l threads -r -d 'Pre-fault threads.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l huge-pages -d 'Also measure pre-fault and contiguous copies with normal and with transparent huge pages (largest block size) and report the ratio.'

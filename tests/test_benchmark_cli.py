@@ -143,3 +143,14 @@ def test_help_lists_the_options() -> None:
     for option in ("--device", "--size", "--cpu-page-size", "--world-size",
                    "--blocks-per-transfer", "--repeat", "--pattern"):
         assert option in result.stdout
+
+
+def test_the_cli_default_rounds_are_the_library_default() -> None:
+    """The CLI spells the default out (importing the copy path would slow --help)."""
+    import inspect
+
+    from vllm_offload_cli.cli.benchmark import benchmark_cmd
+    from vllm_offload_cli.core.transfer.bench import DEFAULT_REPEAT
+
+    default = inspect.signature(benchmark_cmd.callback).parameters["repeat"].default
+    assert default == DEFAULT_REPEAT == BenchConfig(shm_dir="/", device="cpu").repeat

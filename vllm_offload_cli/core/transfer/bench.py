@@ -2,14 +2,14 @@
 
 For each block size a scratch region is created and pre-faulted (the
 pre-fault figure). Then, for each block-id pattern and direction, `repeat`
-rounds each time PIPELINE_DEPTH plain copies of the job's bytes between two
-contiguous buffers (host memcpy on CPU; pinned device<->host on CUDA) and
-PIPELINE_DEPTH copy-worker jobs submitted back to back, as an engine keeps
-several in flight, timed from the first submit to the last completion; which
-of the two goes first alternates from round to round. Interleaving puts the
-baseline and the worker under the same conditions on a busy host: the ratio
-is the median over rounds of each round's worker/baseline ratio, so a burst
-of load elsewhere hits both sides of one round, not one side of the figure.
+rounds each time PIPELINE_DEPTH copy-worker jobs submitted back to back, as
+an engine keeps several in flight, timed from the first submit to the last
+completion, between two plain copies of the job's bytes between two
+contiguous buffers (host memcpy on CPU; pinned device<->host on CUDA), one
+just before and one just after. Bracketing puts the baseline and the worker
+under the same conditions on a busy host: the ratio is the median over
+rounds of each round's worker/baseline ratio, so a burst of load elsewhere
+hits both sides of one round, not one side of the figure.
 GB/s figures are the best round (the least disturbed), median beside. On CUDA the
 worker runs once pinned and once pageable. Each (size, pattern) ends with a
 byte-for-byte check of one store and one load. The scratch region is removed
@@ -53,6 +53,11 @@ AUTO_TRANSFER_BYTES = 128 * MiB
 # blocks) and back. scattered: random blocks on both sides (a fragmented cache).
 PATTERNS = ("contiguous", "device-scattered", "scattered")
 PIPELINE_DEPTH = 2  # jobs in flight per timed round, and copies per baseline round
+# Rounds per figure. On a 2-vCPU VM one round's worker/memcpy ratio spread by
+# +-0.1 around its median; the median of 5 rounds moved by +-0.05 from run to run,
+# enough for the worst of eight cells to read 0.05-0.1 below the typical figure.
+# 11 rounds add ~10 s to a default run.
+DEFAULT_REPEAT = 11
 # DESIGN section 6: CPU store/load against memcpy for blocks >= 64 KiB
 TARGET_RATIOS = {"contiguous": 0.9, "device-scattered": 0.8, "scattered": 0.8}
 TARGET_MIN_BLOCK = 64 * KiB
@@ -68,7 +73,7 @@ class BenchConfig:
     block_sizes: tuple[int, ...] = DEFAULT_BLOCK_SIZES
     world_size: int = 1
     blocks_per_transfer: int | None = None  # None: about AUTO_TRANSFER_BYTES per job
-    repeat: int = 5
+    repeat: int = DEFAULT_REPEAT
     patterns: tuple[str, ...] = PATTERNS
     populate_threads: int = 1
     seed: int = 0
@@ -369,16 +374,17 @@ class _Bench:
 
     def direction(self, worker: CopyWorker, baseline: _Baseline, store: bool, src: Tensor,
                   dst: Tensor) -> Throughput:
+        """Rounds of: one plain copy, PIPELINE_DEPTH jobs in flight, one plain copy. The
+        two copies around the jobs are their baseline, so a change of the host's memory
+        bandwidth during a round (other tenants of a VM) weighs on both sides alike."""
         depth = PIPELINE_DEPTH
         self.jobs(worker, store, src, dst, depth)  # warm-up, both of them
         baseline.batch(store, depth)
         walls, inner, copies, method = [], [], [], ""
-        for i in range(self.config.repeat):
-            if i % 2 == 0:
-                copies.append(baseline.batch(store, depth))
+        for _ in range(self.config.repeat):
+            before = baseline.batch(store, depth // 2)
             wall, seconds, method = self.jobs(worker, store, src, dst, depth)
-            if i % 2 == 1:
-                copies.append(baseline.batch(store, depth))
+            copies.append(before + baseline.batch(store, depth - depth // 2))
             walls.append(wall)
             inner += seconds
         nbytes = baseline.nbytes
