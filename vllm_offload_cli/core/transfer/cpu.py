@@ -119,8 +119,8 @@ class Unit(NamedTuple):
     work: Callable[[Staging], None]
 
 
-def _copy(dst: Tensor, src: Tensor, staging: Staging) -> None:
-    dst.copy_(src)
+def _copy_run(dst: Tensor, src: Tensor, d: int, s: int, n: int, staging: Staging) -> None:
+    dst[d:d + n].copy_(src[s:s + n])
 
 
 def _gather(src: Tensor, idx: Tensor, out: Tensor, staging: Staging) -> None:
@@ -204,18 +204,12 @@ def units(pair: RowPair, plan: TransferPlan, method: str, threads: int = 1,
     if method == "slices":
         at = 0
         for run in plan.joint_runs():
-            parts = _split(at, at + run.length, cuts)
+            # views are cut by the copy thread that takes the unit: planning, on the
+            # submit path, stays a few list operations however long the run
+            for a, b in _split(at, at + run.length, cuts):
+                out.append(Unit((b - a) * row, part(_copy_run, dst, src, run.dst + a - at,
+                                                    run.src + a - at, b - a)))
             at += run.length
-            if len(parts) == 1:
-                out.append(Unit(run.length * row, part(
-                    _copy, dst[run.dst:run.dst + run.length], src[run.src:run.src + run.length])))
-                continue
-            # a long run: its parts as views made by one torch call per side, not two each
-            sizes = [b - a for a, b in parts]
-            d_parts = import_torch().split(dst[run.dst:run.dst + run.length], sizes)
-            s_parts = import_torch().split(src[run.src:run.src + run.length], sizes)
-            out += [Unit(d.shape[0] * row, part(_copy, d, s))
-                    for d, s in zip(d_parts, s_parts, strict=True)]
     elif method == "gather":
         for span, first in zip(plan.dst_spans(), plan.dst_run_firsts(), strict=True):
             for a, b in _split(span.start, span.stop, cuts):

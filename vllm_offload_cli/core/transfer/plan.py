@@ -75,7 +75,9 @@ def as_block_ids(values: Any, *, what: str) -> Ids:
         if t.dim() != 1:
             raise InvalidInputError(f"{what} must be one-dimensional, got shape "
                                     f"{tuple(t.shape)}", code="invalid_blocks")
-        return np.array(t.to(device="cpu", dtype=torch.int64).numpy(), dtype=np.int64)
+        if t.dtype != torch.int64 or t.device.type != "cpu":
+            t = t.to(device="cpu", dtype=torch.int64)
+        return np.array(t.numpy(), dtype=np.int64)
     if isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__len__"):
         raise InvalidInputError(f"{what} must be a sequence of integer block ids, "
                                 f"got {type(values).__name__}", code="invalid_blocks")
