@@ -97,24 +97,24 @@ class Pieces:
         if n == 0:
             return []
         if not cuts or n == 1:
-            return [Chunk(self.dst, self.src, self.length)]
+            return [Chunk(self.dst, self.src, self.length, self.nbytes)]
         ends = np.cumsum(self.length)
         at = np.searchsorted(ends, np.asarray(cuts, dtype=np.int64), side="right").tolist()
         bounds = sorted({0, *(min(n, c) for c in at), n})
-        return [Chunk(self.dst[a:b], self.src[a:b], self.length[a:b])
-                for a, b in itertools.pairwise(bounds) if b > a]
+        total = ends[[b - 1 for b in bounds[1:]]].tolist()  # bytes up to each part's end
+        return [Chunk(self.dst[a:b], self.src[a:b], self.length[a:b], end - start)
+                for (a, b), start, end in zip(itertools.pairwise(bounds), [0, *total], total,
+                                              strict=False)]
 
 
 class Chunk(NamedTuple):
-    """Part of a validated list of pieces (int64 numpy arrays, views of the Pieces')."""
+    """Part of a validated list of pieces (int64 numpy arrays, views of the Pieces'), and
+    its bytes."""
 
     dst: Addresses
     src: Addresses
     length: Addresses
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
+    nbytes: int
 
 
 def _addresses(values: Any) -> Addresses | None:
