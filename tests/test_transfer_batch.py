@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
@@ -65,6 +66,24 @@ def test_every_mechanism_copies_exactly(mechanism: str, layout: str) -> None:
     pieces = ODD if layout == "odd" else MANY
     batch.copy_pieces(_pieces(src, dst, pieces), mechanism)
     assert torch.equal(dst, _expected(src, torch.zeros_like(dst), pieces))
+
+
+@pytest.mark.parametrize("mechanism", batch.MECHANISMS)
+def test_numpy_addresses_work_by_every_mechanism_even_strided(mechanism: str) -> None:
+    """The chain reads addresses as raw 64-bit words: a strided array must not be read
+    as if it were contiguous."""
+    if mechanism not in batch.available_mechanisms():
+        pytest.skip(f"{mechanism} is refused on this host")
+    src, dst = _buffers()
+    d, s, n = (np.array(c, dtype=np.int64) for c in zip(*MANY, strict=True))
+
+    def strided(a: Any) -> Any:
+        return np.repeat(a, 2)[::2]
+
+    d, s, n = strided(dst.data_ptr() + d), strided(src.data_ptr() + s), strided(n)
+    assert not (d.flags.c_contiguous or s.flags.c_contiguous or n.flags.c_contiguous)
+    batch.copy_pieces(batch.make_pieces(d, s, n), mechanism)
+    assert torch.equal(dst, _expected(src, torch.zeros_like(dst), MANY))
 
 
 def test_chunks_keep_every_piece_in_order_in_shares_of_similar_size() -> None:

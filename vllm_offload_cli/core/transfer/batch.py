@@ -101,10 +101,10 @@ class Pieces:
         ends = np.cumsum(self.length)
         at = np.searchsorted(ends, np.asarray(cuts, dtype=np.int64), side="right").tolist()
         bounds = sorted({0, *(min(n, c) for c in at), n})
-        total = ends[[b - 1 for b in bounds[1:]]].tolist()  # bytes up to each part's end
+        upto = ends[[b - 1 for b in bounds[1:]]].tolist()  # bytes up to each part's end
         return [Chunk(self.dst[a:b], self.src[a:b], self.length[a:b], end - start)
-                for (a, b), start, end in zip(itertools.pairwise(bounds), [0, *total], total,
-                                              strict=False)]
+                for (a, b), start, end in zip(itertools.pairwise(bounds), [0, *upto[:-1]], upto,
+                                              strict=True)]
 
 
 class Chunk(NamedTuple):
@@ -118,7 +118,8 @@ class Chunk(NamedTuple):
 
 
 def _addresses(values: Any) -> Addresses | None:
-    """A 1-D int64 CPU tensor or numpy array as a numpy array (shared); None if not one."""
+    """A 1-D int64 CPU tensor or numpy array as a C-contiguous numpy array (shared where it
+    already is one: the context chain reads it as raw words); None if not one."""
     import numpy as np
 
     torch = import_torch()
@@ -128,7 +129,8 @@ def _addresses(values: Any) -> Addresses | None:
         values = values.detach().numpy()
     if not isinstance(values, np.ndarray) or values.dtype != np.int64 or values.ndim != 1:
         return None
-    return values
+    contiguous: Addresses = np.ascontiguousarray(values)
+    return contiguous
 
 
 def make_pieces(dst: Any, src: Any, length: Any, *, check_overlap: bool = True) -> Pieces:
