@@ -9,8 +9,9 @@ The work is vectorised on numpy arrays: a job of thousands of blocks costs a
 handful of array operations, not a Python loop. numpy rather than torch because
 this runs on the submit path, usually with caches just flushed by the previous
 copy: a numpy call on a few thousand ids costs 2-5 us there against torch's
-10-40 us (dispatcher), and planning sat between a job's submit and its first
-byte (measured: a scattered job's planning went from ~1 ms to ~0.3 ms). The
+10-40 us (dispatcher), and planning sits between a job's submit and its first
+byte (measured, 2048 scattered blocks: submit to units ~0.9 ms warm and
+1.2-1.7 ms cold before, 0.3-0.45 ms warm and ~0.5 ms cold after). The
 ids are copied at submit, so a caller may reuse its id buffers at once.
 """
 
