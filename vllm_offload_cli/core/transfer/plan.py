@@ -167,17 +167,6 @@ def _diff(ids: Ids) -> Ids:
     return step
 
 
-def _spans(breaks: Mask, n: int) -> list[Span]:
-    """Split positions [0, n) where `breaks` (length n-1) is True."""
-    import numpy as np
-
-    if n == 0:
-        return []
-    cuts = (np.flatnonzero(breaks) + 1).tolist()
-    bounds = [0, *cuts, n]
-    return [Span(a, b) for a, b in itertools.pairwise(bounds)]
-
-
 def _count(breaks: Mask, n: int) -> int:
     import numpy as np
 
@@ -227,14 +216,12 @@ class TransferPlan:
 
     @cached_property
     def _dst_breaks(self) -> Mask:
-
         step = self.dst_step if self.dst_step is not None else _diff(self.dst_ids)
         breaks: Mask = step != 1
         return breaks
 
     @cached_property
     def _joint_breaks(self) -> Mask:
-
         breaks: Mask = self._dst_breaks | (_diff(self.src_ids) != 1)
         return breaks
 
@@ -252,9 +239,16 @@ class TransferPlan:
         return {"joint": lambda: self._joint_breaks, "dst": lambda: self._dst_breaks,
                 "src": lambda: self._src_breaks}[kind]()
 
+    @cached_property
+    def _run_starts(self) -> dict[str, Ids]:
+        return {}
+
     def run_starts(self, kind: str) -> Ids:
-        """Position of the first pair of each run of `kind` ("joint", "dst" or "src")."""
-        return _starts(self._breaks(kind), self.num_blocks)
+        """Position of the first pair of each run of `kind` ("joint", "dst" or "src");
+        found once per plan and kind (spans, lengths and firsts all start here)."""
+        if kind not in self._run_starts:
+            self._run_starts[kind] = _starts(self._breaks(kind), self.num_blocks)
+        return self._run_starts[kind]
 
     def run_lengths(self, kind: str) -> Ids:
         """Blocks per run, for runs of `kind`: "joint", "dst" or "src" (see the counts)."""
@@ -266,9 +260,13 @@ class TransferPlan:
         lengths[-1:] = self.num_blocks - starts[-1:]
         return lengths
 
+    def _spans(self, kind: str) -> list[Span]:
+        bounds = [*self.run_starts(kind).tolist(), self.num_blocks]
+        return [Span(a, b) for a, b in itertools.pairwise(bounds)]
+
     def dst_spans(self) -> list[Span]:
         """Positions of each run of consecutive destinations (sources arbitrary)."""
-        return _spans(self._dst_breaks, self.num_blocks)
+        return self._spans("dst")
 
     def joint_runs(self) -> list[Run]:
         """Maximal runs that are one slice on both sides."""
@@ -324,14 +322,14 @@ class TransferPlan:
 
     def src_spans(self) -> list[Span]:
         """Positions (in `src_sorted` order) of each run of consecutive sources."""
-        return _spans(self._src_breaks, self.num_blocks)
+        return self._spans("src")
 
     def src_run_firsts(self) -> list[int]:
         """The first source id of each run of consecutive sources."""
-        firsts: list[int] = self._by_src[0][_starts(self._src_breaks, self.num_blocks)].tolist()
+        firsts: list[int] = self._by_src[0][self.run_starts("src")].tolist()
         return firsts
 
     def dst_run_firsts(self) -> list[int]:
         """The first destination id of each run of consecutive destinations."""
-        firsts: list[int] = self.dst_ids[_starts(self._dst_breaks, self.num_blocks)].tolist()
+        firsts: list[int] = self.dst_ids[self.run_starts("dst")].tolist()
         return firsts
