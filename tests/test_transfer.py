@@ -10,7 +10,6 @@ import math
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -702,47 +701,6 @@ def test_units_shrink_from_a_third_of_the_job_to_the_smallest(n: int, threads: i
     assert len(sizes) <= 2 * (threads + 1) * max(1, n.bit_length())  # few trips to Python
     if n >= 4 * smallest * (threads + 1):
         assert sizes[-1] <= smallest  # threads finish within a small unit of each other
-
-
-def test_unit_queue_hands_every_unit_out_exactly_once_across_threads() -> None:
-    from vllm_offload_cli.core.transfer.cpu import Staging, Unit, UnitQueue
-
-    done: list[int] = []
-    lock = threading.Lock()
-
-    def unit(i: int) -> Unit:
-        def work(staging: Staging) -> None:
-            time.sleep(0.001 * (i % 3))  # uneven units: threads take different counts
-            with lock:
-                done.append(i)
-        return Unit(1, work)
-
-    todo = UnitQueue([unit(i) for i in range(200)])
-    threads = [threading.Thread(target=todo.drain, args=(Staging(),)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(done) == list(range(200))
-
-
-def test_unit_queue_stops_handing_out_work_after_a_failure() -> None:
-    from vllm_offload_cli.core.transfer.cpu import Staging, Unit, UnitQueue
-
-    ran: list[int] = []
-
-    def work(i: int) -> Unit:
-        def go(staging: Staging) -> None:
-            ran.append(i)
-            if i == 2:
-                raise OSError("disk on fire")
-        return Unit(1, go)
-
-    todo = UnitQueue([work(i) for i in range(10)])
-    with pytest.raises(OSError, match="disk on fire"):
-        todo.drain(Staging())
-    todo.drain(Staging())  # a second thread arriving late takes nothing more
-    assert ran == [0, 1, 2]
 
 
 def test_scattered_rows_are_shared_by_the_copy_threads(regions: Factory) -> None:

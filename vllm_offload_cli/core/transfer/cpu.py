@@ -1,8 +1,8 @@
 """The CPU copy path: block copies between device rows and region rows, on copy threads.
 
 It is real (CI runs it, and it stands in for the engine's copies where there
-is no GPU) and asynchronous like CUDA: each direction has its own thread and
-FIFO queue, and the copies themselves run on a small pool of copy threads.
+is no GPU) and asynchronous like CUDA: each direction is a lane (transfer.lane),
+a FIFO of jobs with its own copy threads.
 
 Method. Each job is copied one of five ways, picked per tensor by measured
 costs (transfer.costs: a short calibration, once per process):
@@ -18,11 +18,11 @@ costs (transfer.costs: a short calibration, once per process):
             pass over the bytes however both sides are scattered.
 
 Parallelism. Every job is cut into units that shrink from a third of what is
-left to 256 KiB (unit_cuts), which the copy threads take as they free up (the
-thread that serves the queue copies too), each running torch single-threaded:
-a parallel region started from a background thread is slow (see core.openmp),
-few big units mean few trips through the GIL, and small last ones keep both
-cores streaming to the end of a job, contiguous or scattered.
+left to 256 KiB (unit_cuts), which the lane's threads take as they free up,
+each running torch single-threaded: a parallel region started from a
+background thread is slow (see core.openmp), few big units mean few trips
+through the GIL, and small last ones keep both cores streaming to the end of
+a job, contiguous or scattered.
 """
 
 from __future__ import annotations
@@ -31,11 +31,7 @@ import bisect
 import functools
 import itertools
 import logging
-import queue
-import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -49,6 +45,7 @@ from vllm_offload_cli.core.transfer.costs import (
     measured,
 )
 from vllm_offload_cli.core.transfer.costs import choose_method as _choose
+from vllm_offload_cli.core.transfer.lane import Lane
 from vllm_offload_cli.core.transfer.openmp import single_threaded_torch
 from vllm_offload_cli.core.transfer.plan import Direction, TransferPlan
 from vllm_offload_cli.core.transfer.result import ResultSink, TransferResult
@@ -57,7 +54,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-__all__ = ["METHODS", "CpuBackend", "RowPair", "Staging", "UnitQueue", "choose_method",
+__all__ = ["METHODS", "CpuBackend", "RowPair", "Staging", "choose_method",
            "copy_rows", "units"]
 
 logger = logging.getLogger(__name__)
@@ -112,11 +109,14 @@ class RowPair:
 # -- units of work ---------------------------------------------------------------------
 
 
+UnitWork = Callable[[Staging], None]  # copies one unit, with the thread's scratch buffer
+
+
 class Unit(NamedTuple):
     """Part of a job: `work(staging)` copies `nbytes`."""
 
     nbytes: int
-    work: Callable[[Staging], None]
+    work: UnitWork
 
 
 def _copy_run(dst: Tensor, src: Tensor, d: int, s: int, n: int, staging: Staging) -> None:
@@ -249,48 +249,19 @@ def copy_rows(pair: RowPair, plan: TransferPlan, method: str, staging: Staging,
         unit.work(staging)
 
 
-class UnitQueue:
-    """The units of one job, taken one at a time by whichever copy thread is free.
+class Job:
+    """A job in a lane: its plan, and how it was copied once planned."""
 
-    Threads that start late (a pool thread needs a wake-up) or run slow (another
-    process took the core) simply take fewer units, so all finish within about
-    one unit of each other; a fixed share per thread would wait for the slowest.
-    """
+    __slots__ = ("methods", "plan")
 
-    def __init__(self, work: Sequence[Unit]) -> None:
-        self._work = list(work)
-        self._next = itertools.count().__next__  # one C call: atomic under the GIL
-        self._failed = False
-
-    def __len__(self) -> int:
-        return len(self._work)
-
-    def drain(self, staging: Staging) -> None:
-        """Copy units until none is left (or another thread's unit failed)."""
-        while not self._failed:
-            i = self._next()
-            if i >= len(self._work):
-                return
-            try:
-                self._work[i].work(staging)
-            except BaseException:
-                self._failed = True
-                raise
-
-
-class Prepared(NamedTuple):
-    """A job on its way to the copy threads: its units, once planned (None: not yet)."""
-
-    plan: TransferPlan
-    work: list[Unit] | None
-    methods: str  # what the result reports, e.g. "batched:cffi"
-
-
-_STOP = object()
+    def __init__(self, plan: TransferPlan, methods: str = "") -> None:
+        self.plan = plan
+        self.methods = methods  # what the result reports, e.g. "batched:cffi"
 
 
 class CpuBackend:
-    """One thread and one FIFO queue per direction; a job is split over the copy threads."""
+    """One lane per direction (transfer.lane): a FIFO of jobs and `threads` copy threads
+    that share each job's units."""
 
     def __init__(self, pairs: Sequence[RowPair], sink: ResultSink,
                  job_bytes: Callable[[TransferPlan], int],
@@ -301,53 +272,52 @@ class CpuBackend:
         self._sink = sink
         self._job_bytes = job_bytes
         self.threads = max(1, min(MAX_COPY_THREADS, threads or torch.get_num_threads()))
-        self._local = threading.local()
-        self._pool = (ThreadPoolExecutor(self.threads, thread_name_prefix="vllm-offload-copy",
-                                         initializer=single_threaded_torch)
-                      if self.threads > 1 else None)
-        self._cancel = threading.Event()
-        self._queues: dict[Direction, queue.SimpleQueue[object]] = {}
-        self._threads: dict[Direction, threading.Thread] = {}
-        for direction in Direction:
-            self._queues[direction] = queue.SimpleQueue()
-            thread = threading.Thread(target=self._serve, args=(direction,), daemon=True,
-                                      name=f"vllm-offload-{direction.value}")
-            self._threads[direction] = thread
-            thread.start()
+        self._lanes = {
+            direction: Lane[Job, Staging](
+                f"vllm-offload-{direction.value}", self.threads, plan=self._plan_late,
+                finish=self._finish, cancelled=self._cancelled, context=Staging,
+                setup=single_threaded_torch)
+            for direction in Direction}
 
     def submit(self, plan: TransferPlan) -> None:
-        self._queues[plan.direction].put(self._prepare_early(plan))
+        job, work = self._prepare_early(plan)
+        self._lanes[plan.direction].put(job, work)
 
-    def _prepare_early(self, plan: TransferPlan) -> Prepared:
+    def _prepare_early(self, plan: TransferPlan) -> tuple[Job, list[UnitWork] | None]:
         """Cut the job into units now, on the caller's thread, so that a job queued behind
         another starts copying the moment that one ends (planning costs a few hundred
         microseconds, several times more on a copy thread whose caches the last job just
-        flushed). Left to the copy thread while the costs are not measured yet (the first
+        flushed). Left to a copy thread while the costs are not measured yet (the first
         job measures them, ~0.3 s, which a submit must not wait for) and when planning
         fails (the copy thread plans again and reports the failure as the job's result)."""
+        job = Job(plan)
         known = self._costs or measured()
         if known is None and plan.joint_run_count > 1:  # one run needs no costs
-            return Prepared(plan, None, "")
+            return job, None
         try:
-            return self._prepare(plan, known)
+            return job, self._prepare(job, known)
         except Exception as exc:
             logger.debug("job %d: planning deferred to the copy thread: %s", plan.job_id, exc)
-            return Prepared(plan, None, "")
+            return job, None
 
-    def _prepare(self, plan: TransferPlan, known: CopyCosts | None) -> Prepared:
+    def _plan_late(self, job: Job) -> list[UnitWork]:
+        return self._prepare(job, self._costs)
+
+    def _prepare(self, job: Job, known: CopyCosts | None) -> list[UnitWork]:
         used: list[str] = []
-        work: list[Unit] = []
+        work: list[UnitWork] = []
         for pair in self._pairs:
-            method = choose_method(plan, pair, known)
+            method = choose_method(job.plan, pair, known)
             mechanism = None
             if method == "batched":
                 mechanism = (known or calibrate()).mechanism
                 method = f"batched:{mechanism}"
-            work += units(pair, plan, method.partition(":")[0],
-                          self.threads, mechanism)
+            work += [unit.work for unit in units(pair, job.plan, method.partition(":")[0],
+                                                 self.threads, mechanism)]
             if method not in used:
                 used.append(method)
-        return Prepared(plan, work, "+".join(used))
+        job.methods = "+".join(used)
+        return work
 
     def poll(self) -> None:
         """Nothing to do: the threads report as they finish."""
@@ -357,72 +327,27 @@ class CpuBackend:
 
     def close(self, cancel_pending: bool) -> None:
         """Finish (or cancel) what is queued, then stop the threads."""
-        if cancel_pending:
-            self._cancel.set()
-        for direction in Direction:
-            self._queues[direction].put(_STOP)
-        for thread in self._threads.values():
-            thread.join()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for lane in self._lanes.values():
+            lane.close(cancel_pending)
         self._pairs = []
 
-    def _staging(self) -> Staging:
-        staging: Staging | None = getattr(self._local, "staging", None)
-        if staging is None:
-            staging = self._local.staging = Staging()
-        return staging
+    # -- what the lanes report ----------------------------------------------------------
 
-    def _drain(self, todo: UnitQueue) -> None:
-        todo.drain(self._staging())
-
-    def _serve(self, direction: Direction) -> None:
-        single_threaded_torch()  # it copies a share of every job, like the pool threads
-        q = self._queues[direction]
-        while True:
-            item = q.get()
-            if item is _STOP:
-                return
-            assert isinstance(item, Prepared)
-            self._sink.add(self._run(item))
-
-    def _copy(self, job: Prepared) -> str:
-        if job.work is None:
-            job = self._prepare(job.plan, self._costs)
-        assert job.work is not None
-        todo = UnitQueue(job.work)
-        helpers = min(self.threads, len(todo)) - 1
-        if self._pool is None or helpers <= 0:
-            todo.drain(self._staging())
-            return job.methods
-        # this thread copies too: it is running already, a pool thread needs a wake-up
-        futures: list[Future[None]] = [self._pool.submit(self._drain, todo)
-                                       for _ in range(helpers)]
-        errors: list[BaseException | None] = []
-        try:
-            todo.drain(self._staging())
-        except Exception as exc:
-            errors.append(exc)
-        errors += [f.exception() for f in futures]  # wait for all: none may outlive the job
-        first_error = next((e for e in errors if e is not None), None)
-        if first_error is not None:
-            raise first_error
-        return job.methods
-
-    def _run(self, job: Prepared) -> TransferResult:
+    def _finish(self, job: Job, error: BaseException | None, seconds: float) -> None:
         plan = job.plan
         nbytes = self._job_bytes(plan)
-        if self._cancel.is_set():
-            return TransferResult(plan.job_id, plan.direction, False, nbytes, 0.0,
-                                  plan.num_blocks, error="cancelled: the copy worker shut "
-                                  "down before this job started")
-        start = time.perf_counter()
-        try:
-            method = self._copy(job)
-        except Exception as exc:  # reported as a failed job, never dropped
-            logger.warning("%s job %d failed: %s", plan.direction.value, plan.job_id, exc)
-            return TransferResult(plan.job_id, plan.direction, False, nbytes,
-                                  time.perf_counter() - start, plan.num_blocks,
-                                  error=f"{type(exc).__name__}: {exc}")
-        return TransferResult(plan.job_id, plan.direction, True, nbytes,
-                              time.perf_counter() - start, plan.num_blocks, method=method)
+        if error is None:
+            self._sink.add(TransferResult(plan.job_id, plan.direction, True, nbytes, seconds,
+                                          plan.num_blocks, method=job.methods))
+            return
+        # reported as a failed job, never dropped
+        logger.warning("%s job %d failed: %s", plan.direction.value, plan.job_id, error)
+        self._sink.add(TransferResult(plan.job_id, plan.direction, False, nbytes, seconds,
+                                      plan.num_blocks, error=f"{type(error).__name__}: {error}"))
+
+    def _cancelled(self, job: Job) -> None:
+        plan = job.plan
+        self._sink.add(TransferResult(plan.job_id, plan.direction, False,
+                                      self._job_bytes(plan), 0.0, plan.num_blocks,
+                                      error="cancelled: the copy worker shut down before "
+                                      "this job started"))
