@@ -318,6 +318,13 @@ BAD_JOBS: dict[str, tuple[str, Any, Any, str]] = {
     "load_dst_out_of_range": ("load", [0], [9], "destination block id 9 (position 0) is out "
                               "of range: the device cache has 4 blocks"),
     "negative": ("store", [0, -1], [0, 1], "source block id -1 (position 1) is negative"),
+    # ascending destinations are bounded by their ends; unsorted ones are searched
+    "dst_negative_ascending": ("store", [0, 1], [-1, 2], "destination block id -1 "
+                               "(position 0) is negative"),
+    "dst_out_of_range_unsorted": ("store", [0, 1, 2], [16, 2, 1], "destination block id 16 "
+                                  "(position 0) is out of range"),
+    "two_dimensional_tensor": ("store", torch.zeros((1, 2), dtype=torch.int64), [0, 1],
+                               "must be one-dimensional"),
     "length_mismatch": ("store", [0, 1, 2], [0, 1], "3 source blocks but 2 destination"),
     "duplicate_destination": ("store", [0, 1, 2], [5, 3, 5], "destination block 5 appears "
                               "more than once"),
@@ -357,14 +364,18 @@ def test_invalid_jobs_are_refused_before_any_byte_moves(regions: Factory, name: 
     assert torch.equal(device, torch.full((4, 4096), 0xAB, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("kind", ["tensor", "numpy", "list", "range", "uint32"])
+@pytest.mark.parametrize("kind", ["tensor", "strided_tensor", "int32_tensor", "numpy", "list",
+                                  "range", "uint32"])
 def test_block_ids_of_any_integer_kind_are_taken_and_copied_at_submit(
         regions: Factory, kind: str) -> None:
     """vLLM reuses its id buffers: changing them after submit must not change the job."""
     region = regions(num_blocks=16, cpu_page_size=4096)
     device = torch.stack([torch.full((4096,), i, dtype=torch.uint8) for i in range(8)])
     src_ids = [5, 1, 2]
-    made: dict[str, Any] = {"tensor": torch.tensor(src_ids), "numpy": np.array(src_ids),
+    made: dict[str, Any] = {"tensor": torch.tensor(src_ids),
+                            "strided_tensor": torch.tensor([5, -7, 1, -7, 2])[::2],
+                            "int32_tensor": torch.tensor(src_ids, dtype=torch.int32),
+                            "numpy": np.array(src_ids),
                             "list": list(src_ids), "range": range(5, 8),
                             "uint32": np.array(src_ids, dtype=np.uint32)}
     src = made[kind]
@@ -693,7 +704,7 @@ def test_units_shrink_from_a_third_of_the_job_to_the_smallest(n: int, threads: i
     sizes = [b - a for a, b in itertools.pairwise([0, *cuts, n])]
     assert sum(sizes) == n and all(s > 0 for s in sizes)
     if threads == 1:
-        assert cuts == []
+        assert cuts == ()
         return
     assert sizes[0] == max(smallest, -(-n // (threads + 1)))  # big units first
     assert all(a >= b for a, b in itertools.pairwise(sizes[:-1]))  # then smaller
