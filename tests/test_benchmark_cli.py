@@ -154,3 +154,39 @@ def test_the_cli_default_rounds_are_the_library_default() -> None:
 
     default = inspect.signature(benchmark_cmd.callback).parameters["repeat"].default
     assert default == DEFAULT_REPEAT == BenchConfig(shm_dir="/", device="cpu").repeat
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_cpu_baseline_copies_between_the_workers_own_buffers(shm_dir: Path,
+                                                                  world_size: int) -> None:
+    """The memcpy baseline moves the job's byte count between the device tensor's first
+    bytes and the region mapping's last bytes (the same memory the jobs use), both ways."""
+    from vllm_offload_cli.core.region import SharedOffloadRegion
+    from vllm_offload_cli.core.region.geometry import default_row_stride
+    from vllm_offload_cli.core.transfer.bench import _Baseline
+
+    torch = import_torch()
+    block, num_blocks, n = 16384, 8, 4
+    row_stride = default_row_stride(world_size, block)
+    region = SharedOffloadRegion("base", num_blocks, 0, row_stride, block, shm_dir=shm_dir,
+                                 world_size=world_size)
+    try:
+        device = torch.randint(-128, 128, (num_blocks, block), dtype=torch.int8,
+                               generator=torch.Generator().manual_seed(3))
+        view = region.create_next_worker_view(block)
+        baseline = _Baseline.for_device("cpu", n * block, device, view)
+        assert baseline.nbytes == n * block and not baseline.cuda
+        assert baseline.batch(store=True, count=1) > 0
+        total = num_blocks * row_stride
+        raw = Path(region.mmap_path).read_bytes()
+        assert len(raw) == total
+        head = device.view(torch.uint8).view(-1)[:n * block].numpy().tobytes()
+        assert raw[total - n * block:] == head and raw[:total - n * block] == bytes(
+            total - n * block)  # nothing outside the span was touched
+        device.zero_()
+        baseline.batch(store=False, count=1)
+        assert device.view(torch.uint8).view(-1)[:n * block].numpy().tobytes() == head
+        assert not device.view(-1)[n * block:].any()
+        del baseline, view
+    finally:
+        region.cleanup()
