@@ -175,3 +175,22 @@ def test_close_without_cancel_finishes_everything(log: Log) -> None:
         one.put(job, [sleeper(log, job, i, 0.001) for i in range(3)])
     one.close(cancel=False)
     assert log.results == [(job, None) for job in range(10)] and not log.cancelled
+
+
+def test_a_report_that_raises_does_not_stop_the_lane(log: Log,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    def finish(job: Any, error: BaseException | None, seconds: float) -> None:
+        if job == 1:
+            raise RuntimeError("the sink is gone")
+        log.finish(job, error, seconds)
+
+    one = Lane("test-lane", 2, plan=lambda job: [], finish=finish, cancelled=log.cancel,
+               context=dict)
+    for job in range(4):
+        one.put(job, [sleeper(log, job, 0)])
+    closer = threading.Thread(target=one.close, args=(False,))
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), "close() returned"
+    assert [job for job, _ in log.results] == [0, 2, 3]
+    assert "reporting a finished job failed" in caplog.text
