@@ -87,35 +87,55 @@ class CopyCosts:
         return doc
 
 
-def job_costs(plan: TransferPlan, row_bytes: int, dense: bool,
-              costs: CopyCosts) -> dict[str, float]:
+def _turns(cost: Cost, threads: int) -> Cost:
+    """`cost` with its calls priced as `threads` threads taking turns at the GIL."""
+    return dataclasses.replace(cost, per_call=cost.per_call * threads)
+
+
+def job_costs(plan: TransferPlan, row_bytes: int, dense: bool, costs: CopyCosts,
+              threads: int = 1) -> dict[str, float]:
     """Predicted seconds of each method for one tensor of `plan` (one thread's worth).
 
     `dense`: rows are adjacent on both sides, so a joint run is one batched piece.
+    `threads`: copy threads that share the job. The calibration runs on one thread,
+    but every torch call and every piece a Python loop calls holds the GIL for part
+    of its time, so threads sharing a job take turns at it: such calls are priced
+    `threads` times, while bytes, rows and a context chain's pieces (no GIL between
+    them) or process_vm_readv's (one syscall) run side by side. Measured: with a
+    one-thread price, a 64 KiB scattered job took one gather per destination run
+    and ran at half the speed of memcpy on two threads.
     """
     n = plan.num_blocks
     total = n * row_bytes
     runs = plan.joint_run_count
     if runs <= 1:  # one run is one copy: nothing is cheaper
         return {"slices": costs.copy.seconds(1, 0, total)}
+    copy, gather, scatter = (_turns(c, threads) for c in (costs.copy, costs.gather,
+                                                           costs.scatter))
     chunks = math.ceil(total / STAGE_BYTES)
     out = {
-        "slices": costs.copy.seconds(runs, 0, total),
-        "gather": costs.gather.seconds(plan.dst_run_count, n, total),
-        "staged": costs.gather.seconds(chunks, n, total) + costs.scatter.seconds(chunks, n,
-                                                                                  total),
+        "slices": copy.seconds(runs, 0, total),
+        "gather": gather.seconds(plan.dst_run_count, n, total),
+        "staged": gather.seconds(chunks, n, total) + scatter.seconds(chunks, n, total),
     }
     if costs.batched is not None:
-        out["batched"] = costs.batched.seconds(runs if dense else n, 0, total)
-    scatter_floor = costs.scatter.seconds(1, n, total)
+        batched = (costs.batched if costs.mechanism in _GIL_FREE_PIECES
+                   else _turns(costs.batched, threads))
+        out["batched"] = batched.seconds(runs if dense else n, 0, total)
+    scatter_floor = scatter.seconds(1, n, total)
     if scatter_floor < min(out.values()):  # only then is sorting by source worth it
-        out["scatter"] = costs.scatter.seconds(plan.src_run_count, n, total)
+        out["scatter"] = scatter.seconds(plan.src_run_count, n, total)
     return out
 
 
-def choose_method(plan: TransferPlan, row_bytes: int, dense: bool, costs: CopyCosts) -> str:
-    """The cheapest method for `plan` (ties: earliest in METHODS)."""
-    priced = job_costs(plan, row_bytes, dense, costs)
+_GIL_FREE_PIECES = ("ucontext", "vm-readv")  # one call copies every piece of a chunk
+
+
+def choose_method(plan: TransferPlan, row_bytes: int, dense: bool, costs: CopyCosts,
+                  threads: int = 1) -> str:
+    """The cheapest method for `plan` on `threads` copy threads (ties: earliest in
+    METHODS)."""
+    priced = job_costs(plan, row_bytes, dense, costs, threads)
     return min((m for m in METHODS if m in priced), key=lambda m: priced[m])
 
 

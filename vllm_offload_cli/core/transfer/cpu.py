@@ -63,11 +63,13 @@ MAX_COPY_THREADS = 16
 SMALLEST_UNIT_BYTES = 256 * 1024  # per tensor: the last units of a job (see unit_cuts)
 
 
-def choose_method(plan: TransferPlan, pair: RowPair, costs: CopyCosts | None = None) -> str:
-    """The cheapest method for one tensor of `plan`; calibrates on first need."""
+def choose_method(plan: TransferPlan, pair: RowPair, costs: CopyCosts | None = None,
+                  threads: int = 1) -> str:
+    """The cheapest method for one tensor of `plan` on `threads` copy threads; calibrates
+    on first need."""
     if plan.joint_run_count <= 1:
         return "slices"  # one copy: nothing is cheaper, and nothing to measure
-    return _choose(plan, pair.row_bytes, pair.dense, costs or calibrate())
+    return _choose(plan, pair.row_bytes, pair.dense, costs or calibrate(), threads)
 
 
 class Staging:
@@ -309,7 +311,7 @@ class CpuBackend:
         used: list[str] = []
         work: list[UnitWork] = []
         for pair in self._pairs:
-            method = choose_method(job.plan, pair, known)
+            method = choose_method(job.plan, pair, known, self.threads)
             mechanism = None
             if method == "batched":
                 mechanism = (known or calibrate()).mechanism
