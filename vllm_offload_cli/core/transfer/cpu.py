@@ -339,15 +339,12 @@ class CpuBackend:
 
     def _finish(self, job: Job, error: BaseException | None, seconds: float) -> None:
         plan = job.plan
-        nbytes = self._job_bytes(plan)
-        if error is None:
-            self._sink.add(TransferResult(plan.job_id, plan.direction, True, nbytes, seconds,
-                                          plan.num_blocks, method=job.methods))
-            return
-        # reported as a failed job, never dropped
-        logger.warning("%s job %d failed: %s", plan.direction.value, plan.job_id, error)
-        self._sink.add(TransferResult(plan.job_id, plan.direction, False, nbytes, seconds,
-                                      plan.num_blocks, error=f"{type(error).__name__}: {error}"))
+        if error is not None:  # reported as a failed job, never dropped
+            logger.warning("%s job %d failed: %s", plan.direction.value, plan.job_id, error)
+        self._sink.add(TransferResult(
+            plan.job_id, plan.direction, error is None, self._job_bytes(plan), seconds,
+            plan.num_blocks, method=job.methods if error is None else "",
+            error=None if error is None else f"{type(error).__name__}: {error}"))
 
     def _cancelled(self, job: Job) -> None:
         plan = job.plan
