@@ -87,6 +87,9 @@ class CopyCosts:
         return doc
 
 
+_GIL_FREE_PIECES = ("ucontext", "vm-readv")  # one call copies every piece of a chunk
+
+
 def _turns(cost: Cost, threads: int) -> Cost:
     """`cost` with its calls priced as `threads` threads taking turns at the GIL."""
     return dataclasses.replace(cost, per_call=cost.per_call * threads)
@@ -126,9 +129,6 @@ def job_costs(plan: TransferPlan, row_bytes: int, dense: bool, costs: CopyCosts,
     if scatter_floor < min(out.values()):  # only then is sorting by source worth it
         out["scatter"] = scatter.seconds(plan.src_run_count, n, total)
     return out
-
-
-_GIL_FREE_PIECES = ("ucontext", "vm-readv")  # one call copies every piece of a chunk
 
 
 def choose_method(plan: TransferPlan, row_bytes: int, dense: bool, costs: CopyCosts,
