@@ -1,9 +1,10 @@
 """CPU copy-worker figures against a plain memcpy, optionally over several rounds.
 
 A thin wrapper over the benchmark core (`vllm-offload benchmark --device cpu`)
-for a noisy host: each round runs the whole sweep (memcpy and worker jobs
-interleaved, best of --repeat), and the summary gives the median ratio per
-(block size, pattern) across rounds. Prints plain text; --json for the rows.
+for a noisy host: each round runs the whole sweep (each figure the median of
+--repeat bracketed memcpy/worker rounds, as the CLI does), and the summary gives
+the median ratio per (block size, pattern) across rounds. Prints plain text;
+--json for the rows.
 
     python benchmarks/transfer_cpu.py --rounds 3
 """
@@ -21,6 +22,7 @@ from collections import defaultdict
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.transfer.bench import (
     DEFAULT_BLOCK_SIZES,
+    DEFAULT_REPEAT,
     PATTERNS,
     BenchConfig,
     run_benchmark,
@@ -32,7 +34,7 @@ def main() -> int:
     parser.add_argument("--size", default="256MiB", help="scratch region per block size")
     parser.add_argument("--block-sizes", default=",".join(str(b) for b in DEFAULT_BLOCK_SIZES))
     parser.add_argument("--patterns", default=",".join(PATTERNS))
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
