@@ -33,7 +33,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.transfer import batch
@@ -111,14 +111,7 @@ class RowPair:
 # -- units of work ---------------------------------------------------------------------
 
 
-UnitWork = Callable[[Staging], None]  # copies one unit, with the thread's scratch buffer
-
-
-class Unit(NamedTuple):
-    """Part of a job: `work(staging)` copies `nbytes`."""
-
-    nbytes: int
-    work: UnitWork
+UnitWork = Callable[[Staging], None]  # copies one part of a job, given the thread's scratch
 
 
 def _copy_run(dst: Tensor, src: Tensor, d: int, s: int, n: int, staging: Staging) -> None:
@@ -194,13 +187,13 @@ def pieces_of(pair: RowPair, plan: TransferPlan) -> batch.Pieces:
 
 
 def units(pair: RowPair, plan: TransferPlan, method: str, threads: int = 1,
-          mechanism: str | None = None, smallest: int = SMALLEST_UNIT_BYTES) -> list[Unit]:
+          mechanism: str | None = None, smallest: int = SMALLEST_UNIT_BYTES) -> list[UnitWork]:
     """The work that copies `plan` for one tensor by `method` on `threads` copy threads:
     one call per run, runs cut where `unit_cuts` says (positions in the method's order)."""
     src, dst = pair.sides(plan.direction)
     row = pair.row_bytes
     n = plan.num_blocks
-    out: list[Unit] = []
+    out: list[UnitWork] = []
     if n == 0:
         return out
     cuts = unit_cuts(n, threads, max(1, smallest // row))
@@ -211,34 +204,31 @@ def units(pair: RowPair, plan: TransferPlan, method: str, threads: int = 1,
             # views are cut by the copy thread that takes the unit: planning, on the
             # submit path, stays a few list operations however long the run
             for a, b in _split(at, at + run.length, cuts):
-                out.append(Unit((b - a) * row, part(_copy_run, dst, src, run.dst + a - at,
-                                                    run.src + a - at, b - a)))
+                out.append(part(_copy_run, dst, src, run.dst + a - at, run.src + a - at,
+                                b - a))
             at += run.length
     elif method == "gather":
         for span, first in zip(plan.dst_spans(), plan.dst_run_firsts(), strict=True):
             for a, b in _split(span.start, span.stop, cuts):
                 d = first + a - span.start
-                out.append(Unit((b - a) * row, part(_gather, src, plan.src[a:b],
-                                                    dst[d:d + b - a])))
+                out.append(part(_gather, src, plan.src[a:b], dst[d:d + b - a]))
     elif method == "scatter":
         targets = plan.dst_by_src
         for span, first in zip(plan.src_spans(), plan.src_run_firsts(), strict=True):
             for a, b in _split(span.start, span.stop, cuts):
                 s = first + a - span.start
-                out.append(Unit((b - a) * row, part(_scatter, dst, targets[a:b],
-                                                    src[s:s + b - a])))
+                out.append(part(_scatter, dst, targets[a:b], src[s:s + b - a]))
     elif method == "staged":
         stage = max(1, STAGE_BYTES // row)
         bounds = sorted({*cuts, *range(stage, n, stage)})
         for a, b in _split(0, n, bounds):
-            out.append(Unit((b - a) * row, part(_staged, src, plan.src[a:b], dst,
-                                                plan.dst[a:b])))
+            out.append(part(_staged, src, plan.src[a:b], dst, plan.dst[a:b]))
     elif method == "batched":
         chosen = mechanism or next(iter(batch.available_mechanisms()), None)
         if chosen is None:
             raise RuntimeError("no batched copy mechanism works here")
         for chunk in pieces_of(pair, plan).chunks_at([c * row for c in cuts]):
-            out.append(Unit(chunk.nbytes, part(_batched, chunk, chosen)))
+            out.append(part(_batched, chunk, chosen))
     else:
         raise ValueError(f"unknown copy method {method!r}")
     return out
@@ -250,7 +240,7 @@ def copy_rows(pair: RowPair, plan: TransferPlan, method: str, staging: Staging,
     """dst[plan.dst[i]] = src[plan.src[i]] for every pair of blocks, on this thread (cut
     into the units `threads` copy threads would share)."""
     for unit in units(pair, plan, method, threads, mechanism, smallest):
-        unit.work(staging)
+        unit(staging)
 
 
 class Job:
@@ -316,8 +306,7 @@ class CpuBackend:
             if method == "batched":
                 mechanism = (known or calibrate()).mechanism
                 method = f"batched:{mechanism}"
-            work += [unit.work for unit in units(pair, job.plan, method.partition(":")[0],
-                                                 self.threads, mechanism)]
+            work += units(pair, job.plan, method.partition(":")[0], self.threads, mechanism)
             if method not in used:
                 used.append(method)
         job.methods = "+".join(used)

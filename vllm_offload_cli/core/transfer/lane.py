@@ -36,7 +36,7 @@ Work = Sequence[Callable[[C], None]]
 class _Open(Generic[J, C]):
     """The job being copied: units handed out in order and counted back in."""
 
-    __slots__ = ("error", "handed", "job", "planning", "running", "start", "work")
+    __slots__ = ("error", "handed", "job", "running", "start", "work")
 
     def __init__(self, job: J, work: Work[C] | None) -> None:
         self.job = job
@@ -45,7 +45,6 @@ class _Open(Generic[J, C]):
         self.running = 0  # units (or the planning) in progress
         self.error: BaseException | None = None
         self.start = time.perf_counter()
-        self.planning = False
 
     @property
     def done(self) -> bool:
@@ -144,9 +143,8 @@ class Lane(Generic[J, C]):
                     self._close_job(job)
                     continue
             if job.work is None:
-                if job.planning:
+                if job.running:  # another thread is planning it
                     return None
-                job.planning = True
                 job.running += 1
                 return job, -1
             if job.error is not None or job.handed == len(job.work):
@@ -174,8 +172,6 @@ class Lane(Generic[J, C]):
         job.running -= 1
         if failure is not None and job.error is None:
             job.error = failure
-        if job.planning and job.work is not None:
-            job.planning = False  # this thread takes the first unit next, and wakes help
         if job.done:
             self._close_job(job)
 
