@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +48,15 @@ def test_json_envelope_has_every_figure_and_the_region_is_gone(cli: Any, shm_dir
             assert figure["method"]
     assert set(data["target"]["patterns"]) == set(PATTERNS)
     assert {p: v["ratio"] for p, v in data["target"]["patterns"].items()} == {
-        "contiguous": 0.9, "device-scattered": 0.8, "scattered": 0.8}
-    costs = data["copy_costs"]  # what the per-row method choices were based on
-    assert costs["mechanism"] is None or costs["mechanism"] in costs["mechanisms"]
-    assert all(costs[k]["per_byte_ns"] > 0 for k in ("copy", "gather", "scatter"))
-    batched = [r[side]["method"] for r in rows for side in ("store", "load")
-               if r[side]["method"].startswith("batched")]
-    assert all(m == f"batched:{costs['mechanism']}" for m in batched)
+        "contiguous": 0.9, "device-scattered": 0.8, "scattered": 0.75}
+    # the rule each job was copied by: fixed by the pattern, the same in every run
+    methods = {(r["pattern"], side): r[side]["method"] for r in rows
+               for side in ("store", "load")}
+    assert methods == {("contiguous", "store"): "slice", ("contiguous", "load"): "slice",
+                       ("device-scattered", "store"): "gather",
+                       ("device-scattered", "load"): "scatter",
+                       ("scattered", "store"): "batched", ("scattered", "load"): "batched"}
+    assert "copy_costs" not in data
     assert list(shm_dir.iterdir()) == []
 
 
@@ -125,7 +126,6 @@ def test_a_signal_from_outside_removes_the_region(shm_dir: Path, signum: int) ->
     try:
         assert wait_until(lambda: any(p.suffix == ".mmap" for p in shm_dir.iterdir()),
                           timeout=60), "the benchmark never created its region"
-        time.sleep(0.2)
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:

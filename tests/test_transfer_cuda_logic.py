@@ -1,8 +1,9 @@
-"""The CUDA backend's bookkeeping (ordering, waiting, failures), with the GPU faked.
+"""The CUDA lane's bookkeeping (ordering, waiting, failures), with only the GPU faked.
 
 Streams and events are the one part that cannot exist without a GPU, so they
-are replaced by fakes whose completion the test controls; the copies
-themselves run for real, on CPU tensors. The real thing: test_transfer_cuda.py.
+are replaced by fakes whose completion the test controls; the copies are the
+CUDA path's own (copy_job over a pair whose sides are on two devices), run for
+real on CPU tensors. The real thing: test_transfer_cuda.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 import pytest
 
 from vllm_offload_cli.core.base.torch_import import import_torch
-from vllm_offload_cli.core.transfer.cuda import CudaBackend, CudaPair
-from vllm_offload_cli.core.transfer.plan import Direction, plan_transfer
+from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
+from vllm_offload_cli.core.transfer.jobs import Direction, make_job
+from vllm_offload_cli.core.transfer.lanes import StreamLane
 from vllm_offload_cli.core.transfer.result import ResultSink
 
 torch = import_torch()
@@ -53,83 +55,107 @@ class FakeStream:
             event.ready = True
 
 
+class Lanes:
+    """A StreamLane per direction over one tensor pair, as CopyWorker builds them on CUDA."""
+
+    def __init__(self) -> None:
+        self.device_rows = torch.arange(16 * 64, dtype=torch.int64).remainder(127).to(
+            torch.int8).view(16, 64)
+        self.host = torch.zeros(32, 64, dtype=torch.int8)
+        self.sink = ResultSink()
+        pairs = [TensorPair(self.device_rows, self.host, 64, one_device=False)]
+
+        def copy(job: Any, helper: Any) -> str:
+            assert helper is None  # a stream lane issues on the caller's thread only
+            return copy_job(pairs, job, non_blocking=True)
+
+        self.lanes = {d: StreamLane(d, copy, self.sink, lambda job: job.num_blocks * 64,
+                                    torch.device("cpu")) for d in Direction}
+
+    def submit(self, job: int, src: list[int], dst: list[int],
+               direction: Direction = Direction.STORE) -> None:
+        self.sink.expect(job)
+        self.lanes[direction].submit(make_job(job, direction, src, dst, device_blocks=16,
+                                              region_blocks=32))
+
+    def end_event(self, direction: Direction, index: int) -> FakeEvent:
+        stream: FakeStream = self.lanes[direction].stream
+        return stream.events[2 * index + 1]  # start, end, start, ...
+
+    def poll(self) -> None:
+        for lane in self.lanes.values():
+            lane.poll()
+
+
 @pytest.fixture
-def backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[CudaBackend, ResultSink, Any]]:
+def lanes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lanes]:
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute-stream")
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    device_rows = torch.arange(16 * 64, dtype=torch.int64).remainder(127).to(torch.int8).view(
-        16, 64)
-    host = torch.zeros(32, 64, dtype=torch.int8)
-    sink = ResultSink()
-    b = CudaBackend([CudaPair(device_rows, host, 64)], sink, lambda plan: plan.num_blocks * 64,
-                    torch.device("cpu"), "copy-engine")
-    yield b, sink, (device_rows, host)
+    yield Lanes()
 
 
-def submit(b: CudaBackend, sink: ResultSink, job: int, src: list[int], dst: list[int],
-           direction: Direction = Direction.STORE) -> None:
-    sink.expect(job)
-    b.submit(plan_transfer(job, direction, src, dst, device_blocks=16, region_blocks=32))
-
-
-def end_event(b: CudaBackend, direction: Direction, index: int) -> FakeEvent:
-    event: FakeEvent = b._streams[direction].events[2 * index + 1]  # start, end, start, ...
-    return event
-
-
-def test_jobs_are_reported_in_submission_order_whatever_finishes_first(backend: Any) -> None:
-    b, sink, (device_rows, host) = backend
+def test_jobs_are_reported_in_submission_order_whatever_finishes_first(lanes: Lanes) -> None:
     for job in (1, 2, 3):
-        submit(b, sink, job, [job], [job + 10])
-    stream = b._streams[Direction.STORE]
+        lanes.submit(job, [job], [job + 10])
+    stream: FakeStream = lanes.lanes[Direction.STORE].stream
     assert stream.waited_for == ["compute-stream"] * 3  # each after the caller's kernels
-    end_event(b, Direction.STORE, 2).ready = True  # job 3 "finishes" first
-    b.poll()
-    assert sink.take() == []
-    end_event(b, Direction.STORE, 0).ready = True
-    b.poll()
-    assert [r.job_id for r in sink.take()] == [1]
-    end_event(b, Direction.STORE, 1).ready = True
-    b.poll()
-    results = sink.take()
+    lanes.end_event(Direction.STORE, 2).ready = True  # job 3 "finishes" first
+    lanes.poll()
+    assert lanes.sink.take() == []
+    lanes.end_event(Direction.STORE, 0).ready = True
+    lanes.poll()
+    assert [r.job_id for r in lanes.sink.take()] == [1]
+    lanes.end_event(Direction.STORE, 1).ready = True
+    lanes.poll()
+    results = lanes.sink.take()
     assert [r.job_id for r in results] == [2, 3]
     assert all(r.success and r.seconds == pytest.approx(0.0025) for r in results)
-    assert results[0].method == "copy-engine" and results[0].bytes == 64
-    assert torch.equal(host[12], device_rows[2]) and torch.equal(host[13], device_rows[3])
+    assert results[0].method == "slice" and results[0].bytes == 64
+    assert torch.equal(lanes.host[12], lanes.device_rows[2])
+    assert torch.equal(lanes.host[13], lanes.device_rows[3])
 
 
-def test_directions_do_not_wait_for_each_other(backend: Any) -> None:
-    b, sink, _ = backend
-    submit(b, sink, 1, [0], [0])
-    submit(b, sink, 2, [0], [0], Direction.LOAD)
-    end_event(b, Direction.LOAD, 0).ready = True
-    b.poll()
-    assert [(r.job_id, r.direction) for r in sink.take()] == [(2, Direction.LOAD)]
+def test_scattered_jobs_are_one_copy_per_block_on_the_stream(lanes: Lanes) -> None:
+    lanes.submit(1, [3, 9, 4], [30, 2, 17])
+    lanes.submit(2, [30, 2], [0, 1], Direction.LOAD)
+    lanes.end_event(Direction.STORE, 0).ready = True
+    lanes.end_event(Direction.LOAD, 0).ready = True
+    lanes.poll()
+    assert [r.method for r in lanes.sink.take()] == ["batched", "batched"]
+    assert torch.equal(lanes.host[[30, 2, 17]], lanes.device_rows[[3, 9, 4]])
+    assert torch.equal(lanes.device_rows[0], lanes.device_rows[3])
 
 
-def test_wait_blocks_until_the_jobs_event_completes(backend: Any) -> None:
-    b, sink, _ = backend
-    submit(b, sink, 1, [0], [0])
-    submit(b, sink, 2, [1], [1])
-    assert not b.wait({2}, timeout=0.01)
-    assert b.wait({2}, timeout=None)  # synchronizes up to job 2's end event
-    assert [r.job_id for r in sink.take()] == [1, 2]
+def test_directions_do_not_wait_for_each_other(lanes: Lanes) -> None:
+    lanes.submit(1, [0], [0])
+    lanes.submit(2, [0], [0], Direction.LOAD)
+    lanes.end_event(Direction.LOAD, 0).ready = True
+    lanes.poll()
+    assert [(r.job_id, r.direction) for r in lanes.sink.take()] == [(2, Direction.LOAD)]
 
 
-def test_a_failing_copy_is_a_failed_result_in_its_place(backend: Any) -> None:
-    b, sink, (device_rows, _) = backend
-    submit(b, sink, 1, [0], [0])
-    storage = device_rows.untyped_storage()
+def test_wait_blocks_until_the_jobs_event_completes(lanes: Lanes) -> None:
+    lanes.submit(1, [0], [0])
+    lanes.submit(2, [1], [1])
+    store = lanes.lanes[Direction.STORE]
+    assert not store.wait({2}, timeout=0.01)
+    assert store.wait({2}, timeout=None)  # synchronizes up to job 2's end event
+    assert [r.job_id for r in lanes.sink.take()] == [1, 2]
+
+
+def test_a_failing_copy_is_a_failed_result_in_its_place(lanes: Lanes) -> None:
+    lanes.submit(1, [0], [0])
+    storage = lanes.device_rows.untyped_storage()
     nbytes = storage.nbytes()
     storage.resize_(0)  # the device memory is gone under the worker
-    submit(b, sink, 2, [1], [1])
+    lanes.submit(2, [1], [1])
     storage.resize_(nbytes)
-    submit(b, sink, 3, [2], [2])
-    b.close(cancel_pending=False)  # synchronizes the streams, reports everything
-    results = sink.take()
+    lanes.submit(3, [2], [2])
+    lanes.lanes[Direction.STORE].close(cancel=False)  # synchronizes, reports everything
+    results = lanes.sink.take()
     assert [r.job_id for r in results] == [1, 2, 3]
     assert [r.success for r in results] == [True, False, True]
     assert results[1].error and results[1].bytes == 64

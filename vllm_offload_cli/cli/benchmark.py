@@ -161,10 +161,6 @@ def _render(out: Console, report: BenchReport) -> None:
               "same bytes, measured interleaved" + (" (pinned d2h / h2d)"
                                                     if report.device == "cuda" else "")
               + "; ratio = median of the rounds' ratios")
-    costs = report.copy_costs
-    if costs is not None:
-        out.print(f"Batched   {costs['mechanism'] or 'none works here (torch methods only)'}; "
-                  f"copy costs calibrated in {costs['seconds']:.2f} s")
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     for title in ("block", "pattern", "mode", "blocks", "store", "memcpy", "ratio", "load",
                   "memcpy", "ratio", "method"):
@@ -190,7 +186,7 @@ def _render(out: Console, report: BenchReport) -> None:
     target = report.target
     if target:
         verdicts = "; ".join(
-            f"{name} >= {v['ratio']:.1f}x {'met' if v['met'] else 'NOT met'} "
+            f"{name} >= {v['ratio']:g}x {'met' if v['met'] else 'NOT met'} "
             f"(worst {v['min_ratio']:.2f}x)" for name, v in target["patterns"].items())
         out.print(f"Target    memcpy ratio for blocks >= "
                   f"{format_bytes(target['min_block_bytes'])}: {verdicts}")

@@ -27,9 +27,9 @@ import mmap
 import os
 import shlex
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm_offload_cli.core.base import libc
 from vllm_offload_cli.core.base.errors import (
@@ -133,7 +133,7 @@ class SharedOffloadRegion:
         self.manifest_path = str(manifest_path(shm_dir, engine_id))
         self.shm_dir = Path(shm_dir)
         self.persistent = persistent
-        self.is_pinned = False
+        self._pinned = False
         self.populate_stats: PopulateStats | None = None
         self.huge_page_bytes: int | None = None  # PMD-mapped bytes after pre-fault
         # validated before the file exists: a request the host cannot meet creates nothing
@@ -156,7 +156,7 @@ class SharedOffloadRegion:
         self._layout = layout
         self._views: list[torch.Tensor] = []
         self._base_tensor: torch.Tensor | None = None
-        self._unpin: Any = None  # set by the copy worker that pinned this mapping
+        self._close_callbacks: list[Callable[[], None]] = []
         if rank is not None:
             self._worker_offset = rank * cpu_page_size
             self._worker_area_end = (rank + 1) * cpu_page_size
@@ -549,13 +549,32 @@ class SharedOffloadRegion:
             self._creator = False
         self._close()
 
+    @property
+    def is_pinned(self) -> bool:
+        """Is the mapping page-locked for a GPU (by a copy worker of this process)?"""
+        return self._pinned
+
+    def set_pinned(self, pinned: bool) -> None:
+        """Record that the mapping was page-locked, or released, by whoever pinned it."""
+        self._pinned = pinned
+
+    def add_close_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback` in cleanup() before the mapping goes (the newest first): a copy
+        worker drains and unpins there, so that no copy outlives the mapping."""
+        self._close_callbacks.append(callback)
+
+    def remove_close_callback(self, callback: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._close_callbacks.remove(callback)
+
     def _close(self) -> None:
-        if self._unpin is not None:
+        while self._close_callbacks:
+            callback = self._close_callbacks.pop()
             try:
-                self._unpin()
-            finally:
-                self._unpin = None
-                self.is_pinned = False
+                callback()
+            except Exception:  # the mapping must still be released
+                logger.exception("%s: a close callback failed", self.mmap_path)
+        self._pinned = False
         # views hold references to the buffer export; drop them before closing the map
         self._views.clear()
         self._base_tensor = None

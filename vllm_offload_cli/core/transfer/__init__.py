@@ -1,6 +1,6 @@
-"""Moving bytes: the copy worker, its CPU and CUDA backends, pinning and the benchmark."""
+"""Moving bytes: the copy worker, its copy rules and lanes, pinning and the benchmark."""
 
-from vllm_offload_cli.core.transfer.plan import Direction
+from vllm_offload_cli.core.transfer.jobs import Direction
 from vllm_offload_cli.core.transfer.result import TransferResult
 from vllm_offload_cli.core.transfer.worker import CopyWorker
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.transfer.plan import Direction
+from vllm_offload_cli.core.transfer.jobs import Direction
 
 
 @dataclass(frozen=True)

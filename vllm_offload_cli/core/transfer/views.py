@@ -2,15 +2,13 @@
 
 A block of a device tensor is one row of it (everything after dim 0). Copies
 move bytes, never values, so each tensor is first viewed as int8 rows. The
-CPU's indexed copy kernels then move one element per step, so rows are viewed
-again as the widest word their alignment allows: a 16-byte element moves 16
-times the bytes per step of an int8 one (measured: ~3 GB/s -> ~12 GB/s).
+indexed copy kernels move one element per step, so rows are viewed again as
+the widest integer word their alignment allows (8 bytes: several times the
+speed of int8; wider float or complex words would risk NaN canonicalisation).
 """
 
 from __future__ import annotations
 
-import functools
-import struct
 from typing import TYPE_CHECKING
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
@@ -21,7 +19,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 # (bytes, torch dtype name), widest first
-_WORDS = ((16, "complex128"), (8, "int64"), (4, "int32"), (2, "int16"))
+_WORDS = ((8, "int64"), (4, "int32"), (2, "int16"))
 
 
 def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
@@ -52,62 +50,16 @@ def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
     return raw
 
 
-@functools.cache
-def complex_copies_exact() -> bool:
-    """Do this build's copy kernels move complex128 elements bit for bit?
-
-    They should (plain loads and stores), but a float path that quiets a
-    signalling NaN would corrupt KV bytes silently; so it is proved once, on
-    NaN, denormal and negative-zero patterns, by every kernel we use.
-    """
-    torch = import_torch()
-    patterns = (0x7FF0000000000001, 0xFFF0000000000001, 0x7FF8000000000123,
-                0x7FF4000000000000, 0x0000000000000001, 0x8000000000000000,
-                0x7FF0000000000000, 0xFFFFFFFFFFFFFFFF)
-    row = b"".join(struct.pack("<Q", p) for p in patterns) * 1024  # 64 KiB per row
-    rows = 8
-    data = bytearray()
-    for i in range(rows):
-        data += bytes([i]) + row[1:]
-    src = torch.frombuffer(data, dtype=torch.int8).clone().view(rows, len(row))
-    perm = torch.tensor([3, 1, 0, 2, 7, 5, 4, 6])
-    words = src.view(torch.complex128)
-    copied = torch.empty_like(words)
-    copied.copy_(words)
-    scattered = torch.empty_like(words)
-    scattered.index_copy_(0, perm, words)
-    gathered = torch.index_select(words, 0, perm)
-    return bool(torch.equal(copied.view(torch.int8), src)
-                and torch.equal(scattered.view(torch.int8)[perm], src)
-                and torch.equal(gathered.view(torch.int8), src[perm]))
-
-
-def word_width(*rows: torch.Tensor, limit: int = 16) -> int:
-    """Widest element size (bytes, at most `limit`) every row view can be reinterpreted as."""
+def word_width(*rows: torch.Tensor) -> int:
+    """Widest element size (bytes) every row view can be reinterpreted as."""
     page = rows[0].shape[1]
-    for width, name in _WORDS:
-        if width > limit or (name == "complex128" and not complex_copies_exact()):
-            continue
+    for width, _ in _WORDS:
         if page % width:
             continue
         if all(r.stride(0) % width == 0 and r.storage_offset() % width == 0
                and r.data_ptr() % width == 0 for r in rows):
             return width
     return 1
-
-
-def copy_many(dsts: list[Tensor], srcs: list[Tensor], *, non_blocking: bool = False) -> None:
-    """dsts[i].copy_(srcs[i]) for all i in one call: a C++ loop, without the GIL.
-
-    torch._foreach_copy_ (torch >= 2.2) does exactly this; older torch gets the
-    same copies issued from Python.
-    """
-    copy = getattr(import_torch(), "_foreach_copy_", None)
-    if copy is not None:
-        copy(dsts, srcs, non_blocking=non_blocking)
-        return
-    for d, s in zip(dsts, srcs, strict=True):
-        d.copy_(s, non_blocking=non_blocking)
 
 
 def as_words(rows: torch.Tensor, width: int) -> torch.Tensor:

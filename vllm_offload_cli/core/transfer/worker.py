@@ -4,28 +4,32 @@ The engine-facing API of DESIGN section 5: `submit_store`/`submit_load` take
 a job id and pairwise (source block, destination block) lists, return at once,
 and every job is later reported exactly once by `get_finished()`, in
 submission order per direction. Block lists are validated before any byte
-moves. The device tensors decide the path: CUDA tensors use the CUDA path
-(transfer_cuda), CPU tensors the CPU path (transfer_cpu), which is real and
-stands in for the GPU in tests and on hosts without one.
+moves. CUDA and CPU tensors are copied by the same rules and the same code
+(transfer.copies); only where the copies run differs (transfer.lanes: a CUDA
+stream, or a thread on the CPU, which stands in for the GPU in tests and on
+hosts without one).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.transfer import pinning
-from vllm_offload_cli.core.transfer.cpu import CpuBackend, RowPair
-from vllm_offload_cli.core.transfer.cuda import STRATEGIES, CudaBackend, CudaPair, map_into_device
-from vllm_offload_cli.core.transfer.plan import Direction, TransferPlan, plan_transfer
+from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
+from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction, make_job
+from vllm_offload_cli.core.transfer.lanes import StreamLane, ThreadLane
 from vllm_offload_cli.core.transfer.result import ResultSink, TransferResult
 from vllm_offload_cli.core.transfer.views import as_words, byte_rows, word_width
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     import torch
 
     from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
@@ -45,13 +49,12 @@ class CopyWorker:
     slot (`layout="worker"`, vLLM's default) or of every row
     (`layout="canonical"`); `region_views` passes views carved earlier instead.
     On CUDA the region is pinned unless `pin=False` (a failure is a warning,
-    see `pinned` and `pin_warning`), and `cuda_strategy` picks how scattered
-    blocks are copied (see transfer_cuda).
+    see `pinned` and `pin_warning`).
     """
 
     def __init__(self, region: SharedOffloadRegion, device_tensors: Sequence[torch.Tensor], *,
                  layout: str = "worker", region_views: Sequence[torch.Tensor] | None = None,
-                 pin: bool = True, cuda_strategy: str = "copy-engine") -> None:
+                 pin: bool = True) -> None:
         tensors = list(device_tensors)
         if not tensors:
             raise InvalidInputError("a copy worker needs at least one device tensor",
@@ -59,9 +62,6 @@ class CopyWorker:
         if layout not in LAYOUTS:
             raise InvalidInputError(f"layout must be one of {', '.join(LAYOUTS)}, "
                                     f"got {layout!r}", code="invalid_layout")
-        if cuda_strategy not in STRATEGIES:
-            raise InvalidInputError(f"cuda_strategy must be one of {', '.join(STRATEGIES)}, "
-                                    f"got {cuda_strategy!r}", code="invalid_strategy")
         rows = [byte_rows(t, what=f"device tensor {i}") for i, t in enumerate(tensors)]
         devices = {t.device for t in tensors}
         if len(devices) > 1:
@@ -80,7 +80,6 @@ class CopyWorker:
         self.region_views = self._views(region, rows, layout, region_views)
         self.row_bytes = tuple(r.shape[1] for r in rows)
         self.bytes_per_block = sum(self.row_bytes)
-        self.cuda_strategy = cuda_strategy if self.device.type == "cuda" else None
         self.pinned = False
         self.pin_warning: str | None = None
         self._pin_state: pinning.PinState | None = None
@@ -88,17 +87,19 @@ class CopyWorker:
         self._lock = threading.Lock()
         self._closed = False
         self._sink = ResultSink()
-        self._backend: CpuBackend | CudaBackend
+        self._pairs = [self._pair(dev, reg) for dev, reg in zip(rows, self.region_views,
+                                                                strict=True)]
+        self._lanes: dict[Direction, ThreadLane | StreamLane]
         if self.device.type == "cpu":
-            self._backend = CpuBackend(self._cpu_pairs(rows), self._sink, self._job_bytes)
+            self._lanes = {d: ThreadLane(d, self._copy, self._sink, self._job_bytes)
+                           for d in Direction}
         else:
             if pin:
                 self._pin(region)
-            self._backend = CudaBackend(self._cuda_pairs(rows), self._sink, self._job_bytes,
-                                        self.device, cuda_strategy)
-        # region.cleanup() calls this before unmapping: no copy may outlive the mapping
-        self._previous_hook = region._unpin
-        region._unpin = self._region_closing
+            self._lanes = {d: StreamLane(d, self._copy, self._sink, self._job_bytes,
+                                         self.device) for d in Direction}
+        # cleanup() calls this before unmapping: no copy may outlive the mapping
+        region.add_close_callback(self.shutdown)
 
     # -- construction ----------------------------------------------------------------
 
@@ -121,29 +122,14 @@ class CopyWorker:
                     f"got {view.dtype} {tuple(view.shape)}", code="invalid_tensor")
         return views
 
-    def _cpu_pairs(self, rows: list[torch.Tensor]) -> list[RowPair]:
-        pairs = []
-        for dev, reg in zip(rows, self.region_views, strict=True):
-            width = word_width(dev, reg)
-            pairs.append(RowPair(as_words(dev, width), as_words(reg, width), dev.shape[1]))
-        return pairs
+    def _pair(self, dev: torch.Tensor, reg: torch.Tensor) -> TensorPair:
+        width = word_width(dev, reg)
+        return TensorPair(as_words(dev, width), as_words(reg, width), dev.shape[1],
+                          one_device=dev.device == reg.device)
 
-    def _cuda_pairs(self, rows: list[torch.Tensor]) -> list[CudaPair]:
-        kernel = self.cuda_strategy == "kernel"
-        if kernel and not self.pinned:
-            logger.warning("the kernel copy strategy needs the region pinned; using the "
-                           "copy engines instead")
-            kernel = False
-        pairs = []
-        for dev, reg in zip(rows, self.region_views, strict=True):
-            if kernel:
-                mapped = map_into_device(reg, self.device)
-                width = word_width(dev, reg, limit=8)  # GPU kernels: plain integer words
-                pairs.append(CudaPair(dev, reg, dev.shape[1], as_words(dev, width),
-                                      as_words(mapped, width)))
-            else:
-                pairs.append(CudaPair(dev, reg, dev.shape[1]))
-        return pairs
+    def _copy(self, job: CopyJob, helper: Executor | None) -> str:
+        return copy_job(self._pairs, job, non_blocking=self.device.type == "cuda",
+                        helper=helper)
 
     def _pin(self, region: SharedOffloadRegion) -> None:
         if region.is_pinned:  # pinned by another worker of this process: once is enough
@@ -154,13 +140,14 @@ class CopyWorker:
                             device_index=self.device.index)
         if state.pinned:
             self._pin_state = state
-            self.pinned = region.is_pinned = True
+            self.pinned = True
+            region.set_pinned(True)
         else:
             self.pin_warning = state.warning
             logger.warning("%s: %s", region.mmap_path, state.warning)
 
-    def _job_bytes(self, plan: TransferPlan) -> int:
-        return plan.num_blocks * self.bytes_per_block
+    def _job_bytes(self, job: CopyJob) -> int:
+        return job.num_blocks * self.bytes_per_block
 
     # -- the engine-facing API ----------------------------------------------------------
 
@@ -176,9 +163,8 @@ class CopyWorker:
         if isinstance(job_id, bool) or not isinstance(job_id, int):
             raise InvalidInputError(f"job id must be an integer, got {job_id!r}",
                                     code="invalid_job_id")
-        plan = plan_transfer(job_id, direction, src, dst,
-                             device_blocks=self.num_device_blocks,
-                             region_blocks=self.num_region_blocks)
+        job = make_job(job_id, direction, src, dst, device_blocks=self.num_device_blocks,
+                       region_blocks=self.num_region_blocks)
         with self._lock:
             if self._closed:
                 raise OperationFailedError("the copy worker is shut down; it takes no more jobs")
@@ -186,11 +172,12 @@ class CopyWorker:
                 raise InvalidInputError(f"job id {job_id} is still in flight or its result "
                                         "was not collected yet", code="duplicate_job_id")
             self._sink.expect(job_id)
-            self._backend.submit(plan)
+            self._lanes[direction].submit(job)
 
     def get_finished(self) -> list[TransferResult]:
         """Results of jobs finished since the last call (each job exactly once)."""
-        self._backend.poll()
+        for lane in self._lanes.values():
+            lane.poll()
         return self._sink.take()
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
@@ -198,14 +185,20 @@ class CopyWorker:
 
         Their results are still returned by the next get_finished(). False on timeout.
         """
-        return self._backend.wait(set(job_ids), timeout)
+        wanted = set(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for lane in self._lanes.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not lane.wait(wanted, left):
+                return False
+        return True
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def shutdown(self, cancel_pending: bool = False) -> None:
-        """Finish (or, on CPU, cancel) queued jobs, release the views and unpin.
+        """Finish (or, on CPU, cancel) queued jobs, release the views and unpin; idempotent.
 
         Every job still gets its result: cancelled ones are reported failed.
         """
@@ -213,23 +206,19 @@ class CopyWorker:
             if self._closed:
                 return
             self._closed = True
-        self._backend.close(cancel_pending)
+        for lane in self._lanes.values():
+            lane.close(cancel_pending)
+        self._pairs = []
         self.region_views = []
         region, self._region = self._region, None
+        if region is not None:
+            region.remove_close_callback(self.shutdown)
         if self._pin_state is not None:
             for problem in pinning.unpin(self._pin_state):
                 logger.warning("%s", problem)
             self._pin_state = None
             if region is not None:
-                region.is_pinned = False
-        if region is not None and region._unpin == self._region_closing:
-            region._unpin = self._previous_hook
-
-    def _region_closing(self) -> None:
-        previous = self._previous_hook
-        self.shutdown()
-        if previous is not None:
-            previous()
+                region.set_pinned(False)
 
     def __enter__(self) -> CopyWorker:
         return self

@@ -1,24 +1,19 @@
-"""Check a transfer's block lists, then find the runs that make copying it cheap.
+"""A copy job: its block lists checked, ordered by destination, and its runs found.
 
 Validation runs on the caller's thread, before any byte moves: a bad block id
-must be an exception at submit time, never a corrupted region later. Runs are
-the unit of work of every copy path: n consecutive (source, destination)
-pairs are one slice copy instead of n block copies.
+must be an exception at submit time, never a corrupted region later. The runs
+decide how a job is copied (see transfer.copies): n consecutive (source,
+destination) pairs are one slice copy instead of n block copies.
 
 The work is vectorised on numpy arrays: a job of thousands of blocks costs a
-handful of array operations, not a Python loop. numpy rather than torch because
-this runs on the submit path, usually with caches just flushed by the previous
-copy: a numpy call on a few thousand ids costs 2-5 us there against torch's
-10-40 us (dispatcher), and planning sits between a job's submit and its first
-byte (measured, 2048 scattered blocks: submit to units ~0.9 ms warm and
-1.2-1.7 ms cold before, 0.3-0.45 ms warm and ~0.5 ms cold after). The
-ids are copied at submit, so a caller may reuse its id buffers at once.
+handful of array operations, not a Python loop, and numpy calls cost a few
+microseconds where torch's dispatcher costs tens. The ids are copied at
+submit, so a caller may reuse its id buffers at once.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -30,7 +25,6 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
     import torch
-    from torch import Tensor
 
     Ids = npt.NDArray[np.int64]
     Mask = npt.NDArray[np.bool_]
@@ -49,13 +43,6 @@ class Run(NamedTuple):
     src: int
     dst: int
     length: int
-
-
-class Span(NamedTuple):
-    """Positions [start, stop) of a plan's pairs (in the order the span refers to)."""
-
-    start: int
-    stop: int
 
 
 def _refuse(what: str, detail: str) -> InvalidInputError:
@@ -130,9 +117,10 @@ def _check_range(ids: Ids, limit: int, *, label: str, holder: str,
             f"has {limit} blocks ({valid})", code="block_out_of_range")
 
 
-def plan_transfer(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any, *,
-                  device_blocks: int, region_blocks: int) -> TransferPlan:
-    """Validate one job's block lists and describe it; raises InvalidInputError."""
+def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any, *,
+                  device_blocks: int, region_blocks: int) -> CopyJob:
+    """Validate one job's block lists and order its pairs by destination; raises
+    InvalidInputError."""
     import numpy as np
 
     prefix = f"{direction.value} job {job_id}"
@@ -151,7 +139,7 @@ def plan_transfer(job_id: int, direction: Direction, src_blocks: Any, dst_blocks
     _check_range(src, src_limit, label=f"{prefix}: source", holder=src_holder)
     if dst.size < 2:
         _check_range(dst, dst_limit, label=f"{prefix}: destination", holder=dst_holder)
-        return TransferPlan(job_id, direction, src, dst)
+        return CopyJob(job_id, direction, src, dst)
     # Pairs are ordered by destination: destinations are unique, so the order
     # of the pairs does not change the result, and sorted ids reveal runs.
     step = _diff(dst)
@@ -169,7 +157,7 @@ def plan_transfer(job_id: int, direction: Direction, src_blocks: Any, dst_blocks
             raise InvalidInputError(
                 f"{prefix}: destination block {block} appears more than once; two copies "
                 "into one block would race", code="duplicate_destination")
-    return TransferPlan(job_id, direction, src, dst, step)
+    return CopyJob(job_id, direction, src, dst)
 
 
 def _diff(ids: Ids) -> Ids:
@@ -178,169 +166,71 @@ def _diff(ids: Ids) -> Ids:
     return step
 
 
-def _count(breaks: Mask, n: int) -> int:
-    import numpy as np
-
-    return int(np.count_nonzero(breaks)) + 1 if n else 0
-
-
-def _starts(breaks: Mask, n: int) -> Ids:
-    """First position of each run."""
-    import numpy as np
-
-    starts: Ids = np.flatnonzero(breaks) + 1
-    return np.concatenate((np.zeros(1 if n else 0, dtype=np.int64), starts))
+def _one_run(ascending: Ids) -> bool:
+    """Are sorted ids consecutive (distinct, each one more than the last)?"""
+    if ascending.size < 2:
+        return True
+    span = int(ascending[-1]) - int(ascending[0])
+    return span == ascending.size - 1 and bool((_diff(ascending) == 1).all())
 
 
 @dataclass(frozen=True, eq=False)
-class TransferPlan:
+class CopyJob:
     """A validated job: pairs (src_ids[i] -> dst_ids[i]), destinations strictly ascending.
 
-    The ids are numpy int64 arrays owned by the plan; `src` and `dst` are the same
-    ids as torch tensors (shared memory, made on first use) for the copy methods
-    that index with them.
+    The ids are numpy int64 arrays owned by the job; the properties derive what
+    the copy rules ask, each once per job.
     """
 
     job_id: int
     direction: Direction
     src_ids: Ids  # in destination order
     dst_ids: Ids  # strictly ascending
-    dst_step: Ids | None = None  # _diff(dst_ids), when already computed
 
     @property
     def num_blocks(self) -> int:
         return int(self.dst_ids.size)
 
     @cached_property
-    def src(self) -> torch.Tensor:
-        """Source ids (int64 CPU tensor), in destination order."""
-        ids: Tensor = import_torch().from_numpy(self.src_ids)
-        return ids
-
-    @cached_property
-    def dst(self) -> torch.Tensor:
-        """Destination ids (int64 CPU tensor), strictly ascending."""
-        ids: Tensor = import_torch().from_numpy(self.dst_ids)
-        return ids
-
-    # -- runs in destination order ---------------------------------------------
-
-    @cached_property
-    def _dst_breaks(self) -> Mask:
-        step = self.dst_step if self.dst_step is not None else _diff(self.dst_ids)
-        breaks: Mask = step != 1
-        return breaks
-
-    @cached_property
-    def _joint_breaks(self) -> Mask:
-        breaks: Mask = self._dst_breaks | (_diff(self.src_ids) != 1)
-        return breaks
-
-    @cached_property
-    def dst_run_count(self) -> int:
-        """How many runs of consecutive destination blocks."""
-        return _count(self._dst_breaks, self.num_blocks)
-
-    @cached_property
-    def joint_run_count(self) -> int:
-        """How many runs where source and destination both advance by one."""
-        return _count(self._joint_breaks, self.num_blocks)
-
-    def _breaks(self, kind: str) -> Mask:
-        return {"joint": lambda: self._joint_breaks, "dst": lambda: self._dst_breaks,
-                "src": lambda: self._src_breaks}[kind]()
-
-    @cached_property
-    def _run_starts(self) -> dict[str, Ids]:
-        return {}
-
-    def run_starts(self, kind: str) -> Ids:
-        """Position of the first pair of each run of `kind` ("joint", "dst" or "src");
-        found once per plan and kind (spans, lengths and firsts all start here)."""
-        if kind not in self._run_starts:
-            self._run_starts[kind] = _starts(self._breaks(kind), self.num_blocks)
-        return self._run_starts[kind]
-
-    def run_lengths(self, kind: str) -> Ids:
-        """Blocks per run, for runs of `kind`: "joint", "dst" or "src" (see the counts)."""
+    def joint_runs(self) -> list[Run]:
+        """Maximal runs where source and destination both advance by one."""
         import numpy as np
 
-        starts = self.run_starts(kind)
-        lengths: Ids = np.empty_like(starts)
-        lengths[:-1] = starts[1:] - starts[:-1]
-        lengths[-1:] = self.num_blocks - starts[-1:]
-        return lengths
-
-    def _spans(self, kind: str) -> list[Span]:
-        bounds = [*self.run_starts(kind).tolist(), self.num_blocks]
-        return [Span(a, b) for a, b in itertools.pairwise(bounds)]
-
-    def dst_spans(self) -> list[Span]:
-        """Positions of each run of consecutive destinations (sources arbitrary)."""
-        return self._spans("dst")
-
-    def joint_runs(self) -> list[Run]:
-        """Maximal runs that are one slice on both sides."""
-        if self.num_blocks == 0:
+        n = self.num_blocks
+        if n == 0:
             return []
-        if self.joint_run_count == 1:
-            return [Run(int(self.src_ids[0]), int(self.dst_ids[0]), self.num_blocks)]
-        starts = self.run_starts("joint")
-        lengths = self.run_lengths("joint").tolist()
-        src = self.src_ids[starts].tolist()
-        dst = self.dst_ids[starts].tolist()
-        return [Run(s, d, n) for s, d, n in zip(src, dst, lengths, strict=True)]
+        breaks = (_diff(self.dst_ids) != 1) | (_diff(self.src_ids) != 1)
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(breaks) + 1))
+        lengths = np.diff(np.append(starts, n)).tolist()
+        return [Run(s, d, k) for s, d, k in zip(self.src_ids[starts].tolist(),
+                                                 self.dst_ids[starts].tolist(), lengths,
+                                                 strict=True)]
 
-    # -- runs in source order ----------------------------------------------------
+    @cached_property
+    def dst_one_run(self) -> bool:
+        """Are the destinations one run of consecutive blocks?"""
+        return _one_run(self.dst_ids)
 
     @cached_property
     def _by_src(self) -> tuple[Ids, Ids]:
         import numpy as np
 
-        if self.joint_run_count <= 1:  # one run: already in source order
-            return self.src_ids, self.dst_ids
-        order = np.argsort(self.src_ids)  # ties in any order: each goes to its own row
+        order = np.argsort(self.src_ids, kind="stable")
         return self.src_ids[order], self.dst_ids[order]
 
     @cached_property
-    def src_sorted(self) -> torch.Tensor:
-        """Sources ascending (duplicates possible)."""
-        ids: Tensor = import_torch().from_numpy(self._by_src[0])
-        return ids
+    def src_one_run(self) -> bool:
+        """Are the sources one run of consecutive, distinct blocks (in some order)?"""
+        return _one_run(self._by_src[0])
+
+    def tensor(self, which: str) -> torch.Tensor:
+        """Ids as an int64 CPU tensor sharing the job's memory: "src", "dst" (destination
+        order) or "dst_by_src" (destinations in ascending source order)."""
+        ids = {"src": self.src_ids, "dst": self.dst_ids, "dst_by_src": self._by_src[1]}[which]
+        tensor: torch.Tensor = import_torch().from_numpy(ids)
+        return tensor
 
     @cached_property
-    def dst_by_src(self) -> torch.Tensor:
-        """Destinations in the order of `src_sorted`."""
-        ids: Tensor = import_torch().from_numpy(self._by_src[1])
-        return ids
-
-    @cached_property
-    def _src_breaks(self) -> Mask:
-        import numpy as np
-
-        # sorted values say where runs break; the order (an argsort, 2-3x dearer) is
-        # needed only by a scatter, which few jobs choose
-        ascending = self._by_src[0] if "_by_src" in self.__dict__ else np.sort(self.src_ids)
-        breaks: Mask = _diff(ascending) != 1
-        return breaks
-
-    @cached_property
-    def src_run_count(self) -> int:
-        """How many runs of consecutive sources (a repeated source starts a new run)."""
-        if self.joint_run_count <= 1:
-            return self.joint_run_count
-        return _count(self._src_breaks, self.num_blocks)
-
-    def src_spans(self) -> list[Span]:
-        """Positions (in `src_sorted` order) of each run of consecutive sources."""
-        return self._spans("src")
-
-    def src_run_firsts(self) -> list[int]:
-        """The first source id of each run of consecutive sources."""
-        firsts: list[int] = self._by_src[0][self.run_starts("src")].tolist()
-        return firsts
-
-    def dst_run_firsts(self) -> list[int]:
-        """The first destination id of each run of consecutive destinations."""
-        firsts: list[int] = self.dst_ids[self.run_starts("dst")].tolist()
-        return firsts
+    def id_lists(self) -> tuple[list[int], list[int]]:
+        """(sources, destinations) as Python lists, in destination order."""
+        return self.src_ids.tolist(), self.dst_ids.tolist()

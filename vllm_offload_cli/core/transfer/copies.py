@@ -1,0 +1,210 @@
+"""How a job's bytes move: fixed rules, the same issuing code for CUDA and CPU tensors.
+
+Per KV tensor, by the shape of the job alone (no measured costs, so the same
+job is copied the same way on every host and in every run):
+
+* slice   - source and destination are one run each: one slice copy;
+* gather  - the destinations are one run: one `index_select` into it;
+* scatter - the sources are one run: one `index_copy_` from it;
+* batched - anything else: one piece per run of both sides (per block where
+            rows are not adjacent), all tensors' pieces in one
+            `torch._foreach_copy_` call over row views cached once per tensor.
+
+Indexed kernels need both sides on one device, so a pair of a GPU tensor and
+host memory uses slice (when each run is one span of bytes on both sides) or
+batched: one cudaMemcpyAsync per piece, issued in one C++ loop, as vLLM's
+swap_blocks does. On CPU a batched call copies rows smaller than torch's
+parallel grain on one core, so the issuer may hand half its pieces to a
+helper thread (`helper`); the GIL is released inside each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
+    import torch
+    from torch import Tensor
+
+RULES = ("slice", "gather", "scatter", "batched")
+SPLIT_MIN_BYTES = 1 << 20  # a batched call smaller than this stays on one thread
+
+
+class RowViews:
+    """One view per row of a (rows, words) tensor, made on first use and kept.
+
+    A view costs about a microsecond to make, as much as copying a 16 KiB
+    block; cached, a job of thousands of blocks picks its views in a list
+    lookup each. Memory grows with the rows ever copied, one small tensor
+    object each.
+    """
+
+    def __init__(self, rows: Tensor) -> None:
+        self._rows = rows
+        self._views: list[Tensor | None] = [None] * rows.shape[0]
+
+    def pick(self, ids: list[int]) -> list[Tensor]:
+        views = self._views
+        picked = [views[i] for i in ids]
+        if any(v is None for v in picked):
+            rows = self._rows
+            for i in ids:
+                if views[i] is None:
+                    views[i] = rows[i]
+            picked = [views[i] for i in ids]
+        return picked  # type: ignore[return-value]
+
+
+@dataclass(eq=False)
+class TensorPair:
+    """One KV tensor: its device rows and its region rows, as words of the same width.
+
+    `one_device`: can an indexed kernel read one side and write the other
+    (both on the CPU)? The CUDA-path tests set it False on CPU tensors.
+    """
+
+    device: torch.Tensor
+    region: torch.Tensor
+    row_bytes: int
+    one_device: bool
+    _views: dict[int, RowViews] = field(default_factory=dict, repr=False)
+
+    @property
+    def dense(self) -> bool:
+        """Are consecutive rows adjacent on both sides (a run is one span of bytes)?"""
+        return all(t.stride(0) * t.element_size() == self.row_bytes
+                   for t in (self.device, self.region))
+
+    def sides(self, direction: Direction) -> tuple[Tensor, Tensor]:
+        """(source, destination) of a copy in `direction`."""
+        if direction is Direction.STORE:
+            return self.device, self.region
+        return self.region, self.device
+
+    def rows(self, tensor: Tensor) -> RowViews:
+        views = self._views.get(id(tensor))
+        if views is None:
+            views = self._views[id(tensor)] = RowViews(tensor)
+        return views
+
+    def rule(self, job: CopyJob) -> str:
+        """How this tensor's part of `job` is copied (one of RULES)."""
+        if len(job.joint_runs) == 1 and (self.one_device or self.dense):
+            return "slice"
+        if self.one_device and job.dst_one_run:
+            return "gather"
+        if self.one_device and job.src_one_run:
+            return "scatter"
+        return "batched"
+
+
+def _pieces(pair: TensorPair, job: CopyJob, dsts: list[Tensor], srcs: list[Tensor],
+            sizes: list[int]) -> None:
+    """Append one tensor's batched pieces: a cached row view per block, or, where rows
+    are dense, one view per run of both sides."""
+    src, dst = pair.sides(job.direction)
+    if not pair.dense or len(job.joint_runs) == job.num_blocks:
+        src_ids, dst_ids = job.id_lists
+        srcs += pair.rows(src).pick(src_ids)
+        dsts += pair.rows(dst).pick(dst_ids)
+        sizes += [pair.row_bytes] * job.num_blocks
+        return
+    runs = job.joint_runs
+    first = len(srcs)
+    srcs += pair.rows(src).pick([r.src for r in runs])
+    dsts += pair.rows(dst).pick([r.dst for r in runs])
+    for i, (s, d, n) in enumerate(runs, first):
+        if n > 1:
+            srcs[i], dsts[i] = src[s:s + n], dst[d:d + n]
+    sizes += [n * pair.row_bytes for _, _, n in runs]
+
+
+def _halfway(sizes: list[int]) -> int:
+    """The piece index that splits `sizes` into two halves of about equal bytes."""
+    half, done = sum(sizes) / 2, 0
+    for i, size in enumerate(sizes):
+        done += size
+        if done >= half:
+            return i + 1
+    return len(sizes)
+
+
+def _copy_many(dsts: list[Tensor], srcs: list[Tensor], non_blocking: bool) -> None:
+    """dsts[i].copy_(srcs[i]) for every i, in one C++ loop (torch < 2.2: from Python)."""
+    copy = getattr(import_torch(), "_foreach_copy_", None)
+    if copy is not None:
+        copy(dsts, srcs, non_blocking=non_blocking)
+        return
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s, non_blocking=non_blocking)
+
+
+def _in_halves(helper: Executor | None, nbytes: int, fn: Callable[..., object],
+               first: tuple[object, ...], second: tuple[object, ...]) -> bool:
+    """fn(*first) on `helper` while fn(*second) runs here, when a split pays; else
+    neither (False)."""
+    if helper is None or nbytes < SPLIT_MIN_BYTES:
+        return False
+    other = helper.submit(fn, *first)
+    try:
+        fn(*second)
+    finally:
+        other.result()
+    return True
+
+
+def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = False,
+             helper: Executor | None = None) -> str:
+    """Issue every copy of `job` on the calling thread (and `helper`); returns the rules
+    used, e.g. "gather" or "slice+batched/2" (/2: split over two threads). On CUDA the
+    copies are queued on the current stream (`non_blocking`); on CPU they are done when
+    this returns.
+
+    torch runs an index_copy_ and each piece of a batched call on one core, so on the
+    CPU those two are split in halves over the caller and `helper`.
+    """
+    torch = import_torch()
+    if job.num_blocks == 0:
+        return "none"
+    used: list[str] = []
+    dsts: list[Tensor] = []
+    srcs: list[Tensor] = []
+    sizes: list[int] = []
+    n = job.num_blocks
+    for pair in pairs:
+        rule = pair.rule(job)
+        src, dst = pair.sides(job.direction)
+        if rule == "slice":
+            (run,) = job.joint_runs
+            dst[run.dst:run.dst + n].copy_(src[run.src:run.src + n], non_blocking=non_blocking)
+        elif rule == "gather":
+            first = int(job.dst_ids[0])
+            torch.index_select(src, 0, job.tensor("src"), out=dst[first:first + n])
+        elif rule == "scatter":
+            ids, rows = job.tensor("dst_by_src"), src[int(job.src_ids.min()):][:n]
+            half = n // 2
+            if _in_halves(helper, n * pair.row_bytes, dst.index_copy_,
+                          (0, ids[:half], rows[:half]), (0, ids[half:], rows[half:])):
+                rule = "scatter/2"
+            else:
+                dst.index_copy_(0, ids, rows)
+        else:
+            _pieces(pair, job, dsts, srcs, sizes)
+        if rule not in used:
+            used.append(rule)
+    if dsts:
+        cut = _halfway(sizes)
+        if _in_halves(helper, sum(sizes) if 0 < cut < len(dsts) else 0, _copy_many,
+                      (dsts[cut:], srcs[cut:], non_blocking),
+                      (dsts[:cut], srcs[:cut], non_blocking)):
+            used[used.index("batched")] = "batched/2"
+        else:
+            _copy_many(dsts, srcs, non_blocking)
+    return "+".join(used)
