@@ -227,8 +227,7 @@ def test_every_rule_is_exact(case: str, one_device: bool, dense: bool, split: bo
         if want == "slice" and not one_device and not dense:
             want = "batched"  # a strided run is not one span of bytes: one copy per row
         assert rule.partition("/")[0] == want
-        assert rule.endswith("/2") == (split and want in ("scatter", "batched")
-                                       and len(src) > 1)
+        assert rule.endswith("/2") == (split and want == "batched" and len(src) > 1)
 
         back = torch.zeros_like(device_rows)
         if case == "repeated_sources":  # a load may not repeat destinations: one of each

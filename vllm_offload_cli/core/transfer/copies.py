@@ -13,9 +13,9 @@ job is copied the same way on every host and in every run):
 Indexed kernels need both sides on one device, so a pair of a GPU tensor and
 host memory uses slice (when each run is one span of bytes on both sides) or
 batched: one cudaMemcpyAsync per piece, issued in one C++ loop, as vLLM's
-swap_blocks does. On CPU a batched call copies rows smaller than torch's
-parallel grain on one core, so the issuer may hand half its pieces to a
-helper thread (`helper`); the GIL is released inside each call.
+swap_blocks does. On CPU the pieces of a batched call are copied one after
+another, so the issuer may hand half of them to a helper thread (`helper`);
+the GIL is released inside each call.
 """
 
 from __future__ import annotations
@@ -167,8 +167,9 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
     copies are queued on the current stream (`non_blocking`); on CPU they are done when
     this returns.
 
-    torch runs an index_copy_ and each piece of a batched call on one core, so on the
-    CPU those two are split in halves over the caller and `helper`.
+    torch spreads one big copy, gather or scatter over its own threads, but runs the
+    pieces of a batched call one after another, so a batched call of SPLIT_MIN_BYTES or
+    more is split in halves over the caller and `helper` (CPU lanes pass one).
     """
     torch = import_torch()
     if job.num_blocks == 0:
@@ -188,13 +189,8 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
             first = int(job.dst_ids[0])
             torch.index_select(src, 0, job.tensor("src"), out=dst[first:first + n])
         elif rule == "scatter":
-            ids, rows = job.tensor("dst_by_src"), src[int(job.src_ids.min()):][:n]
-            half = n // 2
-            if _in_halves(helper, n * pair.row_bytes, dst.index_copy_,
-                          (0, ids[:half], rows[:half]), (0, ids[half:], rows[half:])):
-                rule = "scatter/2"
-            else:
-                dst.index_copy_(0, ids, rows)
+            first = int(job.src_ids.min())
+            dst.index_copy_(0, job.tensor("dst_by_src"), src[first:first + n])
         else:
             _pieces(pair, job, dsts, srcs, sizes)
         if rule not in used:
