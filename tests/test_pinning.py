@@ -1,4 +1,5 @@
-"""Pinning arithmetic and its failure handling, against a stand-in for the CUDA runtime.
+"""Pinning arithmetic and its failure handling, against a stand-in for the CUDA runtime,
+and the region's pinning state and close callbacks.
 
 The runtime is the one thing that cannot exist here (no GPU), so a fake that
 records calls stands in; the real thing runs in tests/test_transfer_cuda.py.
@@ -7,8 +8,13 @@ records calls stands in; the real thing runs in tests/test_transfer_cuda.py.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+from pathlib import Path
 
+import pytest
+
+from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.transfer.pinning import MAX_PIN_CHUNK, PinState, pin, pin_chunks, unpin
 
 GiB = 1024**3
@@ -87,3 +93,32 @@ def test_unpin_reports_problems_without_raising() -> None:
     state = PinState(True, 1 << 40, ((0, 4096), (4096, 4096)), None)
     problems = unpin(state, cudart=rt)
     assert len(problems) == 2 and "invalid value" in problems[0]
+
+
+def test_the_region_says_who_pinned_it_and_calls_back_before_unmapping(
+        shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The public region API a copy worker uses: pinning state and close callbacks, the
+    newest first; one that raises is logged and the mapping is still released."""
+    region = SharedOffloadRegion("pins", 4, 0, 4096, 4096, shm_dir=shm_dir, world_size=1)
+    calls: list[str] = []
+
+    def broken() -> None:
+        calls.append("broken")
+        raise RuntimeError("cannot drain")
+
+    def gone() -> None:
+        calls.append("removed")
+
+    region.add_close_callback(lambda: calls.append(f"first, pinned={region.is_pinned}"))
+    region.add_close_callback(broken)
+    region.add_close_callback(gone)
+    region.remove_close_callback(gone)
+    region.remove_close_callback(gone)  # removing twice is harmless
+    assert not region.is_pinned
+    region.set_pinned(True)
+    with caplog.at_level(logging.ERROR, logger="vllm_offload_cli"):
+        region.cleanup()
+    assert calls == ["broken", "first, pinned=True"]
+    assert "a close callback failed" in caplog.text
+    assert not region.is_pinned and region.mmap_obj is None
+    assert list(shm_dir.iterdir()) == []

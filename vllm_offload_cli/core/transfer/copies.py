@@ -40,10 +40,9 @@ SPLIT_MIN_BYTES = 1 << 20  # a batched call smaller than this stays on one threa
 class RowViews:
     """One view per row of a (rows, words) tensor, made on first use and kept.
 
-    A view costs about a microsecond to make, as much as copying a 16 KiB
-    block; cached, a job of thousands of blocks picks its views in a list
-    lookup each. Memory grows with the rows ever copied, one small tensor
-    object each.
+    Making a view costs as much as copying a small block; cached, a job of
+    thousands of blocks picks its views by a list lookup each. Memory grows
+    with the rows ever copied, one small tensor object each.
     """
 
     def __init__(self, rows: Tensor) -> None:

@@ -6,9 +6,9 @@ decide how a job is copied (see transfer.copies): n consecutive (source,
 destination) pairs are one slice copy instead of n block copies.
 
 The work is vectorised on numpy arrays: a job of thousands of blocks costs a
-handful of array operations, not a Python loop, and numpy calls cost a few
-microseconds where torch's dispatcher costs tens. The ids are copied at
-submit, so a caller may reuse its id buffers at once.
+handful of array operations, not a Python loop, each far cheaper than a trip
+through torch's dispatcher. The ids are copied at submit, so a caller may
+reuse its id buffers at once.
 """
 
 from __future__ import annotations
