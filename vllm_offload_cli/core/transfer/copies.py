@@ -20,7 +20,6 @@ the GIL is released inside each call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-RULES = ("slice", "gather", "scatter", "batched")
 SPLIT_MIN_BYTES = 1 << 20  # a batched call smaller than this stays on one thread
 
 
@@ -94,7 +92,7 @@ class TensorPair:
         return views
 
     def rule(self, job: CopyJob) -> str:
-        """How this tensor's part of `job` is copied (one of RULES)."""
+        """How this tensor's part of `job` is copied: slice, gather, scatter or batched."""
         if len(job.joint_runs) == 1 and (self.one_device or self.dense):
             return "slice"
         if self.one_device and job.dst_one_run:
@@ -145,20 +143,6 @@ def _copy_many(dsts: list[Tensor], srcs: list[Tensor], non_blocking: bool) -> No
         d.copy_(s, non_blocking=non_blocking)
 
 
-def _in_halves(helper: Executor | None, nbytes: int, fn: Callable[..., object],
-               first: tuple[object, ...], second: tuple[object, ...]) -> bool:
-    """fn(*first) on `helper` while fn(*second) runs here, when a split pays; else
-    neither (False)."""
-    if helper is None or nbytes < SPLIT_MIN_BYTES:
-        return False
-    other = helper.submit(fn, *first)
-    try:
-        fn(*second)
-    finally:
-        other.result()
-    return True
-
-
 def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = False,
              helper: Executor | None = None) -> str:
     """Issue every copy of `job` on the calling thread (and `helper`); returns the rules
@@ -196,9 +180,12 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
             used.append(rule)
     if dsts:
         cut = _halfway(sizes)
-        if _in_halves(helper, sum(sizes) if 0 < cut < len(dsts) else 0, _copy_many,
-                      (dsts[cut:], srcs[cut:], non_blocking),
-                      (dsts[:cut], srcs[:cut], non_blocking)):
+        if helper is not None and sum(sizes) >= SPLIT_MIN_BYTES and cut < len(dsts):
+            other = helper.submit(_copy_many, dsts[cut:], srcs[cut:], non_blocking)
+            try:
+                _copy_many(dsts[:cut], srcs[:cut], non_blocking)
+            finally:
+                other.result()
             used[used.index("batched")] = "batched/2"
         else:
             _copy_many(dsts, srcs, non_blocking)
