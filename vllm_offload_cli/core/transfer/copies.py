@@ -5,11 +5,12 @@ job is copied the same way on every host and in every run):
 
 * slice   - source and destination are one run each: one slice copy;
 * gather  - the destinations are one run: one `index_select` into it;
-* scatter - the sources are one run: one `index_copy_` from it;
 * batched - anything else: one piece per run of both sides (per block where
             rows are not adjacent), all tensors' pieces in one
             `torch._foreach_copy_` call over row views cached once per tensor.
 
+There is no scatter rule: torch's `index_copy_` moves one element at a time
+and lost to the batched call at every block size the benchmark measures.
 Indexed kernels need both sides on one device, so a pair of a GPU tensor and
 host memory uses slice (when each run is one span of bytes on both sides) or
 batched: one cudaMemcpyAsync per piece, issued in one C++ loop, as vLLM's
@@ -92,13 +93,11 @@ class TensorPair:
         return views
 
     def rule(self, job: CopyJob) -> str:
-        """How this tensor's part of `job` is copied: slice, gather, scatter or batched."""
+        """How this tensor's part of `job` is copied: slice, gather or batched."""
         if len(job.joint_runs) == 1 and (self.one_device or self.dense):
             return "slice"
         if self.one_device and job.dst_one_run:
             return "gather"
-        if self.one_device and job.src_one_run:
-            return "scatter"
         return "batched"
 
 
@@ -150,7 +149,7 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
     copies are queued on the current stream (`non_blocking`); on CPU they are done when
     this returns.
 
-    torch spreads one big copy, gather or scatter over its own threads, but runs the
+    torch spreads one big copy or gather over its own threads, but runs the
     pieces of a batched call one after another, so a batched call of SPLIT_MIN_BYTES or
     more is split in halves over the caller and `helper` (CPU lanes pass one).
     """
@@ -170,10 +169,7 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
             dst[run.dst:run.dst + n].copy_(src[run.src:run.src + n], non_blocking=non_blocking)
         elif rule == "gather":
             first = int(job.dst_ids[0])
-            torch.index_select(src, 0, job.tensor("src"), out=dst[first:first + n])
-        elif rule == "scatter":
-            first = int(job.src_ids.min())
-            dst.index_copy_(0, job.tensor("dst_by_src"), src[first:first + n])
+            torch.index_select(src, 0, job.src, out=dst[first:first + n])
         else:
             _pieces(pair, job, dsts, srcs, sizes)
         if rule not in used:

@@ -166,14 +166,6 @@ def _diff(ids: Ids) -> Ids:
     return step
 
 
-def _one_run(ascending: Ids) -> bool:
-    """Are sorted ids consecutive (distinct, each one more than the last)?"""
-    if ascending.size < 2:
-        return True
-    span = int(ascending[-1]) - int(ascending[0])
-    return span == ascending.size - 1 and bool((_diff(ascending) == 1).all())
-
-
 @dataclass(frozen=True, eq=False)
 class CopyJob:
     """A validated job: pairs (src_ids[i] -> dst_ids[i]), destinations strictly ascending.
@@ -206,29 +198,18 @@ class CopyJob:
                                                  self.dst_ids[starts].tolist(), lengths,
                                                  strict=True)]
 
-    @cached_property
+    @property
     def dst_one_run(self) -> bool:
-        """Are the destinations one run of consecutive blocks?"""
-        return _one_run(self.dst_ids)
+        """Are the destinations one run of consecutive blocks (they are distinct and
+        ascending, so the ends tell)?"""
+        n = self.num_blocks
+        return n == 0 or int(self.dst_ids[-1]) - int(self.dst_ids[0]) == n - 1
 
     @cached_property
-    def _by_src(self) -> tuple[Ids, Ids]:
-        import numpy as np
-
-        order = np.argsort(self.src_ids, kind="stable")
-        return self.src_ids[order], self.dst_ids[order]
-
-    @cached_property
-    def src_one_run(self) -> bool:
-        """Are the sources one run of consecutive, distinct blocks (in some order)?"""
-        return _one_run(self._by_src[0])
-
-    def tensor(self, which: str) -> torch.Tensor:
-        """Ids as an int64 CPU tensor sharing the job's memory: "src", "dst" (destination
-        order) or "dst_by_src" (destinations in ascending source order)."""
-        ids = {"src": self.src_ids, "dst": self.dst_ids, "dst_by_src": self._by_src[1]}[which]
-        tensor: torch.Tensor = import_torch().from_numpy(ids)
-        return tensor
+    def src(self) -> torch.Tensor:
+        """Source ids as an int64 CPU tensor sharing the job's memory (destination order)."""
+        ids: torch.Tensor = import_torch().from_numpy(self.src_ids)
+        return ids
 
     @cached_property
     def id_lists(self) -> tuple[list[int], list[int]]:
