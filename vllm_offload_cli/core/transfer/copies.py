@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
+    from vllm_offload_cli.core.transfer.jobs import Ids
+
 SPLIT_MIN_BYTES = 1 << 20  # a batched call smaller than this stays on one thread
 
 
@@ -45,19 +47,19 @@ class RowViews:
     """
 
     def __init__(self, rows: Tensor) -> None:
+        import numpy as np
+
         self._rows = rows
         self._views: list[Tensor | None] = [None] * rows.shape[0]
+        self._made = np.zeros(rows.shape[0], dtype=np.bool_)
 
-    def pick(self, ids: list[int]) -> list[Tensor]:
-        views = self._views
-        picked = [views[i] for i in ids]
-        if any(v is None for v in picked):
-            rows = self._rows
-            for i in ids:
-                if views[i] is None:
-                    views[i] = rows[i]
-            picked = [views[i] for i in ids]
-        return picked  # type: ignore[return-value]
+    def pick(self, ids: Ids) -> list[Tensor]:
+        views, made = self._views, self._made
+        if not made[ids].all():
+            for i in ids[~made[ids]].tolist():
+                views[i] = self._rows[i]
+            made[ids] = True
+        return [views[i] for i in ids.tolist()]
 
 
 @dataclass(eq=False)
@@ -94,7 +96,7 @@ class TensorPair:
 
     def rule(self, job: CopyJob) -> str:
         """How this tensor's part of `job` is copied: slice, gather or batched."""
-        if len(job.joint_runs) == 1 and (self.one_device or self.dense):
+        if job.one_run and (self.one_device or self.dense):
             return "slice"
         if self.one_device and job.dst_one_run:
             return "gather"
@@ -106,20 +108,20 @@ def _pieces(pair: TensorPair, job: CopyJob, dsts: list[Tensor], srcs: list[Tenso
     """Append one tensor's batched pieces: a cached row view per block, or, where rows
     are dense, one view per run of both sides."""
     src, dst = pair.sides(job.direction)
-    if not pair.dense or len(job.joint_runs) == job.num_blocks:
-        src_ids, dst_ids = job.id_lists
-        srcs += pair.rows(src).pick(src_ids)
-        dsts += pair.rows(dst).pick(dst_ids)
+    firsts_src, firsts_dst, lengths = job.runs
+    if not pair.dense or lengths.size == job.num_blocks:
+        srcs += pair.rows(src).pick(job.src_ids)
+        dsts += pair.rows(dst).pick(job.dst_ids)
         sizes += [pair.row_bytes] * job.num_blocks
         return
-    runs = job.joint_runs
     first = len(srcs)
-    srcs += pair.rows(src).pick([r.src for r in runs])
-    dsts += pair.rows(dst).pick([r.dst for r in runs])
-    for i, (s, d, n) in enumerate(runs, first):
+    srcs += pair.rows(src).pick(firsts_src)
+    dsts += pair.rows(dst).pick(firsts_dst)
+    for i, (s, d, n) in enumerate(zip(firsts_src.tolist(), firsts_dst.tolist(),
+                                      lengths.tolist(), strict=True), first):
         if n > 1:
             srcs[i], dsts[i] = src[s:s + n], dst[d:d + n]
-    sizes += [n * pair.row_bytes for _, _, n in runs]
+    sizes += (lengths * pair.row_bytes).tolist()
 
 
 def _halfway(sizes: list[int]) -> int:
@@ -165,8 +167,8 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
         rule = pair.rule(job)
         src, dst = pair.sides(job.direction)
         if rule == "slice":
-            (run,) = job.joint_runs
-            dst[run.dst:run.dst + n].copy_(src[run.src:run.src + n], non_blocking=non_blocking)
+            s, d = int(job.src_ids[0]), int(job.dst_ids[0])
+            dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
         elif rule == "gather":
             first = int(job.dst_ids[0])
             torch.index_select(src, 0, job.src, out=dst[first:first + n])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.torch_import import import_torch
@@ -35,14 +35,6 @@ class Direction(str, enum.Enum):
 
     STORE = "store"  # device -> region
     LOAD = "load"  # region -> device
-
-
-class Run(NamedTuple):
-    """`length` consecutive blocks: source `src` .. onto destination `dst` .."""
-
-    src: int
-    dst: int
-    length: int
 
 
 def _refuse(what: str, detail: str) -> InvalidInputError:
@@ -184,19 +176,22 @@ class CopyJob:
         return int(self.dst_ids.size)
 
     @cached_property
-    def joint_runs(self) -> list[Run]:
-        """Maximal runs where source and destination both advance by one."""
+    def runs(self) -> tuple[Ids, Ids, Ids]:
+        """(first source, first destination, length) of each maximal run where source
+        and destination both advance by one, as arrays."""
         import numpy as np
 
         n = self.num_blocks
-        if n == 0:
-            return []
         breaks = (_diff(self.dst_ids) != 1) | (_diff(self.src_ids) != 1)
-        starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(breaks) + 1))
-        lengths = np.diff(np.append(starts, n)).tolist()
-        return [Run(s, d, k) for s, d, k in zip(self.src_ids[starts].tolist(),
-                                                 self.dst_ids[starts].tolist(), lengths,
-                                                 strict=True)]
+        starts = np.concatenate((np.zeros(min(n, 1), dtype=np.int64),
+                                 np.flatnonzero(breaks) + 1))
+        lengths: Ids = np.diff(np.append(starts, n))
+        return self.src_ids[starts], self.dst_ids[starts], lengths
+
+    @property
+    def one_run(self) -> bool:
+        """Is the whole job one run on both sides?"""
+        return int(self.runs[2].size) == 1
 
     @property
     def dst_one_run(self) -> bool:
@@ -210,8 +205,3 @@ class CopyJob:
         """Source ids as an int64 CPU tensor sharing the job's memory (destination order)."""
         ids: torch.Tensor = import_torch().from_numpy(self.src_ids)
         return ids
-
-    @cached_property
-    def id_lists(self) -> tuple[list[int], list[int]]:
-        """(sources, destinations) as Python lists, in destination order."""
-        return self.src_ids.tolist(), self.dst_ids.tolist()
