@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -116,6 +117,17 @@ def test_an_interruption_mid_run_still_removes_the_region(shm_dir: Path) -> None
     assert list(shm_dir.iterdir()) == []
 
 
+def _ready(shm_dir: Path) -> bool:
+    for manifest in shm_dir.glob("*.manifest.json"):
+        try:
+            doc = json.loads(manifest.read_text())
+        except (OSError, ValueError):  # not written yet, or being replaced
+            continue
+        if doc.get("state") == "ready" and doc.get("attachments"):
+            return True
+    return False
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_from_outside_removes_the_region(shm_dir: Path, signum: int) -> None:
     proc = subprocess.Popen(
@@ -124,8 +136,10 @@ def test_a_signal_from_outside_removes_the_region(shm_dir: Path, signum: int) ->
          "--repeat", "100000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(lambda: any(p.suffix == ".mmap" for p in shm_dir.iterdir()),
-                          timeout=60), "the benchmark never created its region"
+        # the region is ready (its creator attached) and the copies have begun: a signal
+        # during creation is the region's own tests' business
+        assert wait_until(lambda: _ready(shm_dir), timeout=60), \
+            "the benchmark never finished creating its region"
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:
