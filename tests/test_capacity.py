@@ -10,10 +10,10 @@ from vllm_offload_cli.core.base.errors import InsufficientSpaceError
 from vllm_offload_cli.core.region.capacity import (
     Capacity,
     ShmUsage,
-    cgroup_headroom,
     check_fits,
     measure,
 )
+from vllm_offload_cli.core.system.memory import cgroup_headroom
 
 GiB = 1 << 30
 

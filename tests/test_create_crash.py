@@ -24,13 +24,13 @@ import pytest
 
 from tests.conftest import wait_until
 from tests.region_files import region_file
-from vllm_offload_cli.core.base.procfs import start_ticks
 from vllm_offload_cli.core.base.testhook import PAUSE_ENV, POINTS
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim.collector import collect
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.naming import manifest_path, region_path
+from vllm_offload_cli.core.system.processes import start_ticks
 
 SIZE = "256MiB"
 

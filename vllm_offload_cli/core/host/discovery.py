@@ -24,14 +24,12 @@ from vllm_offload_cli.core.base.errors import (
     RegionNotFoundError,
 )
 from vllm_offload_cli.core.base.problems import Problem
-from vllm_offload_cli.core.base.procfs import ProcessRef, comm
 from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
 from vllm_offload_cli.core.host.visibility import Visibility
 from vllm_offload_cli.core.region import fsguard, locking, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
-from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
@@ -41,6 +39,9 @@ from vllm_offload_cli.core.region.naming import (
     split_engine_id,
     validate_engine_id,
 )
+from vllm_offload_cli.core.system import procfs
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
 CREATING, UNKNOWN = "creating", "unknown"
@@ -411,17 +412,13 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: Proc
     size = max((u.size_hint or 0) for u in uses)
     resident, uid, mode = None, None, None
     fd_use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
-    if fd_use is not None:
-        try:
-            fd = os.open(f"/proc/{fd_use.pid}/fd/{fd_use.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            fd = -1
-        if fd >= 0:
+    if fd_use is not None and fd_use.fd is not None:
+        fd = procfs.open_fd(fd_use.pid, fd_use.fd, fid)
+        if fd is not None:
             try:
                 st = os.fstat(fd)
-                if FileId.of(st) == fid:
-                    size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
-                    resident = _resident(fd) if measure else None
+                size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
+                resident = _resident(fd) if measure else None
             finally:
                 os.close(fd)
     parsed = parse_region_filename(os.path.basename(path))

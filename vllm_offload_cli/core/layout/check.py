@@ -25,7 +25,6 @@ from vllm_offload_cli.core.base.errors import (
     RegionNotFoundError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.base.procfs import ProcessRef
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
@@ -33,6 +32,8 @@ from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, default_row_stride
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.region.ranks import RANK_SOURCES
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
 def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: Collection[int] | None
                   ) -> tuple[manifest_io.Manifest | None, CheckProblem | None]:
     """The manifest, if it exists, parses, and describes this very file."""
-    m, problem = manifest_io.read_matching(mpath, fsguard.FileId.of(st),
+    m, problem = manifest_io.read_matching(mpath, FileId.of(st),
                                            allowed_uids=allowed_uids, owner_uid=st.st_uid)
     return m, None if problem is None else CheckProblem(problem.code, problem.message)
 

@@ -46,7 +46,6 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.procfs import ProcessRef, comm
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
@@ -83,7 +82,6 @@ from vllm_offload_cli.core.reclaim.report import (
 )
 from vllm_offload_cli.core.region import fsguard, locking, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
     MANIFEST_SUFFIX,
@@ -92,6 +90,8 @@ from vllm_offload_cli.core.region.naming import (
     manifest_path,
     region_path,
 )
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.host.visibility import HIDDEN_HOLDERS, BlindSpot
+from vllm_offload_cli.core.host.visibility import BlindSpot
 
 DEFAULT_MIN_AGE = 60.0
 
@@ -120,13 +120,6 @@ class GcReport:
     def refused(self) -> tuple[KeptRegion, ...]:
         """Regions kept only because a holder could be hidden: the run exits 6."""
         return tuple(k for k in self.kept if k.code == UNKNOWN)
-
-    def refusal_codes(self) -> list[str]:
-        """Why this run refused: blind-spot codes, then `hidden_holders` if any."""
-        codes = [b.code for b in self.blind_spots]
-        codes += [HIDDEN_HOLDERS] if any(k.blind_spot == HIDDEN_HOLDERS
-                                         for k in self.refused) else []
-        return codes
 
     def kept_by_code(self) -> dict[str, int]:
         counts = dict.fromkeys(KEPT_CODES, 0)

@@ -72,12 +72,6 @@ class Geometry:
         check_rank(self, rank)
         return SlotRange(rank, rank * self.cpu_page_size, (rank + 1) * self.cpu_page_size)
 
-    def slot_offset(self, block: int, rank: int) -> int:
-        """Absolute file offset of worker `rank`'s slot in row `block`."""
-        if not 0 <= block < self.num_blocks:
-            raise InvalidInputError(f"block {block} is outside [0, {self.num_blocks})")
-        return block * self.row_stride + self.slot(rank).start
-
     def to_dict(self) -> dict[str, int | None]:
         return asdict(self)
 

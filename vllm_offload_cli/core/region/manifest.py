@@ -27,8 +27,7 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import Problem
-from vllm_offload_cli.core.base.procfs import ProcessRef
-from vllm_offload_cli.core.region import fsguard, placement
+from vllm_offload_cli.core.region import fsguard, page_policy
 from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.naming import (
@@ -36,6 +35,8 @@ from vllm_offload_cli.core.region.naming import (
     parse_manifest_filename,
     split_engine_id,
 )
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef
 
 MANIFEST_VERSION = 1
 _MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
@@ -183,7 +184,7 @@ MAX_SEGMENTS = 4096
 def _placement(doc: Any) -> dict[str, Any] | None:
     """The optional placement record, or the refusal every bad field gets."""
     try:
-        return placement.record_from_json(doc)
+        return page_policy.record_from_json(doc)
     except (ValueError, TypeError) as exc:
         raise uj.UntrustedJsonError(f"placement: {exc}") from exc
 
@@ -267,7 +268,7 @@ def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None,
     return _parse(fd, path, allowed_uids, owner_uid)
 
 
-def read_matching(path: str, file_id: fsguard.FileId | None, *,
+def read_matching(path: str, file_id: FileId | None, *,
                   allowed_uids: Collection[int] | None = None,
                   owner_uid: int | None = None,
                   ) -> tuple[Manifest | None, Problem | None]:

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.base import libc
 from vllm_offload_cli.core.base.errors import InsufficientSpaceError, OperationFailedError
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
+from vllm_offload_cli.core.system import libc
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 _CHUNK = 16 * 1024 * 1024  # unit of work for threads and progress reports

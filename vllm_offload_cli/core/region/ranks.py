@@ -106,8 +106,3 @@ def parse_rank_source(value: str | RankSource) -> RankSource:
                                 code="invalid_rank_source")
     return source
 
-
-def slot_for(source: str | RankSource, *, local_rank: int, device_index: int,
-             world_size: int) -> int:
-    """The slot a worker computes with `source` (what the engine hook calls)."""
-    return parse_rank_source(source).slot(WorkerPlace(local_rank, device_index, world_size))

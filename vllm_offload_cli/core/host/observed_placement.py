@@ -20,24 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.base import libc, numa
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import RegionInfo
-from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.geometry import PAGESIZE
-from vllm_offload_cli.core.region.placement import ThpSupport, pmd_mapped, thp_support
+from vllm_offload_cli.core.region.page_policy import ThpSupport, pmd_mapped, thp_support
+from vllm_offload_cli.core.system import libc, numa, smaps
+from vllm_offload_cli.core.system.files import FileId, open_regular
 
 SAMPLE_PAGES = 4096
 
-_HEADER = re.compile(
-    rb"^([0-9a-f]+)-([0-9a-f]+) \S+ [0-9a-f]+ ([0-9a-f]+):([0-9a-f]+) (\d+)")
-_NODE = re.compile(rb"\bN(\d+)=(\d+)")
-_KPAGE = re.compile(rb"\bkernelpagesize_kB=(\d+)")
 
 
 @dataclass(frozen=True)
@@ -71,14 +66,8 @@ class Placement:
         }
 
 
-def holder_pages(pid: int, files: Iterable[FileId], proc: str = "/proc") -> HolderPages | None:
-    """Parse smaps and numa_maps of `pid` for mappings of `files`; None if unreadable."""
-    ids = {(f.dev, f.ino) for f in files}
-    return merge(pid, scan_holder(pid, ids, proc), ids)
-
-
-def merge(pid: int, found: dict[tuple[int, int], HolderPages] | None,
-          ids: Iterable[tuple[int, int]]) -> HolderPages | None:
+def merge(pid: int, found: dict[FileId, HolderPages] | None,
+          ids: Iterable[FileId]) -> HolderPages | None:
     """One region's share of a scan_holder() result (its segments added up)."""
     parts = [found[i] for i in ids if found and i in found]
     if not parts:
@@ -91,60 +80,23 @@ def merge(pid: int, found: dict[tuple[int, int], HolderPages] | None,
                        sum(p.huge_bytes for p in parts), dict(nodes))
 
 
-def scan_holder(pid: int, wanted: set[tuple[int, int]], proc: str = "/proc"
-                ) -> dict[tuple[int, int], HolderPages] | None:
-    """Per (dev, ino) in `wanted`: what `pid` maps of it; one pass over smaps and numa_maps
-    (the kernel walks every page table to produce them, so callers read each once)."""
-    starts: dict[int, tuple[int, int]] = {}
-    rss: dict[tuple[int, int], int] = defaultdict(int)
-    huge: dict[tuple[int, int], int] = defaultdict(int)
-    try:
-        with open(f"{proc}/{pid}/smaps", "rb") as f:
-            current: tuple[int, int] | None = None
-            for line in f:
-                m = _HEADER.match(line)
-                if m is not None:
-                    key = (os.makedev(int(m.group(3), 16), int(m.group(4), 16)),
-                           int(m.group(5)))
-                    current = key if key in wanted else None
-                    if current is not None:
-                        starts[int(m.group(1), 16)] = current
-                    continue
-                if current is not None:
-                    name, _, rest = line.partition(b":")
-                    if name == b"Rss":
-                        rss[current] += int(rest.split()[0]) * 1024
-                    elif name in (b"ShmemPmdMapped", b"FilePmdMapped"):
-                        huge[current] += int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
+def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | None:
+    """Per file in `wanted`: what `pid` maps of it (its smaps and numa_maps read once)."""
+    found = smaps.read_smaps(pid, wanted=wanted)
+    if found is None:
         return None
-    if not starts:
+    if not found:
         return {}
-    nodes = _numa_maps(pid, starts, proc)
-    return {key: HolderPages(pid, rss[key], huge[key], dict(nodes.get(key, {})))
-            for key in set(starts.values())}
-
-
-def _numa_maps(pid: int, starts: dict[int, tuple[int, int]], proc: str
-               ) -> dict[tuple[int, int], dict[int, int]]:
-    nodes: dict[tuple[int, int], dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    try:
-        with open(f"{proc}/{pid}/numa_maps", "rb") as f:
-            for line in f:
-                addr, _, rest = line.partition(b" ")
-                try:
-                    key = starts.get(int(addr, 16))
-                except ValueError:
-                    continue
-                if key is None:
-                    continue
-                kpage = _KPAGE.search(rest)
-                unit = int(kpage.group(1)) * 1024 if kpage else PAGESIZE
-                for node, pages in _NODE.findall(rest):
-                    nodes[key][int(node)] += int(pages) * unit
-    except OSError:
-        return {}
-    return nodes
+    smaps.add_numa_nodes(pid, found, PAGESIZE)
+    rss: dict[FileId, int] = defaultdict(int)
+    huge: dict[FileId, int] = defaultdict(int)
+    nodes: dict[FileId, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for m in found.values():
+        rss[m.file_id] += m.rss_bytes
+        huge[m.file_id] += m.huge_bytes
+        for n, b in m.nodes.items():
+            nodes[m.file_id][n] += b
+    return {fid: HolderPages(pid, rss[fid], huge[fid], dict(nodes[fid])) for fid in rss}
 
 
 @dataclass(frozen=True)
@@ -209,7 +161,7 @@ def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAM
     return Sampled(dict(out), huge, len(picked))
 
 
-HolderScans = dict[int, "dict[tuple[int, int], HolderPages] | None"]
+HolderScans = dict[int, "dict[FileId, HolderPages] | None"]
 
 
 def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[int],
@@ -229,7 +181,7 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
     if resident_bytes is not None and topo.single_node and no_huge:
         nodes = {topo.nodes[0]: resident_bytes} if resident_bytes else {}
         return Placement(nodes, 0, "single_node")
-    ids = {(fid.dev, fid.ino) for _, fid, _ in files if fid is not None}
+    ids = {fid for _, fid, _ in files if fid is not None}
     best: HolderPages | None = None
     for holder in holder_pids:
         scan = scans[holder] if scans is not None and holder in scans else scan_holder(
@@ -254,13 +206,10 @@ def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
     for path, fid, size in files:
         if fid is None or size <= 0:
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
+        fd = open_regular(path, fid)
+        if fd is None:
             return None
         try:
-            if FileId.of(os.fstat(fd)) != fid:
-                return None
             got = sample_resident(fd, size, sample=max(1, SAMPLE_PAGES // len(files)))
         except OSError:  # no NUMA syscalls, denied, or truncated meanwhile (EFAULT)
             return None
@@ -286,8 +235,7 @@ def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
     easy = topo.single_node and not any(t.allowed for t in thp.values())
     scans: HolderScans = {}
     if not easy:  # each holder's smaps and numa_maps once, for every region it maps
-        wanted = {(s.file_id.dev, s.file_id.ino) for r in regions for s in r.segments
-                  if s.file_id is not None}
+        wanted = {s.file_id for r in regions for s in r.segments if s.file_id is not None}
         for pid in {h.pid for r in regions for h in r.holders}:
             scans[pid] = scan_holder(pid, wanted)
     out: dict[str, Placement] = {}
