@@ -40,6 +40,8 @@ EXIT_VERIFY = 3
 EXIT_BUSY = 4
 EXIT_NO_SPACE = 5
 EXIT_UNSAFE = 6
+# gc removed regions, then an output failed: the removals are still reported in full
+EXIT_PARTIAL = 7
 EXIT_INTERRUPTED = 130
 
 _EXIT_BY_ERROR: list[tuple[type[errors.OffloadError], int]] = [

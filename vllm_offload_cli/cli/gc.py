@@ -12,6 +12,7 @@ from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_PARTIAL,
     EXIT_UNSAFE,
     Invocation,
     Outcome,
@@ -19,8 +20,11 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     warn_useless_waiver,
 )
+from vllm_offload_cli.core.base.errors import OffloadError
 from vllm_offload_cli.core.base.units import format_bytes
-from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcReport
+from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
+
+OUTPUT_FAILED = "output_failed"
 
 
 def report_data(report: GcReport) -> dict[str, Any]:
@@ -76,43 +80,83 @@ def garbage_collect(
         "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
         "namespace (a container's own /dev/shm): trust this namespace's /proc. Waives only "
         "the PID-namespace refusal, never hidepid.")] = False,
+    no_syslog: Annotated[bool, typer.Option(
+        "--no-syslog", help="Do not record removals in the system log (by default one line "
+        "per removed region, identifier vllm-offload; socket /dev/log, env "
+        "VLLM_OFFLOAD_SYSLOG_SOCKET).")] = False,
 ) -> Outcome:
     """Remove provably stale regions and orphaned manifests; safe to run from cron.
 
     A region goes only when no process maps it or holds it open (unlinked
     mappings included), its exclusive lock can be taken, it is older than
     --min-age, owned by you, a regular file matching the region naming, and not
-    persistent. Every kept region is listed with the reason. Where a holder
+    persistent. Every kept region is listed with the reason; every removed one
+    is also recorded in the system log (identifier vllm-offload). Where a holder
     could be hidden (a PID namespace that is not the host's, hidepid, processes
     it may not inspect and no lease proof), it removes nothing it cannot prove
-    unused. Exit status: 0 when nothing failed (kept regions are not
-    failures), 1 when a removal failed, 2 for bad usage, 6 when it refused to
-    judge because a holder could be hidden.
+    unused. The --prometheus file is checked first: an unwritable one is exit 2
+    with nothing removed. Exit status: 0 when nothing failed (kept regions are
+    not failures), 1 when a removal failed, 2 for bad usage, 6 when it refused
+    to judge because a holder could be hidden, 7 (partial) when it removed
+    regions but could not write --prometheus afterwards (the removals are
+    still reported in full).
     """
     shm_dir = shm_dir_checked(inv)
-    from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: only when run
+    from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run
+        check_options,
+        collect,
+    )
 
+    check_options(GcOptions(min_age=min_age, all_users=all_users))
+    if prometheus is not None:  # before anything is removed: every removal gets reported
+        metrics.check_writable(prometheus)
     report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
                      min_age=min_age, include_persistent=include_persistent,
                      all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
+    data = report_data(report)
+    if not (dry_run or no_syslog) and report.removed:
+        from vllm_offload_cli.core.reclaim import audit
+
+        logged = audit.record_removals(report.removed)
+        data["syslog"] = logged.to_dict()
+        if logged.problem is not None:
+            inv.info(f"system log: {logged.dropped} line(s) not recorded ({logged.socket}: "
+                     f"{logged.problem})")
     warn_useless_waiver(inv, shm_private_to_namespace)
     for engine_id in report.not_found:
         inv.warn("not_found", f"no region or manifest named {engine_id} in {report.shm_dir}; "
                  "nothing to collect")
-    if report.uninspectable_processes and not report.blind_spots:
-        inv.warn("uninspectable_processes",
-                 f"{report.uninspectable_processes} process(es) could not be inspected "
-                 "(permission denied); a region they could open was removed only where the "
-                 "kernel's lease test proved that no process has it open")
-    data = report_data(report)
-    if prometheus is not None:
-        metrics.emit(_registry(report), prometheus)
-        data["prometheus"] = str(prometheus)
+    _warn_lease_only(inv, report)
     errors = [{"code": e.code, "message": e.message} for e in report.errors]
     refusals = refusal_errors(report)
     code = EXIT_FAILED if errors else EXIT_UNSAFE if refusals else EXIT_OK
+    if prometheus is not None:
+        try:
+            metrics.emit(_registry(report), prometheus)
+            data["prometheus"] = str(prometheus)
+        except OffloadError as exc:  # after removals: report them all, and say so
+            changed = not dry_run and bool(report.removed or report.orphan_manifests_removed
+                                           or report.temp_files_removed)
+            if not errors:
+                code = EXIT_PARTIAL if changed else EXIT_FAILED
+            errors.append({"code": OUTPUT_FAILED, "message": exc.message + (
+                "; the removals above were made" if changed else "")})
     return Outcome(data, exit_code=code, errors=errors + refusals,
-                   render=lambda out: _render(inv, out, report, refusals))
+                   render=lambda out: _render(inv, out, report, errors, refusals))
+
+
+def _warn_lease_only(inv: Invocation, report: GcReport) -> None:
+    """Uninspectable processes matter only where they changed a decision: say which."""
+    leased = [r for r in report.removed if r.hidden_pids]
+    if not leased:
+        return
+    pids = sorted({p for r in leased for p in r.hidden_pids})
+    shown = ", ".join(str(p) for p in pids[:5]) + (" ..." if len(pids) > 5 else "")
+    names = ", ".join(r.engine_id for r in leased[:3]) + (", ..." if len(leased) > 3 else "")
+    verb = "would be" if report.dry_run else "was"
+    inv.warn("removed_on_lease_proof",
+             f"{names} {verb} removed on the kernel's lease proof alone: pid(s) {shown} could "
+             "not be inspected (permission denied) and could have had it open")
 
 
 def refusal_errors(report: GcReport) -> list[dict[str, str]]:
@@ -128,14 +172,17 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
             f"{advice(report.blind_spots)}")})
     hidden = [k for k in report.refused if k.blind_spot == HIDDEN_HOLDERS]
     if hidden:
+        pids = report.uninspectable_pids
+        who = (f"pid(s) {', '.join(str(p) for p in pids[:5])}{' ...' if len(pids) > 5 else ''}"
+               if pids else "processes this run cannot inspect")
         out.append({"code": HIDDEN_HOLDERS, "message": (
-            f"kept {len(hidden)} region(s) that processes this run cannot inspect could hold "
+            f"kept {len(hidden)} region(s) that {who}, not inspectable, could hold "
             f"({', '.join(k.engine_id for k in hidden[:3])}{', ...' if len(hidden) > 3 else ''})"
             "; run gc as root (with CAP_SYS_PTRACE and CAP_LEASE) to prove them unused")})
     return out
 
 
-def _render(inv: Invocation, out: Console, report: GcReport,
+def _render(inv: Invocation, out: Console, report: GcReport, errors: list[dict[str, str]],
             refusals: list[dict[str, str]]) -> None:
     """Default: every decision. -q: only what was removed or failed (quiet cron mail)."""
 
@@ -158,7 +205,7 @@ def _render(inv: Invocation, out: Console, report: GcReport,
         say(f"{verb} orphaned manifest {path}")
     for path in report.temp_files_removed:
         say(f"{verb} leftover temporary file {path}")
-    for failure in [*(e.message for e in report.errors), *(r["message"] for r in refusals)]:
+    for failure in [*(e["message"] for e in errors), *(r["message"] for r in refusals)]:
         inv.err.print(f"Error: {failure}", highlight=False, markup=False, soft_wrap=True)
     if quiet and not (report.removed or report.orphan_manifests_removed
                       or report.temp_files_removed):
