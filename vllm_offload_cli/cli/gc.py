@@ -21,6 +21,7 @@ from vllm_offload_cli.cli.common import (
     warn_useless_waiver,
 )
 from vllm_offload_cli.core.base.errors import OffloadError
+from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
 
@@ -131,6 +132,7 @@ def garbage_collect(
     refusals = refusal_errors(report)
     code = EXIT_FAILED if errors else EXIT_UNSAFE if refusals else EXIT_OK
     if prometheus is not None:
+        pause_at("gc_before_outputs")  # tests break the output here, after the removals
         try:
             metrics.emit(_registry(report), prometheus)
             data["prometheus"] = str(prometheus)
