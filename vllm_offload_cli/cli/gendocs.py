@@ -32,7 +32,9 @@ EXIT_CODES = [
     (4, "region busy, or its name is taken by a live region"),
     (5, "not enough space or memory (tmpfs, cgroup limit, host memory; no GPU for --device cuda)"),
     (6, "refused as unsafe (ownership, mode, symlink, link count, wrong size, corrupt manifest)"),
-    (7, "fleet: partial answer, a node failed or did not answer in time (the others are shown)"),
+    (7, "partial: fleet, a node failed or did not answer in time (the others are shown); "
+        "garbage-collect, regions were removed (all reported) but --prometheus could not be "
+        "written"),
     (130, "interrupted"),
 ]
 
@@ -183,7 +185,7 @@ def man_page(cmds: list[Cmd]) -> str:
                   "vllm-offload create my-engine --dp-rank 0 --world-size 2 "
                   "--cpu-page-size 64KiB --size 1GiB\n"
                   "vllm-offload inspect --format prometheus --output "
-                  "/var/lib/node_exporter/vllm_offload.prom"),
+                  "/var/lib/prometheus/node-exporter/vllm_offload_regions.prom"),
             ".fi", ".SH SEE ALSO", "\\fBtmpfiles.d\\fR(5), \\fBflock\\fR(2), \\fBmincore\\fR(2)"]
     return "\n".join(out) + "\n"
 
