@@ -139,10 +139,11 @@ _vllm_offload() {
         case "$prev" in
             --size) COMPREPLY=(); return ;;
             --dp-size) COMPREPLY=(); return ;;
+            --segments) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--size --dp-size --dry-run -n --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--size --dp-size --dry-run -n --segments --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -133,6 +133,7 @@ complete -c vllm-offload -n '__fish_seen_subcommand_from preflight; and not __fi
 complete -c vllm-offload -n '__fish_seen_subcommand_from preflight; and not __fish_seen_subcommand_from fleet' -l size -r -d 'Bytes each replica\'s region maps, e.g. 64GiB (vLLM\'s cpu_bytes_to_use).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from preflight; and not __fish_seen_subcommand_from fleet' -l dp-size -r -d 'Data-parallel replicas: checks ENGINE_ID_dp0 .. _dp{N-1}.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from preflight; and not __fish_seen_subcommand_from fleet' -l dry-run -s n -d 'Say what would be reclaimed; remove nothing.'
+complete -c vllm-offload -n '__fish_seen_subcommand_from preflight; and not __fish_seen_subcommand_from fleet' -l segments -r -d 'Segment files per region the engine expects (vLLM\'s CPU spec: min(32, size // 1GiB); tiering: 1). Default: not compared.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from preflight; and not __fish_seen_subcommand_from fleet' -l shm-dir -r -F -d 'Directory that holds the regions.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from preflight; and not __fish_seen_subcommand_from fleet' -l json -d 'Print exactly one JSON document on stdout (see the man page for its schema).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from preflight; and not __fish_seen_subcommand_from fleet' -l verbose -s v -d 'More diagnostics on stderr (repeatable).'
