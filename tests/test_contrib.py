@@ -183,6 +183,7 @@ def test_each_schedule_writes_region_metrics_too(kind: str, shm_dir: Path,
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "VLLM_OFFLOAD_SHM_DIR": str(shm_dir)})
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # --quiet: a warning every minute would be mailed every minute
     if kind == "systemd":  # systemd, not the command line, keeps "Wrote ..." out of the journal
         assert "\nStandardOutput=null\n" in _unit("vllm-offload-metrics.service")
     else:

@@ -128,3 +128,24 @@ def test_the_engine_refuses_a_persistent_region_of_another_geometry(cli: Any,
     assert err.value.code == "geometry_mismatch"
     assert "its num_blocks is 8, the engine's is 16" in err.value.message
     assert "vllm-offload gc eng --include-persistent" in err.value.message
+
+
+def test_a_leftover_the_claim_reclaims_is_in_the_system_log(cli: Any, shm_dir: Path,
+                                                            tmp_path: Path,
+                                                            monkeypatch: Any) -> None:
+    import socket
+
+    from vllm_offload_cli.core.reclaim.audit import SOCKET_ENV
+
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(str(tmp_path / "log"))
+    sink.settimeout(10)
+    monkeypatch.setenv(SOCKET_ENV, str(tmp_path / "log"))
+    try:
+        region_file(shm_dir, "u1")
+        doc = preflight(cli, shm_dir, "u1", "--size", "1MiB", expect=0)
+        assert doc["data"]["replicas"][0]["action"] == "reclaimed"
+        line = sink.recv(65536).decode()
+    finally:
+        sink.close()
+    assert f'removed region engine_id="u1" uid={os.getuid()} size_bytes={SIZE}' in line

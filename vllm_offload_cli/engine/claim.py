@@ -31,6 +31,7 @@ from vllm_offload_cli.core.base.errors import (
 )
 from vllm_offload_cli.core.host.discovery import PERSISTENT, STALE, RegionInfo, discover
 from vllm_offload_cli.core.host.procscan import flock_holders
+from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
 from vllm_offload_cli.core.region import capacity
@@ -239,6 +240,7 @@ def claim(
                                notes=() if other is None else (f"another shape: {other}",))
         report = reclaim(inv, gc_report.GcOptions(dry_run=False, min_age=0.0),
                          engine_ids=[engine_id])
+        audit.record_removals(report.removed)  # "what deleted my region?": this start-up
         for removed in report.removed:
             reclaimed_paths += removed.paths
             reclaimed_bytes += removed.freed_bytes
