@@ -136,7 +136,7 @@ def benchmark_cmd(
     with _sigterm_interrupts(), inv.progress("benchmark", 1) as update:
         report = run_benchmark(config, progress=update)
     data = report.to_dict()
-    return Outcome(data, render=lambda out: _render(out, report))
+    return Outcome(data=data, render=lambda out: _render(out, report))
 
 
 def _gbps(value: float) -> str:
