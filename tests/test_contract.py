@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from region_files import region_file
 
 from vllm_offload_cli.core.base import errors

@@ -19,8 +19,8 @@ from rich.console import Console
 
 from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.fleet import node_task
+from vllm_offload_cli.core.base.exit_status import PRECEDENCE, ExitStatus
 from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
-from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.fleet.result import (
     ANSWERED,
     FAILED,
@@ -166,3 +166,81 @@ def test_a_node_on_another_version_is_warned_about(shm_dir: Path) -> None:
     assert mismatches(node.envelope["node"]["version"]) == []
     [warning] = mismatches("0.0.0-other")
     assert "node 10.0.0.1 runs vllm-offload" in warning["message"]
+
+
+# -- precedence: the merged exit status names what to act on first, not the largest code --
+
+
+def _said(node: str, code: int, *errors: str, data: dict[str, Any] | None = None
+          ) -> NodeResult:
+    """A node that answered `code` with these error codes (a synthetic envelope)."""
+    envelope = {"schema_version": 1, "command": "x", "ok": code == 0, "exit_code": code,
+                "data": data or {}, "warnings": [],
+                "errors": [{"code": e, "message": f"{e} here"} for e in errors]}
+    return NodeResult(node_id=node * 56, node_name=f"n{node}", outcome=ANSWERED,
+                      envelope=envelope)
+
+
+ANSWERABLE = [s for s in PRECEDENCE if s not in (ExitStatus.PARTIAL, ExitStatus.INTERRUPTED)]
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (a, b) for i, a in enumerate(ANSWERABLE) for b in ANSWERABLE[i + 1:]])
+def test_the_more_important_node_status_wins(first: ExitStatus, second: ExitStatus) -> None:
+    for order in ((first, second), (second, first)):
+        nodes = [_said(n, s, *(["e"] if s else [])) for n, s in zip("ab", order, strict=True)]
+        assert _fleet("inspect", *nodes).exit_code == first
+
+
+def test_problems_found_outrank_a_busy_node() -> None:
+    assert _fleet("verify-rank-layout", _said("a", 3, "p"), _said("b", 4, "busy")
+                  ).exit_code == ExitStatus.PROBLEMS_FOUND
+
+
+def test_a_finding_outranks_a_node_that_did_not_answer() -> None:
+    result = _fleet("garbage-collect", _said("a", 6, "pid_namespace"),
+                    _missing("b", TIMED_OUT, "no answer within 60 s"))
+    assert result.exit_code == ExitStatus.UNSAFE and result.data()["partial"] is True
+
+
+def test_a_node_interrupted_there_makes_the_answer_partial() -> None:
+    """The operator did not interrupt the fleet run: 130 from a node is not 130 for it."""
+    result = _fleet("inspect", _said("a", 0), _said("b", 130, "interrupted"))
+    assert result.exit_code == ExitStatus.PARTIAL and result.data()["partial"] is True
+    assert "PARTIAL: 1 node(s) were interrupted; exit 7." in _show(render_inspect, result)
+    # ... and what another node found still outranks it
+    assert _fleet("verify-rank-layout", _said("a", 3, "p"), _said("b", 130, "interrupted")
+                  ).exit_code == ExitStatus.PROBLEMS_FOUND
+
+
+def test_unknown_codes_count_as_failed() -> None:
+    assert _fleet("inspect", _said("a", 0), _said("b", 99, "new")).exit_code == 1
+
+
+def test_regions_on_different_nodes_are_all_found(two_dirs: tuple[Path, Path]) -> None:
+    a, b = two_dirs
+    region_file(a, "x")
+    region_file(b, "y")
+    for command, options in (("inspect", INSPECT), ("garbage-collect", GC)):
+        named = {**options, "engine_ids": ["x", "y"]}
+        result = _fleet(command, _answer("a", command, named, a), _answer("b", command, named, b))
+        assert [n.exit_code for n in result.nodes] == [2, 2]  # each node lacks one
+        assert result.exit_code == 0 and result.errors() == []
+        named = {**options, "engine_ids": ["x", "z"]}
+        result = _fleet(command, _answer("a", command, named, a), _answer("b", command, named, b))
+        assert result.exit_code == 2
+        assert [e["message"] for e in result.errors()] == ["no node has a region named z"]
+
+
+def test_a_node_that_did_not_answer_may_have_the_region(two_dirs: tuple[Path, Path]) -> None:
+    opts = {**INSPECT, "engine_ids": ["nowhere"]}
+    result = _fleet("inspect", _answer("a", "inspect", opts, two_dirs[0]),
+                    _missing("b", FAILED, "worker crashed"))
+    assert result.exit_code == ExitStatus.PARTIAL and result.on_no_node() is None
+
+
+def test_a_failed_removal_beside_a_missing_name_counts_as_failed() -> None:
+    """gc on a node that lacks one named region and failed to remove another."""
+    node = _said("a", 2, "not_found", "unlink_failed", data={"not_found": ["y"]})
+    other = _said("b", 2, "not_found", data={"not_found": ["x"]})
+    assert _fleet("garbage-collect", node, other).exit_code == ExitStatus.FAILED
