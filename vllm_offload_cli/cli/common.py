@@ -89,7 +89,10 @@ class _WarningCollector(logging.Handler):
 
 @dataclass(kw_only=True)
 class Invocation:
-    """One run of one subcommand: its common options and its output channels."""
+    """One run of one subcommand: its common options and its output channels.
+
+    Not frozen: `inspect --format json` turns `json_output` on once it knows.
+    """
 
     command: str
     shm_dir: Path
