@@ -163,7 +163,7 @@ def man_page(cmds: list[Cmd]) -> str:
                   'data has "nodes": one entry per node with "node_id", "label", "status" '
                   '(ok, error, refused, absent, failed, timed_out), "exit_code", "reason", '
                   'and that node\'s own "data", "errors" and "warnings"; "partial" is true '
-                  'when a node did not answer.'),
+                  'when a node did not answer or its command was interrupted there.'),
             ".SH EXIT STATUS"]
     for status in ExitStatus:
         out += [".TP", f".B {status.value}", _roff(status.meaning)]

@@ -87,7 +87,7 @@ def render_nodes(out: Console, result: FleetResult) -> None:
         [f"{interrupted} node(s) were interrupted"] if interrupted else [])
     verdict = (f"{answered} of {len(result.nodes)} node(s) answered"
                + (f"; PARTIAL: {', '.join(short)}" if short else ""))
-    _say(out, f"Fleet {result.address}: {verdict}; exit {result.exit_code}.")
+    _say(out, f"Fleet {result.address}: {verdict}; exit {int(result.exit_code)}.")
 
 
 def render_inspect(out: Console, result: FleetResult) -> None:

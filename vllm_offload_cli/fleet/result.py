@@ -207,8 +207,7 @@ class FleetResult:
         }
 
 
-
-
 def no_node_has(engine_ids: list[str]) -> str:
+    """The message for named regions on no node ([]: the nodes did not say which)."""
     named = f"a region named {', '.join(engine_ids)}" if engine_ids else "the named region(s)"
     return f"no node has {named}"
