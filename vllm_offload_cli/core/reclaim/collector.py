@@ -3,7 +3,7 @@
 Deleting by name is unsafe in `/dev/shm`: vLLM keeps using a region through
 its mapping without any lock, a creator may be between `O_EXCL` and
 `ftruncate`, and anyone can plant a symlink named like a region. So a region
-goes only when every test agrees (DESIGN section 3), decided on state read
+goes only when every test agrees, decided on state read
 while we hold the region's exclusive lock:
 
 1. discovery (`discover()`) lists candidates with their holders; anything held,

@@ -2,7 +2,7 @@
 
 Byte-compatible with vLLM's class of the same name (same path, same creator /
 joiner protocol, same layout, same views), so either side can create a region
-and the other can join it. On top of vLLM's behaviour (DESIGN section 3):
+and the other can join it. On top of vLLM's behaviour (the hardening rules):
 
 * joiners never pass O_CREAT, and nothing is followed (O_NOFOLLOW);
 * the descriptor is judged by fstat: regular file, allowed owner, mode 0600,
