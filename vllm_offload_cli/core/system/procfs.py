@@ -56,7 +56,7 @@ def maps_dev_token(dev: int) -> bytes:
 
 # -- /proc/PID/maps -------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Mapping:
     """One line of /proc/PID/maps that maps a file."""
 
@@ -100,7 +100,7 @@ def parse_maps(data: bytes, *, only: bytes | None = None) -> Iterator[Mapping]:
         if fid.ino == 0:
             continue  # anonymous memory
         path, deleted = strip_deleted(parts[5] if len(parts) > 5 else "")
-        yield Mapping(start, end, off, fid, path, deleted)
+        yield Mapping(start=start, end=end, offset=off, file_id=fid, path=path, deleted=deleted)
 
 
 # -- /proc/PID/fd -------------------------------------------------------------------
@@ -168,7 +168,7 @@ def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
 
 # -- /proc/locks ----------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LockEntry:
     """One granted lock from /proc/locks (waiters are skipped)."""
 
@@ -194,7 +194,7 @@ def lock_entries() -> Iterator[LockEntry]:
             fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
         except ValueError:
             continue
-        yield LockEntry(fields[1], fields[3] == "WRITE", pid, fid)
+        yield LockEntry(kind=fields[1], exclusive=fields[3] == "WRITE", pid=pid, file_id=fid)
 
 
 # -- status, namespaces ---------------------------------------------------------------
