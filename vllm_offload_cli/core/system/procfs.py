@@ -105,6 +105,13 @@ def parse_maps(data: bytes, *, only: bytes | None = None) -> Iterator[Mapping]:
 
 # -- /proc/PID/fd -------------------------------------------------------------------
 
+def _fd_entries(pid: int) -> list[str] | Unreadable:
+    try:
+        return os.listdir(f"{PROC}/{pid}/fd")
+    except OSError as exc:
+        return _why(exc)
+
+
 def fd_stats(pid: int, skip: Collection[int] = ()
              ) -> list[tuple[int, os.stat_result]] | Unreadable:
     """(fd, stat of the open file) for every descriptor of a process.
@@ -114,18 +121,16 @@ def fd_stats(pid: int, skip: Collection[int] = ()
     skipped; a directory we may list but not follow (PID 1 in some sandboxes)
     is DENIED.
     """
-    fd_dir = f"{PROC}/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError as exc:
-        return _why(exc)
+    entries = _fd_entries(pid)
+    if isinstance(entries, Unreadable):
+        return entries
     out = []
-    for entry in names:
+    for entry in entries:
         fd = int(entry)
         if fd in skip:
             continue
         try:
-            out.append((fd, os.stat(f"{fd_dir}/{entry}")))
+            out.append((fd, os.stat(f"{PROC}/{pid}/fd/{entry}")))
         except PermissionError:
             return DENIED
         except OSError:
@@ -135,18 +140,10 @@ def fd_stats(pid: int, skip: Collection[int] = ()
 
 def fd_targets(pid: int) -> list[str] | Unreadable:
     """What each descriptor of a process shows as its target (readlink)."""
-    fd_dir = f"{PROC}/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError as exc:
-        return _why(exc)
-    out = []
-    for entry in names:
-        try:
-            out.append(os.readlink(f"{fd_dir}/{entry}"))
-        except OSError:
-            continue
-    return out
+    entries = _fd_entries(pid)
+    if isinstance(entries, Unreadable):
+        return entries
+    return [t for t in (fd_target(pid, int(e)) for e in entries) if t is not None]
 
 
 def fd_target(pid: int, fd: int) -> str | None:
