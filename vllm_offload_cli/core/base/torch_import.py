@@ -32,5 +32,5 @@ def import_torch() -> ModuleType:
         except ModuleNotFoundError as exc:
             if exc.name != "torch":
                 raise  # torch is there but broken: a bug to see in full
-            raise missing_extra(COPY, ["torch"], what="tensor views and copies") from None
+            raise missing_extra(COPY, ["torch"], what="a tensor view or copy") from None
     return torch
