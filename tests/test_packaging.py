@@ -312,6 +312,11 @@ def test_man_page_and_completions_land_where_tools_look(image_venv: Path) -> Non
     proc = run([man, "-w", "vllm-offload"], env=venv_env(image_venv))
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()) == image_venv / SHARED_DATA["man/vllm-offload.1"]
+    analyze = shutil.which("systemd-analyze")
+    if analyze is not None:  # the unit's Documentation=man:vllm-offload(1) resolves
+        unit = REPO / "contrib" / "systemd" / "vllm-offload-gc.service"
+        proc = run([analyze, "verify", str(unit)], env=venv_env(image_venv))
+        assert "man vllm-offload(1)" not in proc.stdout + proc.stderr
 
 
 def test_containerfile_installs_the_base_package_only() -> None:
