@@ -13,10 +13,10 @@ from rich.console import Console
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.numa import parse_cpulist
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
+from vllm_offload_cli.core.system.numa import parse_cpulist
 
 
 class _Released(Exception):  # noqa: N818 - a signal, not an error

@@ -24,7 +24,7 @@ from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundE
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
-from vllm_offload_cli.core.host.placement import Placement, observe_all
+from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 
 
 class Format(str, enum.Enum):

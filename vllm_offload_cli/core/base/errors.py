@@ -96,3 +96,18 @@ class DeviceUnavailableError(InsufficientSpaceError):
     """
 
     code = "no_device"
+
+
+class MissingExtraError(InvalidInputError):
+    """A feature needs an optional dependency (an extra) that is not installed.
+
+    An InvalidInputError (exit 2): the install is incomplete for what was asked,
+    nothing failed. The message ends with the `pip install` line that fixes it.
+    """
+
+    code = "extra_not_installed"
+
+    def __init__(self, message: str, *, extra: str, install: str) -> None:
+        super().__init__(message)
+        self.extra = extra
+        self.install = install
