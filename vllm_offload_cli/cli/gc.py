@@ -10,17 +10,14 @@ from rich.console import Console
 
 from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_PARTIAL,
-    EXIT_UNSAFE,
     Invocation,
     Outcome,
     shm_dir_checked,
     subcommand,
     warn_useless_waiver,
 )
-from vllm_offload_cli.core.base.errors import OffloadError
+from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
+from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
@@ -97,10 +94,11 @@ def garbage_collect(
     it may not inspect and no lease proof), it removes nothing it cannot prove
     unused. The --prometheus file is checked first: an unwritable one is exit 2
     with nothing removed. Exit status: 0 when nothing failed (kept regions are
-    not failures), 1 when a removal failed, 2 for bad usage, 6 when it refused
-    to judge because a holder could be hidden, 7 (partial) when it removed
-    regions but could not write --prometheus afterwards (the removals are
-    still reported in full).
+    not failures), 1 when a removal failed, 2 for bad usage or a named ENGINE_ID
+    that matches no region or manifest (the others are still collected), 6 when
+    it refused to judge because a holder could be hidden, 7 (partial) when it
+    removed regions but could not write --prometheus afterwards (the removals
+    are still reported in full).
     """
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run
@@ -124,27 +122,29 @@ def garbage_collect(
             inv.info(f"system log: {logged.dropped} line(s) not recorded ({logged.socket}: "
                      f"{logged.problem})")
     warn_useless_waiver(inv, shm_private_to_namespace)
-    for engine_id in report.not_found:
-        inv.warn("not_found", f"no region or manifest named {engine_id} in {report.shm_dir}; "
-                 "nothing to collect")
     _warn_lease_only(inv, report)
     errors = [{"code": e.code, "message": e.message} for e in report.errors]
     refusals = refusal_errors(report)
-    code = EXIT_FAILED if errors else EXIT_UNSAFE if refusals else EXIT_OK
+    # a named id that matches nothing is said, as `inspect` says it: a typo must not pass
+    missing = [{"code": RegionNotFoundError.code, "message": f"no region or manifest named "
+                f"{engine_id} in {report.shm_dir}; `vllm-offload inspect` lists them all"}
+               for engine_id in report.not_found]
+    output: list[dict[str, str]] = []
+    changed = not dry_run and bool(report.removed or report.orphan_manifests_removed
+                                   or report.temp_files_removed)
     if prometheus is not None:
         pause_at("gc_before_outputs")  # tests break the output here, after the removals
         try:
             metrics.emit(_registry(report), prometheus)
             data["prometheus"] = str(prometheus)
         except OffloadError as exc:  # after removals: report them all, and say so
-            changed = not dry_run and bool(report.removed or report.orphan_manifests_removed
-                                           or report.temp_files_removed)
-            if not errors:
-                code = EXIT_PARTIAL if changed else EXIT_FAILED
-            errors.append({"code": OUTPUT_FAILED, "message": exc.message + (
+            output.append({"code": OUTPUT_FAILED, "message": exc.message + (
                 "; the removals above were made" if changed else "")})
-    return Outcome(data, exit_code=code, errors=errors + refusals,
-                   render=lambda out: _render(inv, out, report, errors, refusals))
+    code = most_important(status for status, present in (
+        (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing),
+        (ExitStatus.PARTIAL if changed else ExitStatus.FAILED, output)) if present)
+    return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
+                   render=lambda out: _render(inv, out, report, output + refusals + missing))
 
 
 def _warn_lease_only(inv: Invocation, report: GcReport) -> None:
@@ -184,9 +184,12 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
     return out
 
 
-def _render(inv: Invocation, out: Console, report: GcReport, errors: list[dict[str, str]],
-            refusals: list[dict[str, str]]) -> None:
-    """Default: every decision. -q: only what was removed or failed (quiet cron mail)."""
+def _render(inv: Invocation, out: Console, report: GcReport,
+            other_errors: list[dict[str, str]]) -> None:
+    """Default: every decision. -q: only what was removed or failed (quiet cron mail).
+
+    `other_errors`: what is not a failed removal (refusals, names that match nothing).
+    """
 
     def say(text: str) -> None:
         out.print(text, highlight=False, markup=False, soft_wrap=True)
@@ -207,7 +210,7 @@ def _render(inv: Invocation, out: Console, report: GcReport, errors: list[dict[s
         say(f"{verb} orphaned manifest {path}")
     for path in report.temp_files_removed:
         say(f"{verb} leftover temporary file {path}")
-    for failure in [*(e["message"] for e in errors), *(r["message"] for r in refusals)]:
+    for failure in [*(e.message for e in report.errors), *(r["message"] for r in other_errors)]:
         inv.err.print(f"Error: {failure}", highlight=False, markup=False, soft_wrap=True)
     if quiet and not (report.removed or report.orphan_manifests_removed
                       or report.temp_files_removed):
