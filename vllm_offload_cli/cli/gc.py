@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
@@ -19,8 +18,11 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     warn_useless_waiver,
 )
-from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.base.units import format_bytes, parse_duration
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcReport
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def report_data(report: GcReport) -> dict[str, Any]:
@@ -60,10 +62,11 @@ def garbage_collect(
         metavar="[ENGINE_ID]...", help="Only these regions.", show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", "-n", help="Show what would be removed and why; change nothing.")] = False,
-    min_age: Annotated[float, typer.Option(
-        "--min-age", metavar="SECONDS", min=0.0,
+    min_age: Annotated[str, typer.Option(
+        "--min-age", metavar="DURATION",
         help="Keep regions changed or created less than this long ago (covers a creator "
-        "between O_EXCL and ftruncate).")] = DEFAULT_MIN_AGE,
+        "between O_EXCL and ftruncate): seconds, or 90s, 5m, 2h, 1d.")
+    ] = f"{DEFAULT_MIN_AGE:g}s",
     include_persistent: Annotated[bool, typer.Option(
         "--include-persistent", help="Also remove unused regions pre-provisioned by "
         "`create`.")] = False,
@@ -89,11 +92,12 @@ def garbage_collect(
     failures), 1 when a removal failed, 2 for bad usage, 6 when it refused to
     judge because a holder could be hidden.
     """
+    min_age_s = parse_duration(min_age, what="--min-age")
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: only when run
 
     report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
-                     min_age=min_age, include_persistent=include_persistent,
+                     min_age=min_age_s, include_persistent=include_persistent,
                      all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
     warn_useless_waiver(inv, shm_private_to_namespace)
     for engine_id in report.not_found:
@@ -190,7 +194,7 @@ def _registry(report: GcReport) -> Any:
           report.regions_seen)
     gauge("vllm_offload_gc_regions_removed", "Regions the last run removed (would remove, "
           "in a dry run).", len(report.removed))
-    gauge("vllm_offload_gc_bytes_freed", "tmpfs memory the last run gave back.",
+    gauge("vllm_offload_gc_freed_bytes", "tmpfs memory the last run gave back.",
           report.freed_bytes)
     gauge("vllm_offload_gc_orphan_manifests_removed",
           "Orphaned manifests the last run removed.", len(report.orphan_manifests_removed))
