@@ -72,7 +72,7 @@ BAD_INPUTS = [
     (["x", *BASE, "--num-blocks", "-3"], 2, "--num-blocks must be greater than 0"),
     (["x", *BASE, "--size", "0"], 2, "--size must be greater than 0"),
     (["x", *BASE, "--size", "-1GiB"], 2, "is not a size"),
-    (["x", *BASE, "--size", "12MB"], 2, "unknown unit"),
+    (["x", *BASE, "--size", "12mb"], 2, "unknown unit"),
     (["x", *BASE], 2, "exactly one of --num-blocks and --size"),
     (["x", *BASE, "--num-blocks", "1", "--size", "1MiB"], 2, "exactly one"),
     (["x", "--world-size", "0", "--cpu-page-size", "4KiB", "--num-blocks", "1"], 2,

@@ -155,7 +155,9 @@ def test_human_table(cli: Any, shm_dir: Path, holders: Any) -> None:
     r = cli("inspect", "--shm-dir", str(shm_dir))
     assert r.exit_code == 0
     assert "ENGINE ID" in r.stdout and "tbl" in r.stdout and "live" in r.stdout
-    assert f"{h.pid} python" in r.stdout and "r1" in r.stdout
+    assert f" 1 ({h.pid})" in r.stdout, "narrow: the count and the first pid"
+    wide = cli("inspect", "--wide", "--shm-dir", str(shm_dir))
+    assert f"{h.pid} python r1" in wide.stdout
 
 
 def test_prometheus_textfile_is_written_atomically(cli: Any, shm_dir: Path,
@@ -166,8 +168,9 @@ def test_prometheus_textfile_is_written_atomically(cli: Any, shm_dir: Path,
             str(shm_dir), "--json")
     assert r.exit_code == 0 and r.json["data"]["output"] == str(out)
     text = out.read_text()
-    assert 'vllm_offload_region_state{base_engine_id="p",dp_rank="2",engine_id="p_dp2",' \
+    assert 'vllm_offload_region_state{base_engine_id="p",engine_id="p_dp2",' \
            'state="stale"} 1.0' in text
+    assert 'vllm_offload_region_dp_rank{base_engine_id="p",engine_id="p_dp2"} 2.0' in text
     assert "vllm_offload_shm_free_bytes" in text
     assert sorted(os.listdir(tmp_path)) == ["vllm_offload.prom"], "no temp file left"
     stdout = cli("inspect", "--format", "prometheus", "--shm-dir", str(shm_dir))

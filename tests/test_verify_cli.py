@@ -130,7 +130,7 @@ def test_plan_table_for_people(cli: Any) -> None:
     (["bad/id"], "engine_id 'bad/id' contains '/'"),
     (["some-engine", "--world-size", "0"], "--world-size must be greater than 0, got 0"),
     (["some-engine", "--cpu-page-size", "0"], "--cpu-page-size must be greater than 0"),
-    (["some-engine", "--cpu-page-size", "4kB"], "has unknown unit 'kB'"),
+    (["some-engine", "--cpu-page-size", "4kb"], "has unknown unit 'kb'"),
     (["--world-size", "two"], "Invalid value for '--world-size'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli: Any, shm_dir: Path, args: list[str],
