@@ -21,22 +21,46 @@ def test_committed_copy_is_current(rel: str, text: str) -> None:
 
 
 def test_every_command_is_documented() -> None:
-    from vllm_offload_cli.cli.app import app
+    from vllm_offload_cli.cli.app import COMMANDS, root_command
 
-    man = (ROOT / "man" / "vllm-offload.1").read_text()
+    man = (ROOT / "man" / "vllm-offload.1").read_text().replace("\\-", "-")
     bash = (ROOT / "completions" / "vllm-offload.bash").read_text()
-    for command in app.registered_commands:
-        if command.hidden:
-            continue
-        assert f".SS {command.name}" in man.replace("\\-", "-")
-        assert f"    {command.name})" in bash
-    for group in app.registered_groups:  # `fleet` and its own commands
-        assert group.typer_instance is not None
-        for command in group.typer_instance.registered_commands:
-            name = f"{group.name} {command.name}"
-            assert f'    "{name}")' in bash
-            if not command.hidden:
-                assert f".SS {name}" in man.replace("\\-", "-")
+    root = root_command()
+    for name in COMMANDS:
+        command = root.commands[name]  # type: ignore[attr-defined]
+        subs = getattr(command, "commands", {})
+        if not command.hidden:
+            assert f".SS {name}" in man
+        assert f"    {name})" in bash or subs
+        for sub_name, sub in subs.items():  # `fleet` and its own commands
+            assert f'    "{name} {sub_name}")' in bash
+            if not sub.hidden:
+                assert f".SS {name} {sub_name}" in man
+
+
+def test_man_page_has_the_operator_sections() -> None:
+    man = (ROOT / "man" / "vllm-offload.1").read_text().replace("\\-", "-")
+    for section in ("SYNOPSIS", "DEFAULTS", "JSON OUTPUT", "EXIT STATUS", "ENVIRONMENT",
+                    "FILES"):
+        assert f"\n.SH {section}\n" in man
+    assert "Default: 60s." in man, "gc's --min-age default is stated"
+    assert "[ENGINE_ID]" in man and "see the man page" not in man
+    assert ".SS inspect\n.TP\n\\fBshm_dir\\fR" in man, "a JSON data reference per command"
+
+
+def test_man_page_is_clean_for_mandoc() -> None:
+    if shutil.which("mandoc") is None:
+        pytest.skip("mandoc is not installed")
+    lint = subprocess.run(["mandoc", "-T", "lint", "-W", "warning",
+                           str(ROOT / "man" / "vllm-offload.1")], capture_output=True, text=True)
+    assert lint.returncode == 0 and lint.stdout + lint.stderr == "", lint.stdout + lint.stderr
+
+
+def test_fish_offers_only_the_allowed_values() -> None:
+    fish = (ROOT / "completions" / "vllm-offload.fish").read_text()
+    formats = [line for line in fish.splitlines() if "-l format" in line]
+    assert formats and all("-x -a 'table json prometheus'" in line for line in formats)
+    assert not [line for line in fish.splitlines() if " -r -a " in line]
 
 
 @pytest.mark.parametrize(("shell", "rel", "check"), [

@@ -297,11 +297,11 @@ def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
 # -- common options -------------------------------------------------------------
 
 ShmDirOpt = Annotated[Path, typer.Option(
-    "--shm-dir", envvar=SHM_DIR_ENV, show_envvar=True, file_okay=False,
+    "--shm-dir", envvar=SHM_DIR_ENV, show_envvar=True, file_okay=False, metavar="DIR",
     help="Directory that holds the regions.", show_default=True)]
 JsonOpt = Annotated[bool, typer.Option(
-    "--json", help="Print exactly one JSON document on stdout (see the man page for its "
-    "schema).")]
+    "--json", help="Print exactly one JSON document on stdout, nothing else: the envelope "
+    "with this command's data (JSON OUTPUT in vllm-offload(1)).")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
                                          help="More diagnostics on stderr (repeatable).")]
 QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True,

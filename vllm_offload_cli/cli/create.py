@@ -142,20 +142,22 @@ def create(
                                              show_default=False)],
     world_size: Annotated[int, typer.Option("--world-size", help="Workers per replica "
                                             "(one slot each in every row).")],
-    cpu_page_size: Annotated[str, typer.Option("--cpu-page-size", help="Bytes per worker "
-                                               "slot, e.g. 64KiB.")],
+    cpu_page_size: Annotated[str, typer.Option(
+        "--cpu-page-size", metavar="SIZE", help="Bytes per worker slot, e.g. 64KiB (K, M, G "
+        "and KiB, MiB, GiB are powers of 1024; KB, MB, GB powers of 1000).")],
     dp_rank: Annotated[int | None, typer.Option("--dp-rank", help="Append _dp{N} to "
                                                 "the engine id, as vLLM does.")] = None,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", help="Rows (KV blocks).")
                           ] = None,
-    size: Annotated[str | None, typer.Option("--size", help="Total size, e.g. 4GiB; "
-                                             "rounded down to whole rows.")] = None,
+    size: Annotated[str | None, typer.Option(
+        "--size", metavar="SIZE", help="Total size, e.g. 4GiB or 4G; rounded down to whole "
+        "rows (the size made is printed).")] = None,
     no_populate: Annotated[bool, typer.Option("--no-populate", help="Do not pre-fault; "
                                               "memory is then allocated on first use.")] = False,
     hold: Annotated[bool, typer.Option("--hold", help="Hold the region until SIGINT/SIGTERM, "
                                        "then remove it.")] = False,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Pre-fault "
-                                                "threads (default: min(8, CPUs)).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, show_default="min(8, CPUs)",
+                                                help="Pre-fault threads.")] = None,
     numa_node: Annotated[str | None, typer.Option(
         "--numa-node", metavar="NODES", show_default=False,
         help="Place the region's pages on this NUMA node (or list, e.g. 0-1 for "

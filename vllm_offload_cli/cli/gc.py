@@ -59,7 +59,7 @@ def report_data(report: GcReport) -> dict[str, Any]:
 def garbage_collect(
     inv: Invocation,
     engine_ids: Annotated[list[str] | None, typer.Argument(
-        metavar="[ENGINE_ID]...", help="Only these regions.", show_default=False)] = None,
+        metavar="ENGINE_ID", help="Only these regions (default: all).", show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", "-n", help="Show what would be removed and why; change nothing.")] = False,
     min_age: Annotated[str, typer.Option(

@@ -65,7 +65,7 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None) -> dict[str
 def inspect_cmd(
     inv: Invocation,
     engine_ids: Annotated[list[str] | None, typer.Argument(
-        metavar="[ENGINE_ID]...", help="Only these regions.", show_default=False)] = None,
+        metavar="ENGINE_ID", help="Only these regions (default: all).", show_default=False)] = None,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")
                    ] = Format.table,
     output: Annotated[Path | None, typer.Option(

@@ -112,6 +112,8 @@ class PlainOption(TyperOption):
     def display_type_rich(self, ctx: Context) -> str | None:
         if self.is_flag or self.count:
             return None
+        if self.metavar is None and self.type_descriptor.annotation is int:
+            return "N"
         return self.metavar or super().display_type_rich(ctx)
 
     def get_runtime_param(self) -> RuntimeParam:
@@ -119,6 +121,16 @@ class PlainOption(TyperOption):
 
 
 class PlainArgument(TyperArgument):
+    """An argument as a man page writes it: ENGINE_ID, [ENGINE_ID], [ENGINE_ID]..."""
+
+    def display_type_rich(self, ctx: Context) -> str | None:
+        return None  # the metavar says it
+
+    def _usage_display_name(self) -> str:
+        name = (self.metavar or self.name or "ARG").upper()
+        name = name if self.required else f"[{name}]"
+        return f"{name}..." if self.nargs != 1 else name
+
     def get_runtime_param(self) -> RuntimeParam:
         return _runtime(self)
 
@@ -129,7 +141,9 @@ def tidy(cmd: Command) -> Command:
     for p in [*cmd.params, cmd.get_help_option(ctx)]:
         if isinstance(p, TyperOption):
             p.__class__ = PlainOption
-            if not (p.is_flag or p.count) and p.show_default is False and p.default is not None:
+            if p.is_flag or p.count:
+                p.show_default = False  # off, and 0: nothing to say
+            elif p.show_default is False and p.default is not None:
                 p.show_default = True
         elif isinstance(p, TyperArgument):
             p.__class__ = PlainArgument

@@ -49,18 +49,18 @@ def verify_rank_layout(
         help="Workers per replica (required to plan; for a region without a manifest, with "
         "--cpu-page-size).")] = None,
     dp_size: Annotated[int | None, typer.Option(
-        "--dp-size", show_default=False,
+        "--dp-size", show_default="1, or the number of --devices groups",
         help="Plan: data-parallel replicas (default 1, or the number of --devices groups).")
     ] = None,
     devices: Annotated[str | None, typer.Option(
-        "--devices", metavar="SPEC", show_default=False,
+        "--devices", metavar="SPEC", show_default="contiguous",
         help="Plan: device index each worker's process sees, e.g. '0,2;1,3' (';' between "
         "replicas, ',' between workers); or 'contiguous' (default: replica k on k*W..k*W+W-1), "
         "'env' (split CUDA_VISIBLE_DEVICES into replicas; each worker sees its position in "
         "the list), 'per-process' (each worker process sees only its own GPU, index 0).")
     ] = None,
     rank_source: Annotated[str | None, typer.Option(
-        "--rank-source", metavar="NAME", show_default=False,
+        "--rank-source", metavar="NAME", show_default=DEVICE_MODULO.name,
         help=f"Plan: how a worker picks its slot (default {DEVICE_MODULO.name}). "
         f"{_SOURCES_HELP}.")] = None,
     no_dp_suffix: Annotated[bool, typer.Option(
