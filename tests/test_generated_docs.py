@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,3 +92,34 @@ COMP_WORDS=(vllm-offload fleet inspect ""); COMP_CWORD=3; _vllm_offload; echo "$
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out == ["inspect", "--format", "abc_dp1", "inspect", "--address", "abc_dp1"]
+
+
+def _documented(command: str, prefix: str = "") -> set[str]:
+    from vllm_offload_cli.cli.datadoc import DATA
+
+    names = set()
+    for key, _ in DATA[command]:
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix):]
+        if "." in rest.split(",")[0]:
+            continue
+        names |= {n.strip().removesuffix("[]") for n in rest.split(",")}
+    return names
+
+
+def test_json_reference_names_every_data_key(cli: Any, shm_dir: Path) -> None:
+    """The man page's JSON reference covers what the commands really print."""
+    where = ("--shm-dir", str(shm_dir), "--json")
+    made = cli("create", "doc", "--world-size", "1", "--cpu-page-size", "4KiB",
+               "--num-blocks", "2", *where)
+    seen = {"create": made, "inspect": cli("inspect", *where),
+            "verify-rank-layout": cli("verify-rank-layout", "doc", *where),
+            "preflight": cli("preflight", "doc2", "--size", "4KiB", *where)}
+    for command, result in seen.items():
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert set(result.json["data"]) - {"released_by", "removed"} <= _documented(command)
+    plan = cli("verify-rank-layout", "--world-size", "2", "--json")
+    assert set(plan.json["data"]) <= _documented("verify-rank-layout")
+    region = seen["inspect"].json["data"]["regions"][0]
+    assert set(region) <= _documented("inspect", "regions[].")
