@@ -92,7 +92,7 @@ def garbage_collect(
     failures), 1 when a removal failed, 2 for bad usage, 6 when it refused to
     judge because a holder could be hidden.
     """
-    min_age_s = parse_duration(min_age, what="--min-age")
+    min_age_s = parse_duration(str(min_age), what="--min-age")  # the fleet may pass 0.0
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: only when run
 
