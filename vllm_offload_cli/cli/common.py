@@ -86,7 +86,7 @@ def write_text(out: Console, text: str) -> None:
 
 
 def _pipe_width() -> int | None:
-    """Tables piped to grep or a file are not cut to 80 columns; a terminal sets its own."""
+    """Rich output piped to grep or a file is not cut to 80 columns; a terminal sets its own."""
     if sys.stdout.isatty() or "COLUMNS" in os.environ:
         return None
     return 200
@@ -102,7 +102,7 @@ def _safe_console_class() -> type[Console]:
         File names, process names and manifest fields come from other users; an
         ESC sequence among them must not reach the operator's terminal. Rich
         escapes markup but passes ESC and C1 bytes through, so every string given
-        to print() is escaped here; table cells go through `cell()`.
+        to print() is escaped here; plain tables go through `write_text`.
         """
 
         def print(self, *objects: Any, **kwargs: Any) -> None:
@@ -115,13 +115,6 @@ def _safe_console_class() -> type[Console]:
 def safe_console(file: TextIO, **kwargs: Any) -> Console:
     """A rich Console on `file` that escapes control characters (rich is imported here)."""
     return _safe_console_class()(file=file, highlight=False, **kwargs)
-
-
-def cell(text: str) -> str:
-    """An outside string as a table cell: control characters escaped, no markup."""
-    from rich.markup import escape
-
-    return escape(printable(text))
 
 
 class _PrintableFormatter(logging.Formatter):
