@@ -90,10 +90,10 @@ def _busy_with_holders(exc: RegionBusyError, shm_dir: str, engine_id: str) -> Re
     """A taken name that a live process holds: say which, not only how to remove it."""
     from vllm_offload_cli.core.host.discovery import discover
 
-    holders = [h for r in discover(shm_dir, engine_ids=[engine_id], measure_residency=False
-                                   ).find(engine_id) for h in r.holders]
-    if not holders:
-        return exc
+    found = discover(shm_dir, engine_ids=[engine_id], measure_residency=False).find(engine_id)
+    holders = [h for r in found for h in r.holders]
+    if not holders or any(r.state == "creating" for r in found):
+        return exc  # nobody, or its creator, which the core's message names already
     first = holders[0]
     more = f" and {len(holders) - 1} other process(es)" if len(holders) > 1 else ""
     return RegionBusyError(
