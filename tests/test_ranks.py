@@ -69,7 +69,8 @@ def test_parse_refuses_unknown_names_listing_the_known_ones() -> None:
 
 def test_parse_accepts_registered_objects_only() -> None:
     assert parse_rank_source(LOGICAL) is LOGICAL
-    impostor = RankSource("logical", ranks.device_modulo, "not the real one", device_based=True)
+    impostor = RankSource(name="logical", compute=ranks.device_modulo,
+                          description="not the real one", device_based=True)
     with pytest.raises(InvalidInputError):
         parse_rank_source(impostor)
     with pytest.raises(InvalidInputError):

@@ -38,7 +38,8 @@ def _region(engine_id: str, *, state: str, holders: int = 0, linked: bool = True
         dp_rank=int(rank) if rank.isdigit() else None, segments=(seg,), linked=linked,
         size_bytes=3 << 30, resident_bytes=1 << 30, uid=uid, mode="0600",
         age_seconds=5400.0, geometry=None, manifest=None, manifest_path=None,
-        holders=tuple(Holder(4200 + i, "python3", i, ("map", "fd")) for i in range(holders)),
+        holders=tuple(Holder(pid=4200 + i, name="python3", rank=i, via=("map", "fd"))
+                      for i in range(holders)),
         locked=False, state=state, problems=problems)
 
 

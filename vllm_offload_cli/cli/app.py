@@ -22,13 +22,9 @@ from typer.core import TyperGroup, _main
 from typer.exceptions import Abort
 
 from vllm_offload_cli import __version__
-from vllm_offload_cli.cli.common import (
-    EXIT_INTERRUPTED,
-    EXIT_USAGE,
-    envelope,
-    print_json,
-)
+from vllm_offload_cli.cli.common import envelope, print_json
 from vllm_offload_cli.cli.params import tidy
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 
 # name -> (module under vllm_offload_cli.cli, attribute): a Subcommand or a Typer group
@@ -98,12 +94,12 @@ class EnvelopeGroup(TyperGroup):
                          rich_markup_mode=self.rich_markup_mode, **extra)
         except NoArgsIsHelpError as exc:  # bare `vllm-offload`: the help, as a usage error
             sys.stdout.write(exc.ctx.get_help() if exc.ctx is not None else "")
-            code = EXIT_USAGE
+            code = ExitStatus.USAGE
         except ClickException as exc:
-            code = EXIT_USAGE if isinstance(exc, UsageError) else exc.exit_code
+            code = ExitStatus.USAGE if isinstance(exc, UsageError) else exc.exit_code
             _report_usage_error(exc, argv, code)
         except Abort:
-            code = EXIT_INTERRUPTED
+            code = ExitStatus.INTERRUPTED
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)

@@ -226,7 +226,7 @@ def create(
                  "mapped none (fragmented memory, or the region is smaller than 2 MiB)")
     if not hold:
         region.cleanup()  # persistent: closes without unlinking
-        return Outcome(data, render=lambda out: _render(out, data))
+        return Outcome(data=data, render=lambda out: _render(out, data))
     previous: dict[int, Any] = {}
     try:
         previous = {s: signal.signal(s, _release) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -244,7 +244,7 @@ def create(
             for s, handler in previous.items():
                 signal.signal(s, handler)
     data["removed"] = not os.path.exists(region.mmap_path)
-    return Outcome(data, render=lambda out: out.print(
+    return Outcome(data=data, render=lambda out: out.print(
         f"Removed {region.mmap_path} ({data['released_by']})."))
 
 

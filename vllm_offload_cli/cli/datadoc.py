@@ -51,6 +51,7 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("shm", "{total_bytes, free_bytes} of the shm filesystem"),
         ("uninspectable_processes", "processes whose /proc entries could not be read"),
         ("visibility", "blind spots that may hide a holder, and the processes hidden"),
+        ("not_found", "engine_ids asked for that match no region (exit 2)"),
         ("output", "with --output: the textfile written"),
     ),
     "verify-rank-layout": (
@@ -96,6 +97,6 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
     "fleet": (
         ("nodes[]", '{node_id, label, status (ok, error, refused, absent, failed, timed_out), '
          'exit_code, reason, data, errors, warnings}: each node\'s own envelope'),
-        ("partial", "true when a node did not answer"),
+        ("partial", "true when a node did not answer or its command was interrupted there"),
     ),
 }

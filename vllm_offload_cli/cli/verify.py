@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from vllm_offload_cli.cli.common import (
-    EXIT_OK,
-    EXIT_VERIFY,
     Invocation,
     Outcome,
     shm_dir_checked,
@@ -24,6 +22,7 @@ from vllm_offload_cli.cli.common import (
     write_text,
 )
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
@@ -98,7 +97,8 @@ def _refuse(mode: str, *given: tuple[str, bool]) -> None:
 
 
 def _outcome(data: dict[str, Any], problems: list[dict[str, Any]], render: Any) -> Outcome:
-    return Outcome(data, exit_code=EXIT_VERIFY if problems else EXIT_OK,
+    return Outcome(data=data,
+                   exit_code=ExitStatus.PROBLEMS_FOUND if problems else ExitStatus.SUCCESS,
                    errors=[{"code": p["code"], "message": p["message"]} for p in problems],
                    render=render)
 

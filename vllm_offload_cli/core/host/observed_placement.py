@@ -35,7 +35,7 @@ SAMPLE_PAGES = 4096
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HolderPages:
     """What one process maps of one file: bytes per node and PMD-mapped (huge) bytes."""
 
@@ -45,7 +45,7 @@ class HolderPages:
     nodes: dict[int, int]  # node -> bytes, from numa_maps (empty if unreadable)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Placement:
     """A region's observed placement; `source` says how it was learned."""
 
@@ -76,8 +76,8 @@ def merge(pid: int, found: dict[FileId, HolderPages] | None,
     for part in parts:
         for n, b in part.nodes.items():
             nodes[n] += b
-    return HolderPages(pid, sum(p.mapped_bytes for p in parts),
-                       sum(p.huge_bytes for p in parts), dict(nodes))
+    return HolderPages(pid=pid, mapped_bytes=sum(p.mapped_bytes for p in parts),
+                       huge_bytes=sum(p.huge_bytes for p in parts), nodes=dict(nodes))
 
 
 def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | None:
@@ -96,7 +96,8 @@ def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | No
         huge[m.file_id] += m.huge_bytes
         for n, b in m.nodes.items():
             nodes[m.file_id][n] += b
-    return {fid: HolderPages(pid, rss[fid], huge[fid], dict(nodes[fid])) for fid in rss}
+    return {fid: HolderPages(pid=pid, mapped_bytes=rss[fid], huge_bytes=huge[fid],
+                             nodes=dict(nodes[fid])) for fid in rss}
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
     no_huge = thp is not None and not thp.allowed
     if resident_bytes is not None and topo.single_node and no_huge:
         nodes = {topo.nodes[0]: resident_bytes} if resident_bytes else {}
-        return Placement(nodes, 0, "single_node")
+        return Placement(numa_nodes=nodes, huge_page_bytes=0, source="single_node")
     ids = {fid for _, fid, _ in files if fid is not None}
     best: HolderPages | None = None
     for holder in holder_pids:
@@ -190,11 +191,15 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
         if found is not None and (best is None or found.mapped_bytes > best.mapped_bytes):
             best = found
     if best is not None and best.nodes:
-        return Placement(best.nodes, best.huge_bytes, "numa_maps", best.pid)
+        return Placement(numa_nodes=best.nodes, huge_page_bytes=best.huge_bytes,
+                         source="numa_maps", pid=best.pid)
     pid = None if best is None else best.pid
     if not measure or not libc.numa_syscalls_available():
-        return Placement(None, 0 if no_huge else None, "unknown", pid)
-    return _sample_files(files, pid) or Placement(None, 0 if no_huge else None, "unknown", pid)
+        return Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None, source="unknown",
+                         pid=pid)
+    return _sample_files(files, pid) or Placement(numa_nodes=None,
+                                                  huge_page_bytes=0 if no_huge else None,
+                                                  source="unknown", pid=pid)
 
 
 def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
@@ -219,7 +224,8 @@ def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
         huge = None if got.huge_bytes is None or huge is None else huge + got.huge_bytes
         for node, b in got.nodes.items():
             totals[node] += b
-    return Placement(dict(totals), huge, "move_pages", pid, asked)
+    return Placement(numa_nodes=dict(totals), huge_page_bytes=huge, source="move_pages", pid=pid,
+                     sampled_pages=asked)
 
 
 def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True

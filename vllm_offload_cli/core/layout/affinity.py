@@ -17,7 +17,7 @@ from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
 from vllm_offload_cli.core.system import libc, numa, processes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerPlacement:
     """One attached worker: the nodes of its CPUs and where its slot's pages are."""
 
@@ -78,7 +78,8 @@ def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, 
         nodes = slot_nodes(fd, g, rows, rank, resident, topo)
         remote = bool(cpu_nodes and nodes and any(
             n not in cpu_nodes for n, b in nodes.items() if b))
-        out.append(WorkerPlacement(pid, rank, cpu_nodes, nodes, remote))
+        out.append(WorkerPlacement(pid=pid, rank=rank, cpu_nodes=cpu_nodes, slot_nodes=nodes,
+                                   remote=remote))
     return out
 
 

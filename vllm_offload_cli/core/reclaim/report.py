@@ -31,7 +31,7 @@ KEPT_CODES = (LIVE, BUSY, PERSISTENT, TOO_YOUNG, FOREIGN_OWNER, SYMLINK, NOT_REG
               LINK_COUNT, OTHER_FILESYSTEM, CHANGED, UNREADABLE, UNKNOWN, CREATION_RUNNING)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GcOptions:
     dry_run: bool = False
     min_age: float = DEFAULT_MIN_AGE
@@ -40,7 +40,7 @@ class GcOptions:
     shm_private_to_namespace: bool = False  # waives the pid_namespace blind spot only
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RemovedRegion:
     """A region that was removed (or, in a dry run, would be)."""
 
@@ -57,7 +57,7 @@ class RemovedRegion:
                 "age_seconds": round(self.age_seconds, 3)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KeptRegion:
     """A region left in place, and why."""
 
@@ -75,7 +75,7 @@ class KeptRegion:
                 "blind_spot": self.blind_spot}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GcFailure:
     """A removal the system refused: the run exits 1."""
 
@@ -89,7 +89,7 @@ class GcFailure:
                 "engine_id": self.engine_id}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GcReport:
     shm_dir: str
     options: GcOptions

@@ -23,7 +23,7 @@ class ShmUsage:
     free_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Capacity:
     """What a new region can take; None where a limit does not apply or cannot be read."""
 
@@ -40,7 +40,8 @@ def shm_usage(shm_dir: str | Path) -> ShmUsage:
 
 def measure(shm_dir: str | Path) -> Capacity:
     limit, free = memory.cgroup_headroom()
-    return Capacity(shm_usage(shm_dir), limit, free, memory.mem_available())
+    return Capacity(shm=shm_usage(shm_dir), cgroup_limit_bytes=limit, cgroup_free_bytes=free,
+                    mem_available_bytes=memory.mem_available())
 
 
 def check_fits(size_bytes: int, capacity: Capacity, *, shm_dir: str | Path,

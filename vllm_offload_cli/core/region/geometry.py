@@ -32,7 +32,7 @@ class SlotRange:
     end: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Geometry:
     """The shape of a region; `world_size` is None when nobody recorded it."""
 
@@ -140,5 +140,6 @@ def geometry_from_size(
             f"slot(s) of {cpu_page_size} bytes)",
             code="invalid_geometry",
         )
-    g = Geometry(num_blocks, row_stride, cpu_page_size, world_size)
+    g = Geometry(num_blocks=num_blocks, row_stride=row_stride, cpu_page_size=cpu_page_size,
+                 world_size=world_size)
     return g, size_bytes - g.size_bytes

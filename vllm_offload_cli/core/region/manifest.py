@@ -50,7 +50,7 @@ class ManifestError(UnsafeRegionError):
     code = "manifest_invalid"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Attachment:
     pid: int
     start_ticks: int | None
@@ -62,7 +62,7 @@ class Attachment:
     engine_token: str | None = None  # shared by every process of one engine (engine hook)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     engine_id: str
     geometry: Geometry
@@ -192,13 +192,14 @@ def _placement(doc: Any) -> dict[str, Any] | None:
 def _geometry(g: dict[str, Any]) -> Geometry:
     try:
         return Geometry(
-            uj.integer(uj.field(g, "num_blocks", "geometry"), "geometry.num_blocks", 1,
+            num_blocks=uj.integer(uj.field(g, "num_blocks", "geometry"), "geometry.num_blocks", 1,
                        _MAX_ROWS),
-            uj.integer(uj.field(g, "row_stride", "geometry"), "geometry.row_stride", 1,
+            row_stride=uj.integer(uj.field(g, "row_stride", "geometry"), "geometry.row_stride", 1,
                        _MAX_BYTES_PER_ROW),
-            uj.integer(uj.field(g, "cpu_page_size", "geometry"), "geometry.cpu_page_size", 1,
+            cpu_page_size=uj.integer(uj.field(g, "cpu_page_size", "geometry"),
+                                     "geometry.cpu_page_size", 1,
                        _MAX_BYTES_PER_ROW),
-            uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
+            world_size=uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
         )
     except OffloadError as exc:
         raise uj.UntrustedJsonError(exc.message) from None

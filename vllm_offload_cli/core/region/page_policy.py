@@ -55,7 +55,7 @@ class ThpSupport:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PagePolicy:
     """A creator's placement request, validated; recorded in the manifest as given."""
 
@@ -197,7 +197,8 @@ def choose(
         else:
             logger.warning("huge pages not available, using normal pages: %s", thp.reason,
                            extra={"code": "huge_pages_unavailable"})
-    return PagePolicy(policy, tuple(sorted(nodes)), huge_pages, advise)
+    return PagePolicy(numa_policy=policy, numa_nodes=tuple(sorted(nodes)), huge_pages=huge_pages,
+                      advise_huge=advise)
 
 
 def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:

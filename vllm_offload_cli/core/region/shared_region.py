@@ -2,7 +2,7 @@
 
 Byte-compatible with vLLM's class of the same name (same path, same creator /
 joiner protocol, same layout, same views), so either side can create a region
-and the other can join it. On top of vLLM's behaviour (DESIGN section 3):
+and the other can join it. On top of vLLM's behaviour (the hardening rules):
 
 * joiners never pass O_CREAT, and nothing is followed (O_NOFOLLOW);
 * the descriptor is judged by fstat: regular file, allowed owner, mode 0600,
@@ -119,7 +119,8 @@ class SharedOffloadRegion:
         self.page_size = PAGESIZE
         # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
         source_name = None if rank_source is None else parse_rank_source(rank_source).name
-        self.geometry = Geometry(num_blocks, kv_bytes_per_block, cpu_page_size, world_size)
+        self.geometry = Geometry(num_blocks=num_blocks, row_stride=kv_bytes_per_block,
+                                 cpu_page_size=cpu_page_size, world_size=world_size)
         if rank is not None:
             check_rank(self.geometry, rank)
         self.engine_id = engine_id

@@ -56,7 +56,7 @@ def maps_dev_token(dev: int) -> bytes:
 
 # -- /proc/PID/maps -------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Mapping:
     """One line of /proc/PID/maps that maps a file."""
 
@@ -100,10 +100,17 @@ def parse_maps(data: bytes, *, only: bytes | None = None) -> Iterator[Mapping]:
         if fid.ino == 0:
             continue  # anonymous memory
         path, deleted = strip_deleted(parts[5] if len(parts) > 5 else "")
-        yield Mapping(start, end, off, fid, path, deleted)
+        yield Mapping(start=start, end=end, offset=off, file_id=fid, path=path, deleted=deleted)
 
 
 # -- /proc/PID/fd -------------------------------------------------------------------
+
+def _fd_entries(pid: int) -> list[str] | Unreadable:
+    try:
+        return os.listdir(f"{PROC}/{pid}/fd")
+    except OSError as exc:
+        return _why(exc)
+
 
 def fd_stats(pid: int, skip: Collection[int] = ()
              ) -> list[tuple[int, os.stat_result]] | Unreadable:
@@ -114,18 +121,16 @@ def fd_stats(pid: int, skip: Collection[int] = ()
     skipped; a directory we may list but not follow (PID 1 in some sandboxes)
     is DENIED.
     """
-    fd_dir = f"{PROC}/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError as exc:
-        return _why(exc)
+    entries = _fd_entries(pid)
+    if isinstance(entries, Unreadable):
+        return entries
     out = []
-    for entry in names:
+    for entry in entries:
         fd = int(entry)
         if fd in skip:
             continue
         try:
-            out.append((fd, os.stat(f"{fd_dir}/{entry}")))
+            out.append((fd, os.stat(f"{PROC}/{pid}/fd/{entry}")))
         except PermissionError:
             return DENIED
         except OSError:
@@ -135,18 +140,10 @@ def fd_stats(pid: int, skip: Collection[int] = ()
 
 def fd_targets(pid: int) -> list[str] | Unreadable:
     """What each descriptor of a process shows as its target (readlink)."""
-    fd_dir = f"{PROC}/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError as exc:
-        return _why(exc)
-    out = []
-    for entry in names:
-        try:
-            out.append(os.readlink(f"{fd_dir}/{entry}"))
-        except OSError:
-            continue
-    return out
+    entries = _fd_entries(pid)
+    if isinstance(entries, Unreadable):
+        return entries
+    return [t for t in (fd_target(pid, int(e)) for e in entries) if t is not None]
 
 
 def fd_target(pid: int, fd: int) -> str | None:
@@ -168,7 +165,7 @@ def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
 
 # -- /proc/locks ----------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LockEntry:
     """One granted lock from /proc/locks (waiters are skipped)."""
 
@@ -194,7 +191,7 @@ def lock_entries() -> Iterator[LockEntry]:
             fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
         except ValueError:
             continue
-        yield LockEntry(fields[1], fields[3] == "WRITE", pid, fid)
+        yield LockEntry(kind=fields[1], exclusive=fields[3] == "WRITE", pid=pid, file_id=fid)
 
 
 # -- status, namespaces ---------------------------------------------------------------

@@ -21,7 +21,7 @@ _KPAGE = re.compile(rb"\bkernelpagesize_kB=(\d+)")
 _HUGE_KEYS = (b"ShmemPmdMapped", b"FilePmdMapped")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MappedPages:
     """What smaps says of one mapping: resident and PMD (huge) mapped bytes."""
 
@@ -48,7 +48,7 @@ def read_smaps(pid: int, *, wanted: set[FileId] | None = None, start: int | None
                     fid = FileId(os.makedev(int(m.group(3), 16), int(m.group(4), 16)),
                                  int(m.group(5)))
                     keep = (wanted is None or fid in wanted) and (start is None or addr == start)
-                    current = out.setdefault(addr, MappedPages(fid)) if keep else None
+                    current = out.setdefault(addr, MappedPages(file_id=fid)) if keep else None
                     continue
                 if current is None:
                     continue
