@@ -93,7 +93,7 @@ def test_text_table_has_no_trailing_spaces_and_aligns_numbers() -> None:
     assert text.splitlines() == ["A       N  LAST", "x       5", "long  123  z"]
 
 
-def _pty_run(argv: list[str], env: dict[str, str]) -> str:
+def _pty_run(argv: list[str], env: dict[str, str], expect: int = 0) -> str:
     """stdout of `argv` when it is a terminal."""
     main, sub = os.openpty()
     try:
@@ -110,7 +110,7 @@ def _pty_run(argv: list[str], env: dict[str, str]) -> str:
             break
         chunks.append(chunk)
     os.close(main)
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=60) == expect
     return b"".join(chunks).decode().replace("\r\n", "\n")
 
 
@@ -134,3 +134,20 @@ def test_six_holders_at_80_columns_piped_and_on_a_terminal(shm_dir: Path, holder
         bad = [line for line in lines if line.startswith("bad_dp3 ")]
         assert len(bad) == 1 and bad[0].split()[-1].startswith("unsafe"), bad
         assert "…" not in out
+
+
+@pytest.mark.parametrize("columns", ["80", "200"])
+@pytest.mark.parametrize("terminal", [False, True], ids=["piped", "terminal"])
+def test_verify_plan_table_snapshot(columns: str, terminal: bool) -> None:
+    """A plan with a collision: the same table and verdict at every width."""
+    argv = [sys.executable, "-m", "vllm_offload_cli", "verify-rank-layout", "--world-size",
+            "2", "--dp-size", "2", "--devices", "0,0;1,2", "--rank-source", "device-modulo"]
+    env = {**os.environ, "COLUMNS": columns}
+    if terminal:
+        out = _pty_run(argv, env, expect=3)
+    else:
+        run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+        assert run.returncode == 3
+        out = run.stdout
+    expected = (Path(__file__).parent / "snapshots" / "verify_plan.txt").read_text()
+    assert out == expected
