@@ -195,10 +195,7 @@ def man_page(cmds: list[Cmd]) -> str:
                   "or more."), ".TP",
             ".I /dev/shm/vllm_offload_{engine_id}.manifest.json",
             _roff("Sidecar manifest: geometry, creator and attached workers (mode 0600), "
-                  "removed with the region."), ".TP",
-            ".I /proc/locks, /proc/*/maps, /proc/*/fd",
-            _roff("Read to find every process that holds a region, deleted mappings "
-                  "included."),
+                  "removed with the region."),
             ".SH EXAMPLES", ".nf",
             _roff("vllm-offload inspect\n"
                   "vllm-offload create my-engine --dp-rank 0 --world-size 2 "
