@@ -82,7 +82,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--no-residency --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--no-residency --wide -w --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -131,7 +131,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --wide -w --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -446,7 +446,7 @@ def test_prometheus_textfile(cli: Any, shm_dir: Path, tmp_path: Path, holders: A
     values = _metrics(prom.read_text())
     assert values["vllm_offload_gc_regions_seen"] == 2
     assert values["vllm_offload_gc_regions_removed"] == 1
-    assert values["vllm_offload_gc_bytes_freed"] == SIZE
+    assert values["vllm_offload_gc_freed_bytes"] == SIZE
     assert values["vllm_offload_gc_errors"] == 0
     assert values['vllm_offload_gc_regions_kept{reason="live"}'] == 1
     assert values['vllm_offload_gc_regions_kept{reason="too_young"}'] == 0

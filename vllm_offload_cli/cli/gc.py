@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
@@ -19,10 +18,13 @@ from vllm_offload_cli.cli.common import (
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.testhook import pause_at
-from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.base.units import format_bytes, parse_duration
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
 
 OUTPUT_FAILED = "output_failed"
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def report_data(report: GcReport) -> dict[str, Any]:
@@ -59,13 +61,14 @@ def report_data(report: GcReport) -> dict[str, Any]:
 def garbage_collect(
     inv: Invocation,
     engine_ids: Annotated[list[str] | None, typer.Argument(
-        metavar="[ENGINE_ID]...", help="Only these regions.", show_default=False)] = None,
+        metavar="ENGINE_ID", help="Only these regions (default: all).", show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", "-n", help="Show what would be removed and why; change nothing.")] = False,
-    min_age: Annotated[float, typer.Option(
-        "--min-age", metavar="SECONDS", min=0.0,
+    min_age: Annotated[str, typer.Option(
+        "--min-age", metavar="DURATION",
         help="Keep regions changed or created less than this long ago (covers a creator "
-        "between O_EXCL and ftruncate).")] = DEFAULT_MIN_AGE,
+        "between O_EXCL and ftruncate): seconds, or 90s, 5m, 2h, 1d.")
+    ] = f"{DEFAULT_MIN_AGE:g}s",
     include_persistent: Annotated[bool, typer.Option(
         "--include-persistent", help="Also remove unused regions pre-provisioned by "
         "`create`.")] = False,
@@ -100,17 +103,18 @@ def garbage_collect(
     removed regions but could not write --prometheus afterwards (the removals
     are still reported in full).
     """
+    min_age_s = parse_duration(str(min_age), what="--min-age")  # the fleet may pass 0.0
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run
         check_options,
         collect,
     )
 
-    check_options(GcOptions(min_age=min_age, all_users=all_users))
+    check_options(GcOptions(min_age=min_age_s, all_users=all_users))
     if prometheus is not None:  # before anything is removed: every removal gets reported
         metrics.check_writable(prometheus)
     report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
-                     min_age=min_age, include_persistent=include_persistent,
+                     min_age=min_age_s, include_persistent=include_persistent,
                      all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
     data = report_data(report)
     if not (dry_run or no_syslog) and report.removed:
@@ -242,7 +246,7 @@ def _registry(report: GcReport) -> Any:
           report.regions_seen)
     gauge("vllm_offload_gc_regions_removed", "Regions the last run removed (would remove, "
           "in a dry run).", len(report.removed))
-    gauge("vllm_offload_gc_bytes_freed", "tmpfs memory the last run gave back.",
+    gauge("vllm_offload_gc_freed_bytes", "tmpfs memory the last run gave back.",
           report.freed_bytes)
     gauge("vllm_offload_gc_orphan_manifests_removed",
           "Orphaned manifests the last run removed.", len(report.orphan_manifests_removed))

@@ -8,16 +8,18 @@ bytes the engine will map fit (exit 5).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region import capacity
 from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @subcommand("preflight", help="Check (and clear) what an engine's start-up needs: a free "

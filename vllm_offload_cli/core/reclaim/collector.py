@@ -242,9 +242,9 @@ class _Run:
     def _precheck(self, r: RegionInfo) -> KeptRegion | None:
         """What discovery already proves: cheap reasons to keep, before any lock."""
         if not r.linked:
-            return self._kept(r, LIVE, "its name was unlinked while "
-                              f"{_holders_text(r.holders) or 'a process still maps it'}; "
-                              "it vanishes with its last user", _first_pid(r.holders))
+            users = _holders_text(r.holders) or "a process this run cannot name"
+            return self._kept(r, LIVE, f"unlinked, still in use by {users}; its memory is "
+                              "freed when the last of them exits", _first_pid(r.holders))
         for seg in r.segments:
             name = os.path.basename(seg.path)
             codes = {p.code for p in seg.problems}
