@@ -1,4 +1,10 @@
-"""Shared fixtures: a private tmpfs directory, the real CLI, real holder processes."""
+"""Shared fixtures: a private tmpfs directory, the real CLI, real holder processes.
+
+Tests that need root or another privilege (another user, a PID or mount
+namespace, a tmpfs mount) call `require_root`: they skip without it, and fail
+with VLLM_OFFLOAD_REQUIRE_ROOT=1 (CI), so that a run without those privileges
+cannot pass by skipping what only they can test.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,35 @@ from tests.region_files import private_shm_dir
 from vllm_offload_cli.cli.app import app
 
 HELPER = Path(__file__).parent / "helpers" / "holder.py"
+REQUIRE_ROOT = "VLLM_OFFLOAD_REQUIRE_ROOT"
+
+
+def require_root(reason: str, *, granted: bool | None = None) -> None:
+    """Skip the calling test (or fixture) unless it has the privilege it needs.
+
+    `granted` says whether it has it (a probe's answer: unshare permitted, a
+    tool installed, a mount made); None means "runs as root". Without it the
+    test skips with `reason`, or fails when VLLM_OFFLOAD_REQUIRE_ROOT=1.
+    """
+    if (os.geteuid() == 0) if granted is None else granted:
+        return
+    if os.environ.get(REQUIRE_ROOT) == "1":
+        pytest.fail(f"{reason} (and {REQUIRE_ROOT}=1 turns this skip into a failure)",
+                    pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def nobody() -> Iterator[Any]:
+    """Run commands as user nobody, from a copy of the code that user can read
+    (tests/helpers/other_user.py); skips (fails under the switch) where that cannot be."""
+    from helpers import other_user
+
+    require_root("needs root to run commands as another user")
+    with other_user.prepared(other_user.NOBODY) as user:
+        if isinstance(user, str):
+            require_root(user, granted=False)
+        yield user
 
 
 @pytest.fixture
