@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli_subprocess, wait_until
+from conftest import require_root, run_cli_subprocess, wait_until
 from region_files import GEOMETRY, SIZE, SLOT, region_file
 
 from vllm_offload_cli.core.host.discovery import discover
@@ -225,8 +225,7 @@ def test_a_symlinked_segment_keeps_the_whole_region(cli: Any, shm_dir: Path) -> 
 
 
 def test_another_users_region_needs_root_and_all_users(cli: Any, shm_dir: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to chown a file to another user")
+    require_root("needs root to chown a file to another user")
     path = region_file(shm_dir, "theirs")
     os.chown(path, OTHER_UID, OTHER_UID)
 
@@ -242,8 +241,7 @@ def test_another_users_region_needs_root_and_all_users(cli: Any, shm_dir: Path) 
 def as_user(uid: int, cli: Any, *args: str) -> tuple[int, dict[str, Any]]:
     """Run the CLI in a forked child that dropped to `uid` (no exec: the interpreter
     may live where that user cannot read)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to become another user")
+    require_root("needs root to become another user")
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
