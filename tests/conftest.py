@@ -35,6 +35,7 @@ def require_root(reason: str, *, granted: bool | None = None) -> None:
     tool installed, a mount made); None means "runs as root". Without it the
     test skips with `reason`, or fails when VLLM_OFFLOAD_REQUIRE_ROOT=1.
     """
+    __tracebackhide__ = True  # reported where the test or fixture called it
     if (os.geteuid() == 0) if granted is None else granted:
         return
     if os.environ.get(REQUIRE_ROOT) == "1":

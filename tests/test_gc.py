@@ -20,6 +20,8 @@ from vllm_offload_cli.core.reclaim import collector as reclaim
 from vllm_offload_cli.core.reclaim.report import GcOptions
 
 OTHER_UID = 12345
+# the widest gc this user may run: --all-users is root's
+WIDEST = ("--all-users",) if os.geteuid() == 0 else ()
 
 
 def gc_json(cli: Any, shm_dir: Path, *args: str, expect: int = 0) -> dict[str, Any]:
@@ -204,7 +206,7 @@ def test_symlink_named_like_a_region_is_never_followed(cli: Any, shm_dir: Path) 
     manifest_link.symlink_to(target)
     before = identity(target), target.stat().st_mtime_ns
 
-    doc = gc_json(cli, shm_dir, "--min-age", "0", "--include-persistent", "--all-users")
+    doc = gc_json(cli, shm_dir, "--min-age", "0", "--include-persistent", *WIDEST)
 
     assert kept(doc, "trap")["code"] == "symlink"
     assert kept(doc, "dangling")["code"] == "symlink"
@@ -299,7 +301,7 @@ def test_names_that_are_not_regions_are_untouched(cli: Any, shm_dir: Path) -> No
         os.chmod(shm_dir / name, 0o600)
     (shm_dir / "vllm_offload_dir.mmap").mkdir()
 
-    doc = gc_json(cli, shm_dir, "--min-age", "0", "--include-persistent", "--all-users")
+    doc = gc_json(cli, shm_dir, "--min-age", "0", "--include-persistent", *WIDEST)
 
     assert kept(doc, "dir")["code"] == "not_regular_file"
     assert doc["data"]["removed"] == [] and doc["data"]["orphan_manifests_removed"] == []
