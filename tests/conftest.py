@@ -16,13 +16,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from typer.testing import CliRunner
 
 from tests.region_files import private_shm_dir
 from vllm_offload_cli.cli.app import app
+
+if TYPE_CHECKING:
+    from helpers.other_user import OtherUser
 
 HELPER = Path(__file__).parent / "helpers" / "holder.py"
 REQUIRE_ROOT = "VLLM_OFFLOAD_REQUIRE_ROOT"
@@ -45,7 +48,7 @@ def require_root(reason: str, *, granted: bool | None = None) -> None:
 
 
 @pytest.fixture(scope="session")
-def nobody() -> Iterator[Any]:
+def nobody() -> Iterator[OtherUser]:
     """Run commands as user nobody, from a copy of the code that user can read
     (tests/helpers/other_user.py); skips (fails under the switch) where that cannot be."""
     from helpers import other_user

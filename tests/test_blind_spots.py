@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from conftest import require_root, wait_until
-from helpers.other_user import NOBODY
+from helpers.other_user import NOBODY, OtherUser
 from region_files import region_file
 
 from vllm_offload_cli.core.host import visibility
@@ -71,7 +71,7 @@ def sneaky(request: pytest.FixtureRequest) -> Iterator[Any]:
 
     def start(path: Path, how: str, *extra: str, user: str = "root") -> Sneaky:
         if user == "nobody":
-            nobody = request.getfixturevalue("nobody")
+            nobody: OtherUser = request.getfixturevalue("nobody")
             cmd = nobody.python_command(nobody.helper(SNEAKY.name), str(path), how, *extra)
         else:
             cmd = [sys.executable, str(SNEAKY), str(path), how, *extra]
@@ -303,7 +303,7 @@ def test_hidepid_proc_is_a_blind_spot_no_override_waives(shm_dir: Path) -> None:
 
 
 def test_non_dumpable_holder_of_the_same_user_keeps_the_region(
-        shared_dir: Path, sneaky: Any, nobody: Any) -> None:
+        shared_dir: Path, sneaky: Any, nobody: OtherUser) -> None:
     """Row 6: gc as the owner cannot read a non-dumpable holder's /proc entries."""
     path = nobody_region(shared_dir, "nd")
     holder = sneaky(path, "map", "--non-dumpable", user="nobody")
@@ -450,7 +450,7 @@ def test_the_lease_sees_descriptors_and_mappings_of_any_process(
 
 
 def test_the_lease_cannot_tell_without_ownership_or_cap_lease(scratch_file: Path,
-                                                             nobody: Any) -> None:
+                                                             nobody: OtherUser) -> None:
     os.chmod(scratch_file, 0o644)
     os.chmod(scratch_file.parent, 0o755)
     code = ("import os; from vllm_offload_cli.core.region import openers; "
