@@ -179,7 +179,7 @@ def man_page(cmds: list[Cmd]) -> str:
                   "vllm-offload create my-engine --dp-rank 0 --world-size 2 "
                   "--cpu-page-size 64KiB --size 1GiB\n"
                   "vllm-offload inspect --format prometheus --output "
-                  "/var/lib/node_exporter/vllm_offload.prom"),
+                  "/var/lib/prometheus/node-exporter/vllm_offload_regions.prom"),
             ".fi", ".SH SEE ALSO", "\\fBtmpfiles.d\\fR(5), \\fBflock\\fR(2), \\fBmincore\\fR(2)"]
     return "\n".join(out) + "\n"
 
