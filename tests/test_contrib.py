@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.other_user import NOBODY, OtherUser
 from region_files import GEOMETRY, region_file
 
 CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
-NOBODY = 65534
-SNEAKY = Path(__file__).parent / "helpers" / "sneaky_holder.py"
-SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 def _cron() -> tuple[dict[str, str], list[str]]:
@@ -113,17 +111,11 @@ def _with_min_age_0(argv: list[str]) -> list[str]:
 SCHEDULES = ["cron", "systemd", "kubernetes"]
 
 
-def _nobody(cmd: list[str]) -> list[str]:
-    if os.geteuid() != 0 or shutil.which("setpriv") is None or not Path(SYSTEM_PYTHON).exists():
-        pytest.skip("needs root and setpriv to run a holder as another user")
-    return ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", *cmd]
-
-
-def _nobody_holder(path: Path) -> subprocess.Popen[str]:
+def _nobody_holder(nobody: OtherUser, path: Path) -> subprocess.Popen[str]:
     """A process of uid 65534 that maps `path` (like a vLLM worker of a service user)."""
-    proc = subprocess.Popen(_nobody([SYSTEM_PYTHON, str(SNEAKY), str(path), "map"]),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        nobody.python_command(nobody.helper("sneaky_holder.py"), str(path), "map"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("ready"), proc.stderr.read() if proc.stderr else ""
@@ -131,15 +123,15 @@ def _nobody_holder(path: Path) -> subprocess.Popen[str]:
 
 
 @pytest.mark.parametrize("kind", SCHEDULES)
-def test_each_shipped_schedule_collects_a_service_users_leak(kind: str, shm_dir: Path,
-                                                             tmp_path: Path) -> None:
+def test_each_shipped_schedule_collects_a_service_users_leak(
+        kind: str, shm_dir: Path, tmp_path: Path, nobody: OtherUser) -> None:
     """Root runs the shipped line: a SIGKILLed service user's region goes, a live one stays,
     the textfile is written and the removal is in the system log."""
     os.chmod(shm_dir, 0o1777)  # sticky and world-writable, like /dev/shm
     leaked, live = region_file(shm_dir, "svc"), region_file(shm_dir, "svc_live")
     for path in (leaked, live):
         os.chown(path, NOBODY, NOBODY)
-    killed, running = _nobody_holder(leaked), _nobody_holder(live)
+    killed, running = _nobody_holder(nobody, leaked), _nobody_holder(nobody, live)
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         killed.kill()  # SIGKILL: no cleanup, the region leaks
