@@ -19,6 +19,8 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     warn_useless_waiver,
 )
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcReport
 
@@ -76,6 +78,9 @@ def garbage_collect(
         "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
         "namespace (a container's own /dev/shm): trust this namespace's /proc. Waives only "
         "the PID-namespace refusal, never hidepid.")] = False,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", metavar="SECONDS", min=0.0,
+        help="Stop after this long, report what was removed, exit 1.")] = DEFAULT_TIMEOUT,
 ) -> Outcome:
     """Remove provably stale regions and orphaned manifests; safe to run from cron.
 
@@ -87,14 +92,17 @@ def garbage_collect(
     it may not inspect and no lease proof), it removes nothing it cannot prove
     unused. Exit status: 0 when nothing failed (kept regions are not
     failures), 1 when a removal failed, 2 for bad usage, 6 when it refused to
-    judge because a holder could be hidden.
+    judge because a holder could be hidden. After --timeout it stops between
+    regions, reports what it removed, and exits 1.
     """
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: only when run
 
-    report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
-                     min_age=min_age, include_persistent=include_persistent,
-                     all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
+    with deadline.within(timeout):
+        report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
+                         min_age=min_age, include_persistent=include_persistent,
+                         all_users=all_users,
+                         shm_private_to_namespace=shm_private_to_namespace)
     warn_useless_waiver(inv, shm_private_to_namespace)
     for engine_id in report.not_found:
         inv.warn("not_found", f"no region or manifest named {engine_id} in {report.shm_dir}; "

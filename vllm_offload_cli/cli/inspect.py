@@ -19,6 +19,8 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     warn_useless_waiver,
 )
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
@@ -72,6 +74,9 @@ def inspect_cmd(
         "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
         "namespace: trust this namespace's /proc (regions are not shown `unknown` for it).")
     ] = False,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", metavar="SECONDS", min=0.0,
+        help="Give up after this long (exit 1).")] = DEFAULT_TIMEOUT,
 ) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
@@ -82,6 +87,7 @@ def inspect_cmd(
     (leaked, or a create that died).
     Names, process names and manifest fields are shown with control characters
     escaped (\\xNN); --json keeps them raw (JSON escapes them).
+    Exit status 1 when --timeout passes first.
     """
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")
@@ -89,9 +95,11 @@ def inspect_cmd(
         raise InvalidInputError("--json with --format prometheus needs --output FILE",
                                 code="usage")
     shm_dir = shm_dir_checked(inv)
-    found = discover(shm_dir, engine_ids=engine_ids or None,
-                     measure_residency=not no_residency,
-                     shm_private_to_namespace=shm_private_to_namespace)
+    with deadline.within(timeout):
+        found = discover(shm_dir, engine_ids=engine_ids or None,
+                         measure_residency=not no_residency,
+                         shm_private_to_namespace=shm_private_to_namespace)
+        placed = observe_all(found.regions, measure=not no_residency)
     missing = [e for e in (engine_ids or []) if not found.find(e)]
     if missing:
         raise RegionNotFoundError(
@@ -105,7 +113,6 @@ def inspect_cmd(
         inv.warn("uninspectable_processes",
                  f"{found.uninspectable_processes} process(es) could not be inspected "
                  "(permission denied); regions they use may show fewer holders")
-    placed = observe_all(found.regions, measure=not no_residency)
     data = inventory_data(found, placed)
     if fmt is Format.prometheus:
         metrics.emit(_registry(found, placed), output)

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.system import processes, procfs
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.procfs import DENIED, GONE
@@ -36,6 +37,7 @@ class FileUse:
     deleted: bool = False
     size_hint: int | None = None  # bytes mapped (maps) or st_size (fd)
     fd: int | None = None
+    span: tuple[int, int] | None = None  # one mapping's (start, end), for map_files
 
 
 @dataclass
@@ -100,15 +102,17 @@ def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bo
     assert isinstance(data, bytes)
     if not want.may_hold(data):
         return False
-    extents: dict[tuple[FileId, str, bool], int] = {}
+    extents: dict[tuple[FileId, str, bool], tuple[int, tuple[int, int]]] = {}
     for token in want.tokens:
         for m in procfs.parse_maps(data, only=token):
             if want.keeps(m.file_id):
                 key = (m.file_id, m.path, m.deleted)
-                extents[key] = max(extents.get(key, 0), m.extent)
-    for (fid, path, deleted), extent in extents.items():
+                old = extents.get(key)
+                extents[key] = (max(old[0] if old else 0, m.extent),
+                                old[1] if old else (m.start, m.end))
+    for (fid, path, deleted), (extent, span) in extents.items():
         uses[fid].append(FileUse(pid=pid, kind="map", path=path, deleted=deleted,
-                                 size_hint=extent))
+                                 size_hint=extent, span=span))
     return False
 
 
@@ -116,6 +120,7 @@ def _scan(want: _Filter, own_fds: Collection[int]) -> ProcessScan:
     scan = ProcessScan()
     me = os.getpid()
     for pid in processes.pids():
+        deadline.check("scanning processes")
         denied = False
         gone = False
         for step in ("fd", "map"):

@@ -45,7 +45,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.errors import InvalidInputError, UnsafeRegionError
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
@@ -150,12 +151,19 @@ def reclaim(
     so an inventory that aged (files replaced, new users) is still safe to pass."""
     check_options(options)
     run = _Run(inventory, options)
-    run.blind = _effective(visibility.host_blind_spots(), options)
-    run.regions(inventory.regions)
-    if not run.blind:  # pid-based judgements (is the writer alive?) need the whole host
-        run.orphan_manifests(inventory.orphan_manifests)
-        run.temp_files(None if engine_ids is None else set(engine_ids))
-    run.settle()
+    try:
+        run.blind = _effective(visibility.host_blind_spots(), options)
+        run.regions(inventory.regions)
+        if not run.blind and not run.expired:  # pid-based judgements need the whole host
+            try:
+                run.orphan_manifests(inventory.orphan_manifests)
+                run.temp_files(None if engine_ids is None else set(engine_ids))
+            except deadline.DeadlineExpiredError as exc:
+                run.errors.append(GcFailure("", f"{exc.message} before every orphaned "
+                                            "manifest was looked at", code=exc.code))
+        run.settle()
+    finally:
+        run.close()
     wanted = list(dict.fromkeys(engine_ids or ()))
     known = {r.engine_id for r in inventory.regions} | {
         o.engine_id for o in inventory.orphan_manifests}
@@ -215,6 +223,7 @@ class _Run:
     errors: list[GcFailure] = field(default_factory=list)
     denied: set[int] = field(default_factory=set)
     blind: tuple[BlindSpot, ...] = ()
+    expired: bool = False
 
     def __post_init__(self) -> None:
         self.shm_dir = self.inventory.shm_dir
@@ -222,6 +231,34 @@ class _Run:
         self.root = os.geteuid() == 0
         self.owners: Collection[int] = (fsguard.EVERY_UID if self.options.all_users
                                         else frozenset({os.geteuid()}))
+        self.private_fd: int | None = None
+        self.private_tried = self.private_made = False
+
+    def _private(self) -> int | None:
+        """This user's private directory, where removals are checked without a race
+        (fsguard.unlink_if_same); made on the first removal, removed after if we made it."""
+        if self.private_fd is None and not self.private_tried:
+            self.private_tried = True
+            existed = os.path.lexists(os.path.join(self.shm_dir, fsguard.private_dir_name()))
+            try:
+                self.private_fd = fsguard.private_dir(self.shm_dir)
+            except (OSError, UnsafeRegionError) as exc:
+                logger.warning("removals are checked by name only: %s", exc)
+                return None
+            self.private_made = not existed
+        return self.private_fd
+
+    def close(self) -> None:
+        if self.private_fd is None:
+            return
+        os.close(self.private_fd)
+        self.private_fd = None
+        if self.private_made:  # not when an engine's start-up lock lives there
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.shm_dir, fsguard.private_dir_name()))
+
+    def _unlink(self, path: str, fd: int) -> bool:
+        return fsguard.unlink_if_same(path, fd, private_fd=self._private())
 
     # -- regions ---------------------------------------------------------------
 
@@ -236,7 +273,15 @@ class _Run:
             else:
                 self._keep(verdict)
         for start in range(0, len(candidates), _BATCH):
-            self._batch(candidates[start:start + _BATCH])
+            try:
+                deadline.check("removing stale regions")
+                self._batch(candidates[start:start + _BATCH])
+            except deadline.DeadlineExpiredError as exc:
+                left = len(candidates) - start
+                self.errors.append(GcFailure("", f"{exc.message}; {left} candidate region(s) "
+                                             "were not examined", code=exc.code))
+                self.expired = True
+                return
 
     def _precheck(self, r: RegionInfo) -> KeptRegion | None:
         """What discovery already proves: cheap reasons to keep, before any lock."""
@@ -277,13 +322,21 @@ class _Run:
                     locked.append(held)
             if not locked:
                 return
-            own = [fd for h in locked for fd in h.fds]
-            fids = [FileId.of(st) for h in locked for _, _, st in h.files]
-            uses, denied = users_of(fids, own_fds=own)
-            self.denied.update(denied)
-            vis = visibility.assess(denied, namespace_waived=self.options.shm_private_to_namespace)
-            if vis.blind:  # appeared since the run started: judge nothing more
-                self.blind = self.blind or vis.effective
+            # The kernel's lease answers "used anywhere?" for a region at once; /proc is
+            # walked again only for regions it cannot answer for (leases disabled, not
+            # the owner and no CAP_LEASE) or that it says are in use (to name the user).
+            rescan = [h for h in locked if not _sole_now(h)]
+            uses: dict[FileId, list[FileUse]] = {}
+            vis = self.inventory.visibility
+            if rescan:
+                own = [fd for h in locked for fd in h.fds]
+                fids = [FileId.of(st) for h in rescan for _, _, st in h.files]
+                uses, denied = users_of(fids, own_fds=own)
+                self.denied.update(denied)
+                vis = visibility.assess(denied,
+                                        namespace_waived=self.options.shm_private_to_namespace)
+                if vis.blind:  # appeared since the run started: judge nothing more
+                    self.blind = self.blind or vis.effective
             for h in locked:
                 if self.blind:
                     self._keep(self._blind_kept(h.region, self.blind))
@@ -362,17 +415,19 @@ class _Run:
                 or not locking.try_lock_exclusive(fd)):
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
-        held.manifest_fd = fd
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
-        if bare is None:
-            return
         try:
             m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners,
-                                    owner_uid=bare.st_uid)
+                                    owner_uid=None if bare is None else bare.st_uid)
         except (manifest_io.ManifestError, OSError):
-            return  # invalid or not the region owner's: goes with the region, tells nothing
-        if (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
-            held.manifest = m  # otherwise it describes an earlier file of that name
+            held.manifest_fd = fd  # invalid or not the region owner's: goes with the region
+            return
+        if bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
+            held.manifest_fd, held.manifest = fd, m
+            return
+        # it describes another inode: an earlier file of that name, or a live region's
+        # manifest renamed onto this name; never ours to remove with this region
+        os.close(fd)
 
     def _decide(self, held: _Locked, uses: list[FileUse], vis: Visibility) -> None:
         r = held.region
@@ -434,11 +489,16 @@ class _Run:
                 r.engine_id, tuple(seg.path for seg, _, _ in held.files), size, freed,
                 held.manifest_path if held.manifest_fd is not None else None, age))
             return
+        with deadline.shielded():
+            self._unlink_region(held, age)
+
+    def _unlink_region(self, held: _Locked, age: float) -> None:
+        r = held.region
         manifest_removed = None
         if held.manifest_fd is not None:
             # first: while the region's name is taken, no creator can write a new manifest
             try:
-                if fsguard.unlink_if_same(held.manifest_path, held.manifest_fd):
+                if self._unlink(held.manifest_path, held.manifest_fd):
                     manifest_removed = held.manifest_path
             except OSError as exc:
                 self._fail(held.manifest_path, exc, r.engine_id)
@@ -447,7 +507,7 @@ class _Run:
         # segments before the bare name: a new creator starts from the bare name
         for seg, fd, st in sorted(held.files, key=lambda f: -f[0].segment):
             try:
-                gone = fsguard.unlink_if_same(seg.path, fd)
+                gone = self._unlink(seg.path, fd)
             except OSError as exc:
                 self._fail(seg.path, exc, r.engine_id)
                 continue
@@ -467,6 +527,7 @@ class _Run:
 
     def orphan_manifests(self, orphans: Iterable[OrphanManifest]) -> None:
         for o in orphans:
+            deadline.check("removing orphaned manifests")
             if o.uid not in self.owners:
                 continue
             region = str(region_path(self.shm_dir, o.engine_id))
@@ -515,7 +576,7 @@ class _Run:
                     or (lock and not locking.try_lock_exclusive(fd))
                     or (still_wanted is not None and not still_wanted())):
                 return False
-            return self.options.dry_run or fsguard.unlink_if_same(path, fd)
+            return self.options.dry_run or self._unlink(path, fd)
         except OSError as exc:
             self._fail(path, exc, engine_id)
             return False
@@ -583,6 +644,17 @@ class _Run:
 
 _PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-persistent to "
                     "remove it")
+
+
+# A probe refused this long sends the region to the /proc re-scan, which names its user.
+_PROBE_RETRY = 0.02
+
+
+def _sole_now(held: _Locked) -> bool:
+    """The kernel granted a lease on every file: nobody else has any of them open or
+    mapped right now (the lease in `_decide` asks again before anything is removed)."""
+    with openers.sole_opener([fd for _, fd, _ in held.files], retry=_PROBE_RETRY) as verdict:
+        return verdict.sole is True
 
 
 def _holders_text(holders: Sequence[Holder]) -> str:

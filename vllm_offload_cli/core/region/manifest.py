@@ -12,6 +12,7 @@ by rename meanwhile), then write a new file and rename it into place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -303,8 +304,9 @@ def write(path: str, manifest: Manifest) -> None:
     payload = json.dumps(manifest.to_json(), indent=1, sort_keys=True,
                          allow_nan=False).encode() + b"\n"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        fd = fsguard.create_exclusive(tmp, os.O_WRONLY)
+    except OffloadError:
+        raise
     except OSError as exc:
         raise OperationFailedError(f"cannot write manifest beside {path}: {exc.strerror}",
                                    path=path) from exc
@@ -314,8 +316,10 @@ def write(path: str, manifest: Manifest) -> None:
         finally:
             os.close(fd)
         os.rename(tmp, path)  # replaces a link itself, never its target
-    except BaseException:
+    except BaseException as exc:
         _silent_unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise fsguard.no_space(path, exc) from None
         raise
 
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.system.files import FileId, open_regular
+from vllm_offload_cli.core.system.files import FileId, open_proc_link, stat_proc_link
 
 PROC = "/proc"
 DELETED_SUFFIX = " (deleted)"
@@ -163,7 +163,18 @@ def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
     the scan, so the open can neither block nor take a terminal, and it is kept
     only for a regular file with the identity the scan saw; None otherwise.
     """
-    return open_regular(f"{PROC}/{pid}/fd/{fd}", expect)
+    return open_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
+
+
+def stat_fd(pid: int, fd: int, expect: FileId) -> os.stat_result | None:
+    """Owner, mode and size of another process's open regular file `expect`; opens nothing."""
+    return stat_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
+
+
+def stat_mapping(pid: int, start: int, end: int, expect: FileId) -> os.stat_result | None:
+    """The same for a mapping (/proc/PID/map_files, root only): a region that
+    lives on only in its mappings still has an owner."""
+    return stat_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
 
 
 # -- /proc/locks ----------------------------------------------------------------------
