@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from region_files import region_file
+from region_files import GEOMETRY, region_file
 from test_blind_spots import NOBODY, SYSTEM_PYTHON, as_nobody, need_root
 
 from vllm_offload_cli.cli import metrics
@@ -32,7 +32,7 @@ from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim import collector
 from vllm_offload_cli.core.region import fsguard
-from vllm_offload_cli.core.system import processes, procfs
+from vllm_offload_cli.core.system import processes
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.engine.claim import claim, startup_lock
 
@@ -380,18 +380,21 @@ def test_a_name_swapped_after_the_check_is_not_unlinked(
     assert live_id in survivors
 
 
-def test_a_live_regions_manifest_renamed_onto_a_stale_regions_name_is_kept(
-        cli: Any, shm_dir: Path) -> None:
-    made = cli("create", "pa", "--shm-dir", str(shm_dir), "--world-size", "1",
-               "--cpu-page-size", "4KiB", "--num-blocks", "4")
-    assert made.exit_code == 0, made.stderr
-    region_file(shm_dir, "pb")
-    moved = shm_dir / "vllm_offload_pb.manifest.json"
-    os.rename(shm_dir / "vllm_offload_pa.manifest.json", moved)
-    kept_id = FileId.of(moved.stat())
+def test_manifests_exchanged_between_a_live_and_a_stale_region_stay(
+        cli: Any, shm_dir: Path, holders: Any) -> None:
+    """The user swaps the manifest names of a live region and a stale one: gc removes
+    the stale region, but not the live one's manifest now sitting at its name."""
+    holders("region", str(shm_dir), "live", *GEOMETRY)
+    crashed = holders("region", str(shm_dir), "dead", *GEOMETRY)
+    crashed.stop("crash")
+    live_m, dead_m = (shm_dir / f"vllm_offload_{e}.manifest.json" for e in ("live", "dead"))
+    os.rename(live_m, shm_dir / "swap")
+    os.rename(dead_m, live_m)
+    os.rename(shm_dir / "swap", dead_m)
+    live_manifest = FileId.of(dead_m.stat())  # the live region's, under the dead one's name
     result = cli("gc", "--shm-dir", str(shm_dir), "--min-age", "0", "--json")
-    assert [r["engine_id"] for r in result.json["data"]["removed"]] == ["pb"]
-    assert FileId.of(moved.stat()) == kept_id
+    assert [r["engine_id"] for r in result.json["data"]["removed"]] == ["dead"]
+    assert FileId.of(dead_m.stat()) == live_manifest
 
 
 # -- finding 8: output files ------------------------------------------------------------
@@ -425,9 +428,10 @@ def test_the_textfile_temporary_is_exclusive(tmp_path: Path,
     assert not (tmp_path / "victim").exists() and not output.exists()
 
 
-def test_no_signal_handler_is_left_behind() -> None:
+def test_the_deadline_leaves_the_alarm_handler_and_timer_as_they_were() -> None:
+    before = signal.getsignal(signal.SIGALRM)
+    timer = signal.getitimer(signal.ITIMER_REAL)
     with deadline.within(30):
         pass
-    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None)
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-    assert procfs.PROC == "/proc"
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert signal.getitimer(signal.ITIMER_REAL)[1] == timer[1]

@@ -1,7 +1,7 @@
 """One overall deadline per command, so nobody can make `gc` or `inspect` run forever.
 
 Work checks it where it can stop cleanly (between processes of a /proc scan,
-between regions), so what was done is still reported. An alarm a little
+between regions), so what was done is still reported. A signal a little
 after the deadline is the backstop for a wait nobody has thought of: it
 raises `DeadlineExpiredError` inside whatever blocks, except inside a `shielded()`
 block (a removal in progress), which then ends first.
@@ -12,9 +12,10 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 from vllm_offload_cli.core.base.errors import OperationFailedError
 
@@ -38,6 +39,7 @@ class _State:
         self.seconds = 0.0
         self.shield = 0
         self.pending = False
+        self.previous: Callable[[int, FrameType | None], Any] | int | None = None
 
 
 _state = _State()
@@ -59,6 +61,11 @@ def _expired(doing: str) -> DeadlineExpiredError:
 
 
 def _alarm(signum: int, frame: FrameType | None) -> None:
+    if not expired() or _state.at is None:
+        previous = _state.previous
+        if callable(previous):  # someone else's alarm (a test runner's timeout)
+            previous(signum, frame)
+        return
     if _state.shield:
         _state.pending = True
         return
@@ -67,23 +74,33 @@ def _alarm(signum: int, frame: FrameType | None) -> None:
 
 @contextmanager
 def within(seconds: float | None) -> Iterator[None]:
-    """Run the block under a deadline of `seconds` (None: none)."""
+    """Run the block under a deadline of `seconds` (None: none).
+
+    The backstop is a timer thread that signals the main thread (SIGALRM by
+    pthread_kill: the process's interval timer, which others may use, is
+    left alone); a SIGALRM before the deadline goes to the handler there was.
+    """
     if seconds is None or _state.at is not None:
         yield
         return
     _state.at, _state.seconds = time.monotonic() + seconds, seconds
     main = threading.current_thread() is threading.main_thread()
-    old = None
+    timer = None
     if main:
-        old = signal.signal(signal.SIGALRM, _alarm)
-        signal.setitimer(signal.ITIMER_REAL, seconds + _BACKSTOP_SECONDS)
+        _state.previous = signal.signal(signal.SIGALRM, _alarm)
+        ident = threading.get_ident()
+        timer = threading.Timer(seconds + _BACKSTOP_SECONDS,
+                                lambda: signal.pthread_kill(ident, signal.SIGALRM))
+        timer.daemon = True
+        timer.start()
     try:
         yield
     finally:
-        if main:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old if old is not None else signal.SIG_DFL)
-        _state.at, _state.pending = None, False
+        if timer is not None:
+            timer.cancel()
+            signal.signal(signal.SIGALRM, _state.previous
+                          if _state.previous is not None else signal.SIG_DFL)
+        _state.at, _state.pending, _state.previous = None, False, None
 
 
 @contextmanager

@@ -298,10 +298,12 @@ def discover(
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
     allowed_uids = fsguard.inspection_uids(allowed_uids)
     now = time.time()
-    scan = scan_processes(shm)  # before we open anything ourselves
+    listing = _list_dir(shm)
+    # before we open anything ourselves; region names found by lstat
+    scan = scan_processes(shm, {fid for entries in listing.segments.values()
+                                for fid in _ids_of(entries)})
     vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace)
     probe_if = _needs_lease_probe(vis, scan)
-    listing = _list_dir(shm)
     regions: list[RegionInfo] = []
     linked_ids: set[FileId] = set()
 

@@ -416,17 +416,16 @@ class _Run:
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
-        try:
+        with contextlib.suppress(manifest_io.ManifestError, OSError):
             m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners,
                                     owner_uid=None if bare is None else bare.st_uid)
-        except (manifest_io.ManifestError, OSError):
-            held.manifest_fd = fd  # invalid or not the region owner's: goes with the region
-            return
-        if bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
-            held.manifest_fd, held.manifest = fd, m
-            return
-        # it describes another inode: an earlier file of that name, or a live region's
-        # manifest renamed onto this name; never ours to remove with this region
+            if bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev,
+                                                                     bare.st_ino):
+                held.manifest_fd, held.manifest = fd, m
+                return
+        # Invalid, or it describes another inode (an earlier file of that name, or a
+        # live region's manifest renamed onto this name): not removed with this
+        # region; once the region is gone it is judged as an orphan manifest.
         os.close(fd)
 
     def _decide(self, held: _Locked, uses: list[FileUse], vis: Visibility) -> None:
