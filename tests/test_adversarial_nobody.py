@@ -235,7 +235,10 @@ def test_a_squatted_name_is_refused_by_preflight_and_by_the_engine_alike(
     code, doc, _ = run("preflight", "sq2", "--size", "64KiB", "--shm-dir", str(shared),
                        "--json")
     assert code == 6, doc
-    assert doc["errors"][0]["code"] == "squatted" and "nobody" in doc["errors"][0]["message"]
+    assert doc["errors"][0]["code"] == ("not_regular_file" if squat == "manifest-dir"
+                                        else "foreign_owner")
+    assert "squatted" in doc["errors"][0]["message"]
+    assert "nobody" in doc["errors"][0]["message"]
     from vllm_offload_cli.engine.lease import RegionRequest, open_region
 
     request = RegionRequest(engine_id="sq2", num_blocks=4, rank=0, row_stride=8192,

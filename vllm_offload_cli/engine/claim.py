@@ -286,31 +286,35 @@ def _refuse_squatters(regions: Iterable[RegionInfo], mpath: str, engine_id: str)
         for seg in r.segments:
             if seg.file_id is not None and seg.uid == me:
                 continue
+            codes = {p.code for p in seg.problems}
+            what, code = (("a symbolic link", "symlink") if "symlink" in codes else
+                          ("not a regular file", "not_regular_file") if seg.file_id is None
+                          else ("a regular file", "foreign_owner"))
             holders = ", ".join(f"pid {h.pid} ({h.name or '?'})" for h in r.holders[:3])
-            raise _squat_error(seg.path, engine_id, seg.uid, "a regular file"
-                               if seg.file_id is not None else "not a regular file",
-                               holders, r.holders[0].pid if r.holders else None)
+            raise _squat_error(seg.path, engine_id, seg.uid, what, code, holders,
+                               r.holders[0].pid if r.holders else None)
     try:
         st = os.stat(mpath, follow_symlinks=False)
     except FileNotFoundError:
         return
     if stat.S_ISREG(st.st_mode) and st.st_uid == me:
         return
-    what = ("a directory" if stat.S_ISDIR(st.st_mode) else "a symbolic link"
-            if stat.S_ISLNK(st.st_mode) else "a regular file" if stat.S_ISREG(st.st_mode)
-            else "not a regular file")
-    raise _squat_error(mpath, engine_id, st.st_uid, what, "", None)
+    what, code = (("a symbolic link", "symlink") if stat.S_ISLNK(st.st_mode) else
+                  ("a directory", "not_regular_file") if stat.S_ISDIR(st.st_mode) else
+                  ("a regular file", "foreign_owner") if stat.S_ISREG(st.st_mode) else
+                  ("not a regular file", "not_regular_file"))
+    raise _squat_error(mpath, engine_id, st.st_uid, what, code, "", None)
 
 
-def _squat_error(path: str, engine_id: str, uid: int | None, what: str, holders: str,
-                 pid: int | None) -> UnsafeRegionError:
+def _squat_error(path: str, engine_id: str, uid: int | None, what: str, code: str,
+                 holders: str, pid: int | None) -> UnsafeRegionError:
     owner = "an unknown user" if uid is None else fsguard.user_text(uid)
     held = f", held by {holders}" if holders else ""
     return UnsafeRegionError(
         f"{path} is {what} owned by {owner}{held}: the name engine_id {engine_id!r} needs is "
         "squatted, so the engine can neither create nor join it; remove it as root after "
         "checking, or pick another engine_id", path=path, engine_id=engine_id, pid=pid,
-        code="squatted")
+        code=code)
 
 
 def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str | None,

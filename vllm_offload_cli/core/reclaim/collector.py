@@ -81,7 +81,7 @@ from vllm_offload_cli.core.reclaim.report import (
     KeptRegion,
     RemovedRegion,
 )
-from vllm_offload_cli.core.region import fsguard, locking, openers
+from vllm_offload_cli.core.region import fsguard, locking, openers, untrusted_json
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
@@ -416,16 +416,21 @@ class _Run:
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
-        with contextlib.suppress(manifest_io.ManifestError, OSError):
+        try:
             m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners,
                                     owner_uid=None if bare is None else bare.st_uid)
-            if bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev,
-                                                                     bare.st_ino):
-                held.manifest_fd, held.manifest = fd, m
-                return
-        # Invalid, or it describes another inode (an earlier file of that name, or a
-        # live region's manifest renamed onto this name): not removed with this
-        # region; once the region is gone it is judged as an orphan manifest.
+        except (manifest_io.ManifestError, OSError):
+            if bare is not None and _names_another_inode(fd, bare):
+                os.close(fd)  # e.g. another region's manifest renamed onto this name
+            else:
+                held.manifest_fd = fd  # invalid: tells nothing, goes with the region
+            return
+        if bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
+            held.manifest_fd, held.manifest = fd, m
+            return
+        # It describes another inode (an earlier file of that name, or a live region's
+        # manifest renamed onto this name): not removed with this region; once the
+        # region is gone it is judged as an orphan manifest.
         os.close(fd)
 
     def _decide(self, held: _Locked, uses: list[FileUse], vis: Visibility) -> None:
@@ -643,6 +648,22 @@ class _Run:
 
 _PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-persistent to "
                     "remove it")
+
+
+def _names_another_inode(fd: int, bare: os.stat_result) -> bool:
+    """A manifest refused as invalid that still records a region inode other than
+    `bare` (it names another engine_id, say): it may be a live region's."""
+    try:
+        doc = untrusted_json.loads(os.pread(fd, manifest_io.MAX_BYTES + 1, 0),
+                                   max_bytes=manifest_io.MAX_BYTES)
+        region = doc.get("region") if isinstance(doc, dict) else None
+        if not isinstance(region, dict):
+            return False
+        dev, ino = region.get("dev"), region.get("ino")
+    except (OSError, ValueError):
+        return False
+    return (isinstance(dev, int) and isinstance(ino, int)
+            and (dev, ino) != (bare.st_dev, bare.st_ino))
 
 
 # A probe refused this long sends the region to the /proc re-scan, which names its user.

@@ -40,7 +40,7 @@ from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef
 
 MANIFEST_VERSION = 1
-_MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
+MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
 # Two-phase creation: `creating` until the region is sized and pre-faulted.
 CREATING, READY = "creating", "ready"
 
@@ -232,9 +232,9 @@ def _parse(fd: int, path: str, allowed_uids: Collection[int] | None,
     if problems:
         raise ManifestError(f"manifest {path} {problems[0].message}", path=path,
                             code=f"manifest_{problems[0].code}")
-    data = os.pread(fd, _MAX_BYTES + 1, 0)  # never more, whatever the size says
+    data = os.pread(fd, MAX_BYTES + 1, 0)  # never more, whatever the size says
     try:
-        m = Manifest.from_json(uj.loads(data, max_bytes=_MAX_BYTES))
+        m = Manifest.from_json(uj.loads(data, max_bytes=MAX_BYTES))
         named = parse_manifest_filename(os.path.basename(path))
         if named is not None and m.engine_id != named:
             raise uj.UntrustedJsonError(f"it records engine_id {m.engine_id!r}, not {named!r}")
