@@ -345,6 +345,10 @@ def test_create_on_a_tmpfs_out_of_inodes_exits_5_saying_so(tiny_tmpfs: Path) -> 
                          "--cpu-page-size", "4KiB", "--num-blocks", "4", "--json")
     assert code == 5, (doc, err)
     assert "inodes" in doc["errors"][0]["message"]
+    code, doc, err = run("preflight", "ino", "--size", "16KiB", "--shm-dir", str(tiny_tmpfs),
+                         "--json")  # not even its start-up lock fits
+    assert code == 5, (doc, err)
+    assert "inodes" in doc["errors"][0]["message"]
     assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["filler", "filler2"]
 
 

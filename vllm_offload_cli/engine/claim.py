@@ -17,6 +17,7 @@ see the name gone or freshly made by their own engine:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
@@ -101,6 +102,12 @@ def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> 
         except FileNotFoundError:  # a gc removed the (then empty) directory just now
             if attempt == 2:
                 raise
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise fsguard.no_space(os.path.join(os.fspath(shm_dir),
+                                                    fsguard.private_dir_name(),
+                                                    STARTUP_LOCK_NAME), exc) from None
+            raise
         finally:
             os.close(dfd)
     path = os.path.join(os.fspath(shm_dir), fsguard.private_dir_name(), STARTUP_LOCK_NAME)

@@ -7,7 +7,6 @@ file, owned by an allowed uid, no group/other bits, one link, the exact size.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import pwd
@@ -280,8 +279,15 @@ def private_dir(shm_dir: str | os.PathLike[str]) -> int:
     path = os.path.join(shm, name)
     dfd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(name, 0o700, dir_fd=dfd)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(path, exc) from None
+            raise OperationFailedError(f"cannot make {path}: {exc.strerror}",
+                                       path=path) from None
         try:
             fd = os.open(name, _PRIVATE_OPEN, dir_fd=dfd)
         except OSError as exc:
