@@ -12,9 +12,12 @@ while we hold the region's exclusive lock:
    judged by `fstat` of that descriptor (same inode discovery saw, regular,
    allowed owner, one link, same filesystem) and locked with LOCK_EX|LOCK_NB:
    a failure means a process still holds our shared lock;
-3. with the locks held, /proc is scanned again for users of those exact inodes:
-   vLLM's processes never lock, so the lock alone cannot prove them gone, and
-   the re-scan after locking leaves them only the instant before the unlink;
+3. with the locks held, the kernel is asked whether anyone else has the files
+   open or mapped (a write lease, region.openers): vLLM's processes never lock,
+   so the lock alone cannot prove them gone. Only regions the lease cannot
+   answer for (leases disabled, a file we neither own nor have CAP_LEASE for)
+   or finds in use are looked up in /proc again, by their exact inodes: so a
+   run walks /proc once, however many regions there are;
 4. age (newest of mtime, ctime and the manifest's creation time) and the
    persistent flag are re-read under the lock;
 5. the blind spots are read again (visibility.py): in a PID namespace that is
@@ -25,8 +28,13 @@ while we hold the region's exclusive lock:
    and where such processes could open it but no lease can be taken, the
    region is kept `unknown`. The lease is held until the unlink;
 6. the manifest goes first (no new creator can write one while the region's
-   name is still taken), then the segments `.mmap.N`, the bare name last, each
-   only if its name still names the inode we locked; the locks drop after.
+   name is still taken), and only if it describes the inode we locked; then the
+   segments `.mmap.N`, the bare name last. Each name is renamed into this
+   user's private directory, checked there against the locked descriptor and
+   only then unlinked (fsguard.unlink_if_same), so a rename by someone else
+   between check and unlink cannot make us remove another file; the locks
+   drop after. An overall deadline (base.deadline) stops the run between
+   batches, never inside one region's removal.
 
 Our own processes (SharedOffloadRegion) wait out the exclusive lock and then
 see the name gone, so for them the protocol is race-free. Files that vanish
