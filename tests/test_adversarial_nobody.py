@@ -32,7 +32,7 @@ from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim import collector
 from vllm_offload_cli.core.region import fsguard
-from vllm_offload_cli.core.system import processes
+from vllm_offload_cli.core.system import processes, procfs
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.engine.claim import claim, startup_lock
 
@@ -278,6 +278,22 @@ def test_a_claim_that_reclaims_a_leftover_walks_proc_once(shm_dir: Path,
     with startup_lock(shm_dir, timeout=5):
         result = claim("left", shm_dir=shm_dir, token=None)
     assert result.action == "reclaimed" and len(proc_passes) == 1
+
+
+def test_a_million_dups_of_one_file_are_one_entry(tmp_path: Path) -> None:
+    """Memory per process grows with the files it has open, not with its descriptors."""
+    target = tmp_path / "f"
+    target.touch()
+    fd = os.open(target, os.O_RDONLY)
+    dups = [os.dup(fd) for _ in range(200)]
+    try:
+        stats = procfs.fd_stats(os.getpid())
+        assert isinstance(stats, list)
+        ours = [n for n, st in stats if FileId.of(st) == FileId.of(os.fstat(fd))]
+        assert len(ours) == 1
+    finally:
+        for d in [fd, *dups]:
+            os.close(d)
 
 
 # -- overall deadline -------------------------------------------------------------------

@@ -104,12 +104,10 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int],
     if stats is DENIED:
         return True
     assert not isinstance(stats, procfs.Unreadable)
-    seen: set[FileId] = set()
-    for fd, st in stats:
+    for fd, st in stats:  # one per distinct file
         fid = FileId.of(st)
-        if fid in seen or fid.dev not in want.devs or not stat.S_ISREG(st.st_mode):
+        if fid.dev not in want.devs or not stat.S_ISREG(st.st_mode):
             continue
-        seen.add(fid)
         target = None if fid in want.ids else procfs.fd_target(pid, fd)
         if not want.keeps(fid, target):
             continue

@@ -107,29 +107,36 @@ def parse_maps(data: bytes, *, only: bytes | None = None) -> Iterator[Mapping]:
 
 def fd_stats(pid: int, skip: Collection[int] = ()
              ) -> list[tuple[int, os.stat_result]] | Unreadable:
-    """(fd, stat of the open file) for every descriptor of a process.
+    """(fd, stat of the open file) for each distinct file a process has open.
 
     stat() of /proc/PID/fd/N follows to the open file itself, so its identity
-    holds whatever name it was opened by. A descriptor closed meanwhile is
-    skipped; a directory we may list but not follow (PID 1 in some sandboxes)
-    is DENIED.
+    holds whatever name it was opened by. One entry per file (its first
+    descriptor): a process that dups one descriptor a million times costs one
+    entry, not a million. The directory is streamed, never listed whole. A
+    descriptor closed meanwhile is skipped; a directory we may list but not
+    follow (PID 1 in some sandboxes) is DENIED.
     """
     fd_dir = f"{PROC}/{pid}/fd"
+    out = []
+    seen: set[FileId] = set()
     try:
-        names = os.listdir(fd_dir)
+        with os.scandir(fd_dir) as entries:
+            for entry in entries:
+                fd = int(entry.name)
+                if fd in skip:
+                    continue
+                try:
+                    st = os.stat(entry.path)
+                except PermissionError:
+                    return DENIED
+                except OSError:
+                    continue
+                fid = FileId.of(st)
+                if fid not in seen:
+                    seen.add(fid)
+                    out.append((fd, st))
     except OSError as exc:
         return _why(exc)
-    out = []
-    for entry in names:
-        fd = int(entry)
-        if fd in skip:
-            continue
-        try:
-            out.append((fd, os.stat(f"{fd_dir}/{entry}")))
-        except PermissionError:
-            return DENIED
-        except OSError:
-            continue
     return out
 
 
