@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_offload_cli.core.base import deadline
-from vllm_offload_cli.core.base.errors import InvalidInputError, UnsafeRegionError
+from vllm_offload_cli.core.base.errors import InvalidInputError, OffloadError
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
@@ -250,7 +250,7 @@ class _Run:
             existed = os.path.lexists(os.path.join(self.shm_dir, fsguard.private_dir_name()))
             try:
                 self.private_fd = fsguard.private_dir(self.shm_dir)
-            except (OSError, UnsafeRegionError) as exc:
+            except (OSError, OffloadError) as exc:  # unwritable directory, squatted name
                 logger.warning("removals are checked by name only: %s", exc)
                 return None
             self.private_made = not existed
