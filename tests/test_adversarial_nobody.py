@@ -418,6 +418,10 @@ def test_manifests_exchanged_between_a_live_and_a_stale_region_stay(
     result = cli("gc", "--shm-dir", str(shm_dir), "--min-age", "0", "--json")
     assert [r["engine_id"] for r in result.json["data"]["removed"]] == ["dead"]
     assert FileId.of(dead_m.stat()) == live_manifest
+    # next run: an orphan by its name, but it describes a region that is still there
+    result = cli("gc", "--shm-dir", str(shm_dir), "--min-age", "0", "--json")
+    assert result.json["data"]["orphan_manifests_removed"] == []
+    assert FileId.of(dead_m.stat()) == live_manifest
 
 
 # -- finding 8: output files ------------------------------------------------------------

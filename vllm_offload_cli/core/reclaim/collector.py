@@ -241,6 +241,8 @@ class _Run:
                                         else frozenset({os.geteuid()}))
         self.private_fd: int | None = None
         self.private_tried = self.private_made = False
+        self.known_inodes = {seg.file_id for r in self.inventory.regions
+                             for seg in r.segments if seg.file_id is not None}
 
     def _private(self) -> int | None:
         """This user's private directory, where removals are checked without a race
@@ -544,8 +546,11 @@ class _Run:
                 continue
             region = str(region_path(self.shm_dir, o.engine_id))
 
-            def still_orphan(region: str = region) -> bool:
-                return not os.path.lexists(region)  # a region came (back) since discovery
+            def still_orphan(fd: int, region: str = region) -> bool:
+                if os.path.lexists(region):
+                    return False  # a region came (back) since discovery
+                # a live region's manifest renamed onto this name stays with its region
+                return _recorded_region(fd) not in self.known_inodes
 
             if self._unlink_old(o.path, o.engine_id, expect=o.file_id, lock=True,
                                 still_wanted=still_orphan):
@@ -569,7 +574,8 @@ class _Run:
                 self.temps.append(entry.path)
 
     def _unlink_old(self, path: str, engine_id: str | None, *, expect: FileId | None = None,
-                    lock: bool = False, still_wanted: Callable[[], bool] | None = None) -> bool:
+                    lock: bool = False, still_wanted: Callable[[int], bool] | None = None
+                    ) -> bool:
         """Unlink a small file of ours older than --min-age, judged on its descriptor.
 
         Never follows a link; `expect` pins the inode discovery saw; `lock` takes
@@ -586,7 +592,7 @@ class _Run:
                     or not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
                     or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age
                     or (lock and not locking.try_lock_exclusive(fd))
-                    or (still_wanted is not None and not still_wanted())):
+                    or (still_wanted is not None and not still_wanted(fd))):
                 return False
             return self.options.dry_run or self._unlink(path, fd)
         except OSError as exc:
@@ -658,20 +664,28 @@ _PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-per
                     "remove it")
 
 
-def _names_another_inode(fd: int, bare: os.stat_result) -> bool:
-    """A manifest refused as invalid that still records a region inode other than
-    `bare` (it names another engine_id, say): it may be a live region's."""
+def _recorded_region(fd: int) -> FileId | None:
+    """The region inode a manifest records, read leniently (it may name another
+    engine_id, or fail other checks); None when it records none."""
     try:
         doc = untrusted_json.loads(os.pread(fd, manifest_io.MAX_BYTES + 1, 0),
                                    max_bytes=manifest_io.MAX_BYTES)
-        region = doc.get("region") if isinstance(doc, dict) else None
-        if not isinstance(region, dict):
-            return False
-        dev, ino = region.get("dev"), region.get("ino")
     except (OSError, ValueError):
-        return False
-    return (isinstance(dev, int) and isinstance(ino, int)
-            and (dev, ino) != (bare.st_dev, bare.st_ino))
+        return None
+    region = doc.get("region") if isinstance(doc, dict) else None
+    if not isinstance(region, dict):
+        return None
+    dev, ino = region.get("dev"), region.get("ino")
+    if type(dev) is not int or type(ino) is not int:
+        return None
+    return FileId(dev, ino)
+
+
+def _names_another_inode(fd: int, bare: os.stat_result) -> bool:
+    """A manifest refused as invalid that still records a region inode other than
+    `bare` (it names another engine_id, say): it may be a live region's."""
+    recorded = _recorded_region(fd)
+    return recorded is not None and recorded != FileId.of(bare)
 
 
 # A probe refused this long sends the region to the /proc re-scan, which names its user.
