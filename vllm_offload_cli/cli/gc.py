@@ -15,6 +15,8 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     warn_useless_waiver,
 )
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.testhook import pause_at
@@ -85,6 +87,10 @@ def garbage_collect(
         "--no-syslog", help="Do not record removals in the system log (by default one line "
         "per removed region, identifier vllm-offload; socket /dev/log, env "
         "VLLM_OFFLOAD_SYSLOG_SOCKET).")] = False,
+    timeout: Annotated[str, typer.Option(
+        "--timeout", metavar="DURATION",
+        help="Stop after this long, report what was removed, exit 1: seconds, or 90s, 5m, "
+        "2h.")] = f"{DEFAULT_TIMEOUT:g}s",
 ) -> Outcome:
     """Remove provably stale regions and orphaned manifests; safe to run from cron.
 
@@ -101,9 +107,11 @@ def garbage_collect(
     that matches no region or manifest (the others are still collected), 6 when
     it refused to judge because a holder could be hidden, 7 (partial) when it
     removed regions but could not write --prometheus afterwards (the removals
-    are still reported in full).
+    are still reported in full). After --timeout it stops between regions,
+    reports what it removed, and exits 1.
     """
     min_age_s = parse_duration(str(min_age), what="--min-age")  # the fleet may pass 0.0
+    timeout_s = parse_duration(str(timeout), what="--timeout")
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run
         check_options,
@@ -113,9 +121,11 @@ def garbage_collect(
     check_options(GcOptions(min_age=min_age_s, all_users=all_users))
     if prometheus is not None:  # before anything is removed: every removal gets reported
         metrics.check_writable(prometheus)
-    report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
-                     min_age=min_age_s, include_persistent=include_persistent,
-                     all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
+    with deadline.within(timeout_s):
+        report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
+                         min_age=min_age_s, include_persistent=include_persistent,
+                         all_users=all_users,
+                         shm_private_to_namespace=shm_private_to_namespace)
     data = report_data(report)
     if not (dry_run or no_syslog) and report.removed:
         from vllm_offload_cli.core.reclaim import audit
