@@ -267,6 +267,6 @@ def _registry(report: GcReport, code: ExitStatus) -> Any:
           report.uninspectable_processes)
     kept = Gauge("vllm_offload_gc_regions_kept", "Regions the last run kept, by reason.",
                  ["reason"], registry=registry)
-    for code, count in report.kept_by_code().items():
-        kept.labels(code).set(count)
+    for reason, count in report.kept_by_code().items():
+        kept.labels(reason).set(count)
     return registry
