@@ -146,17 +146,19 @@ def garbage_collect(
     output: list[dict[str, str]] = []
     changed = not dry_run and bool(report.removed or report.orphan_manifests_removed
                                    or report.temp_files_removed)
+    code = most_important(status for status, present in (
+        (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing))
+        if present)
     if prometheus is not None:
         pause_at("gc_before_outputs")  # tests break the output here, after the removals
         try:
-            metrics.emit(_registry(report), prometheus)
+            metrics.emit(_registry(report, code), prometheus)
             data["prometheus"] = str(prometheus)
         except OffloadError as exc:  # after removals: report them all, and say so
             output.append({"code": OUTPUT_FAILED, "message": exc.message + (
                 "; the removals above were made" if changed else "")})
-    code = most_important(status for status, present in (
-        (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing),
-        (ExitStatus.PARTIAL if changed else ExitStatus.FAILED, output)) if present)
+    if output:  # the textfile is not written then: it cannot carry this status
+        code = most_important((code, ExitStatus.PARTIAL if changed else ExitStatus.FAILED))
     return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
                    render=lambda out: _render(inv, out, report, output + refusals + missing))
 
@@ -237,8 +239,11 @@ def _render(inv: Invocation, out: Console, report: GcReport,
         f"{len(report.kept)} of {report.regions_seen} seen{failed}{dry}.")
 
 
-def _registry(report: GcReport) -> Any:
-    """Gauges describing this run: node_exporter's textfile collector keeps the last one."""
+def _registry(report: GcReport, code: ExitStatus) -> Any:
+    """Gauges describing this run: node_exporter's textfile collector keeps the last one.
+
+    `code` is the run's exit status (an unwritable textfile cannot report itself: it
+    leaves the previous file, whose timestamp then ages)."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
@@ -248,6 +253,8 @@ def _registry(report: GcReport) -> Any:
 
     gauge("vllm_offload_gc_last_run_timestamp_seconds",
           "When the last garbage collection started (Unix time).", report.started_at)
+    gauge("vllm_offload_gc_exit_code", "Exit status of the last run (0 ok, 1 a removal "
+          "failed, 2 bad usage, 6 refused: a holder could be hidden).", int(code))
     gauge("vllm_offload_gc_duration_seconds", "How long the last run took.",
           report.duration_seconds)
     gauge("vllm_offload_gc_dry_run", "1 if the last run was a dry run (nothing removed).",
@@ -270,6 +277,6 @@ def _registry(report: GcReport) -> Any:
           report.uninspectable_processes)
     kept = Gauge("vllm_offload_gc_regions_kept", "Regions the last run kept, by reason.",
                  ["reason"], registry=registry)
-    for code, count in report.kept_by_code().items():
-        kept.labels(code).set(count)
+    for reason, count in report.kept_by_code().items():
+        kept.labels(reason).set(count)
     return registry
