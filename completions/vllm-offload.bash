@@ -59,7 +59,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --no-syslog --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -71,7 +71,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --no-syslog --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -82,7 +82,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--no-residency --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--no-residency --wide -w --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -106,10 +106,11 @@ _vllm_offload() {
         case "$prev" in
             --min-age) COMPREPLY=(); return ;;
             --prometheus) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --timeout) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --no-syslog --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -117,10 +118,11 @@ _vllm_offload() {
         case "$prev" in
             --min-age) COMPREPLY=(); return ;;
             --prometheus) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --timeout) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --no-syslog --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -128,10 +130,11 @@ _vllm_offload() {
         case "$prev" in
             --format|-f) COMPREPLY=($(compgen -W "table json prometheus" -- "$cur")); return ;;
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --timeout) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --wide -w --shm-private-to-namespace --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -139,10 +142,11 @@ _vllm_offload() {
         case "$prev" in
             --size) COMPREPLY=(); return ;;
             --dp-size) COMPREPLY=(); return ;;
+            --segments) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--size --dp-size --dry-run -n --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--size --dp-size --dry-run -n --segments --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -132,7 +132,7 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     from vllm_offload_cli.core.host.procscan import flock_holders
-    from vllm_offload_cli.core.region.fsguard import FileId
+    from vllm_offload_cli.core.system.files import FileId
 
     config.parallel_config.rank = rank
     init_distributed_environment(world_size=args["tp"], rank=rank, local_rank=rank,

@@ -36,7 +36,9 @@ from vllm_offload_cli.cli.common import (
     make_invocation,
     run_boundary,
 )
+from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.units import parse_duration
 from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
 from vllm_offload_cli.fleet.result import FleetResult
 
@@ -68,16 +70,16 @@ AddressOpt = Annotated[str | None, typer.Option(
     "--address", metavar="ADDR", show_default=False,
     help="Ray cluster to use, as for ray.init (e.g. head:6379 or ray://head:10001); default "
     "$RAY_ADDRESS, else 'auto' (the cluster this host belongs to).")]
-TimeoutOpt = Annotated[float, typer.Option(
-    "--timeout", metavar="SECONDS", min=0.001,
+TimeoutOpt = Annotated[str, typer.Option(
+    "--timeout", metavar="DURATION",
     help="Report a node that has not answered by then as timed out; the others' "
-    "results are still shown (exit 7).")]
+    "results are still shown (exit 7). Seconds, or 90s, 5m, 1h.")]
 
 _FLEET_PARAMS = [
     inspect.Parameter("address", inspect.Parameter.KEYWORD_ONLY, annotation=AddressOpt,
                       default=None),
     inspect.Parameter("timeout", inspect.Parameter.KEYWORD_ONLY, annotation=TimeoutOpt,
-                      default=DEFAULT_TIMEOUT),
+                      default=f"{DEFAULT_TIMEOUT:g}s"),
     inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=FleetShmDirOpt,
                       default=None),
     *OUTPUT_PARAMS,
@@ -95,7 +97,8 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
     if not nodes:
         raise OperationFailedError(f"the Ray cluster at {where!r} has no alive node",
                                    code="no_nodes")
-    return FleetResult(f"fleet {command}", where, tuple(nodes), timeout)
+    return FleetResult(command=f"fleet {command}", address=where, nodes=tuple(nodes),
+                       timeout=timeout)
 
 
 def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
@@ -117,11 +120,15 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
             if shm_dir is not None and not shm_dir.is_absolute():
                 raise InvalidInputError(f"--shm-dir {shm_dir} must be an absolute path: it "
                                         "is used on every node", code="usage")
+            seconds = parse_duration(str(timeout), what="--timeout")
+            if seconds <= 0:
+                raise InvalidInputError("--timeout must be more than 0", code="usage")
             result = run_fleet(local.name, {**kwargs, **fixed}, shm_dir=shm_dir,
-                               address=address, timeout=timeout)
+                               address=address, timeout=seconds)
             for w in result.warnings(__version__):
                 inv.warn(w["code"], w["message"])
-            return Outcome(result.data(), exit_code=result.exit_code, errors=result.errors(),
+            return Outcome(data=result.data(), exit_code=result.exit_code,
+                           errors=result.errors(),
                            render=lambda out: render(out, result, inv.verbosity))
 
         code = run_boundary(inv, body)
@@ -141,22 +148,27 @@ fleet_app = typer.Typer(
     "(needs the ray extra).")
 
 fleet_app.command("inspect", short_help="inspect on every node: one table with a NODE column.")(
-    _fleet_command(inspect_cli.inspect_cmd, {"fmt": inspect_cli.Format.table, "output": None},
+    _fleet_command(inspect_cli.inspect_cmd, {"fmt": inspect_cli.Format.table, "output": None,
+                                               "timeout": NODE_TIMEOUT},
                    """inspect on every node: one table with a NODE column.
 
     Runs `vllm-offload inspect --json` on each alive node of the Ray cluster
     (one task pinned per node) and merges the answers. A node that fails or
-    does not answer within --timeout is listed as such, and the exit status is
-    7 (partial answer); otherwise it is the highest node exit status.
+    does not answer within --timeout is listed as such. Exit status: the most
+    important node status (see EXIT STATUS), 7 (partial) when a node did not
+    answer and no node reported worse; nodes without a named region are
+    skipped (exit 2 only when no node has it).
     """, lambda out, result, _: render_inspect(out, result)))
 
-_gc = _fleet_command(gc.garbage_collect, {"prometheus": None}, """garbage-collect on every node.
+_gc = _fleet_command(gc.garbage_collect, {"prometheus": None, "timeout": NODE_TIMEOUT},
+                     """garbage-collect on every node.
 
     It is node-local garbage-collect, run on each node: every safety rule
     holds there, and a node that refuses (exit 6, e.g. it cannot see all of
     its host's processes) is reported as refused. Use --dry-run first: it shows
-    the whole plan, node by node, and changes nothing. Exit status: the highest
-    node exit status, or 7 when a node failed or did not answer.
+    the whole plan, node by node, and changes nothing. Exit status: the most
+    important node status (see EXIT STATUS), 7 (partial) when a node failed or
+    did not answer and no node reported worse.
     """, lambda out, result, verbosity: render_gc(out, result, quiet=verbosity < 0))
 fleet_app.command("garbage-collect", short_help="garbage-collect on every node; --dry-run "
                   "shows the plan (alias: gc).")(_gc)
@@ -169,5 +181,5 @@ fleet_app.command("verify-rank-layout", short_help="verify-rank-layout on every 
     without it are skipped (exit 2 only when no node has it). Plan mode runs
     the plan on every node (useful with --devices env, which reads each node's
     CUDA_VISIBLE_DEVICES). Exit 3 when a node found problems, 7 when a node
-    failed or did not answer.
+    failed or did not answer (and no node reported worse; see EXIT STATUS).
     """, lambda out, result, _: render_verify(out, result)))

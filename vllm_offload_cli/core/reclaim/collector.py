@@ -3,7 +3,7 @@
 Deleting by name is unsafe in `/dev/shm`: vLLM keeps using a region through
 its mapping without any lock, a creator may be between `O_EXCL` and
 `ftruncate`, and anyone can plant a symlink named like a region. So a region
-goes only when every test agrees (DESIGN section 3), decided on state read
+goes only when every test agrees, decided on state read
 while we hold the region's exclusive lock:
 
 1. discovery (`discover()`) lists candidates with their holders; anything held,
@@ -12,9 +12,12 @@ while we hold the region's exclusive lock:
    judged by `fstat` of that descriptor (same inode discovery saw, regular,
    allowed owner, one link, same filesystem) and locked with LOCK_EX|LOCK_NB:
    a failure means a process still holds our shared lock;
-3. with the locks held, /proc is scanned again for users of those exact inodes:
-   vLLM's processes never lock, so the lock alone cannot prove them gone, and
-   the re-scan after locking leaves them only the instant before the unlink;
+3. with the locks held, the kernel is asked whether anyone else has the files
+   open or mapped (a write lease, region.openers): vLLM's processes never lock,
+   so the lock alone cannot prove them gone. Only regions the lease cannot
+   answer for (leases disabled, a file we neither own nor have CAP_LEASE for)
+   or finds in use are looked up in /proc again, by their exact inodes: so a
+   run walks /proc once, however many regions there are;
 4. age (newest of mtime, ctime and the manifest's creation time) and the
    persistent flag are re-read under the lock;
 5. the blind spots are read again (visibility.py): in a PID namespace that is
@@ -25,8 +28,13 @@ while we hold the region's exclusive lock:
    and where such processes could open it but no lease can be taken, the
    region is kept `unknown`. The lease is held until the unlink;
 6. the manifest goes first (no new creator can write one while the region's
-   name is still taken), then the segments `.mmap.N`, the bare name last, each
-   only if its name still names the inode we locked; the locks drop after.
+   name is still taken), and only if it describes the inode we locked; then the
+   segments `.mmap.N`, the bare name last. Each name is renamed into this
+   user's private directory, checked there against the locked descriptor and
+   only then unlinked (fsguard.unlink_if_same), so a rename by someone else
+   between check and unlink cannot make us remove another file; the locks
+   drop after. An overall deadline (base.deadline) stops the run between
+   batches, never inside one region's removal.
 
 Our own processes (SharedOffloadRegion) wait out the exclusive lock and then
 see the name gone, so for them the protocol is race-free. Files that vanish
@@ -45,8 +53,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.procfs import ProcessRef, comm
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.errors import InvalidInputError, OffloadError
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
@@ -81,9 +89,8 @@ from vllm_offload_cli.core.reclaim.report import (
     KeptRegion,
     RemovedRegion,
 )
-from vllm_offload_cli.core.region import fsguard, locking, openers
+from vllm_offload_cli.core.region import fsguard, locking, openers, untrusted_json
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
     MANIFEST_SUFFIX,
@@ -92,6 +99,8 @@ from vllm_offload_cli.core.region.naming import (
     manifest_path,
     region_path,
 )
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +137,9 @@ def collect(
     shm_private_to_namespace: bool = False,
 ) -> GcReport:
     """Find and remove every provably stale region in shm_dir (or only `engine_ids`)."""
-    options = GcOptions(dry_run, min_age, include_persistent, all_users,
-                        shm_private_to_namespace)
+    options = GcOptions(dry_run=dry_run, min_age=min_age, include_persistent=include_persistent,
+                        all_users=all_users,
+                        shm_private_to_namespace=shm_private_to_namespace)
     check_options(options)
     started, clock = time.time(), time.monotonic()
     inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False,
@@ -149,13 +159,20 @@ def reclaim(
     """Act on an inventory: every decision is re-checked on the files themselves,
     so an inventory that aged (files replaced, new users) is still safe to pass."""
     check_options(options)
-    run = _Run(inventory, options)
-    run.blind = _effective(visibility.host_blind_spots(), options)
-    run.regions(inventory.regions)
-    if not run.blind:  # pid-based judgements (is the writer alive?) need the whole host
-        run.orphan_manifests(inventory.orphan_manifests)
-        run.temp_files(None if engine_ids is None else set(engine_ids))
-    run.settle()
+    run = _Run(inventory=inventory, options=options)
+    try:
+        run.blind = _effective(visibility.host_blind_spots(), options)
+        run.regions(inventory.regions)
+        if not run.blind and not run.expired:  # pid-based judgements need the whole host
+            try:
+                run.orphan_manifests(inventory.orphan_manifests)
+                run.temp_files(None if engine_ids is None else set(engine_ids))
+            except deadline.DeadlineExpiredError as exc:
+                run.errors.append(GcFailure(path="", message=f"{exc.message} before every "
+                                            "orphaned manifest was looked at", code=exc.code))
+        run.settle()
+    finally:
+        run.close()
     wanted = list(dict.fromkeys(engine_ids or ()))
     known = {r.engine_id for r in inventory.regions} | {
         o.engine_id for o in inventory.orphan_manifests}
@@ -180,7 +197,7 @@ def _effective(spots: Sequence[BlindSpot], options: GcOptions) -> tuple[BlindSpo
     return vis.effective
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Locked:
     """A candidate whose files we hold open and exclusively locked."""
 
@@ -203,7 +220,7 @@ class _Locked:
         self.manifest_fd = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Run:
     inventory: Inventory
     options: GcOptions
@@ -215,6 +232,7 @@ class _Run:
     errors: list[GcFailure] = field(default_factory=list)
     denied: set[int] = field(default_factory=set)
     blind: tuple[BlindSpot, ...] = ()
+    expired: bool = False
 
     def __post_init__(self) -> None:
         self.shm_dir = self.inventory.shm_dir
@@ -222,6 +240,36 @@ class _Run:
         self.root = os.geteuid() == 0
         self.owners: Collection[int] = (fsguard.EVERY_UID if self.options.all_users
                                         else frozenset({os.geteuid()}))
+        self.private_fd: int | None = None
+        self.private_tried = self.private_made = False
+        self.known_inodes = {seg.file_id for r in self.inventory.regions
+                             for seg in r.segments if seg.file_id is not None}
+
+    def _private(self) -> int | None:
+        """This user's private directory, where removals are checked without a race
+        (fsguard.unlink_if_same); made on the first removal, removed after if we made it."""
+        if self.private_fd is None and not self.private_tried:
+            self.private_tried = True
+            existed = os.path.lexists(os.path.join(self.shm_dir, fsguard.private_dir_name()))
+            try:
+                self.private_fd = fsguard.private_dir(self.shm_dir)
+            except (OSError, OffloadError) as exc:  # unwritable directory, squatted name
+                logger.warning("removals are checked by name only: %s", exc)
+                return None
+            self.private_made = not existed
+        return self.private_fd
+
+    def close(self) -> None:
+        if self.private_fd is None:
+            return
+        os.close(self.private_fd)
+        self.private_fd = None
+        if self.private_made:  # not when an engine's start-up lock lives there
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.shm_dir, fsguard.private_dir_name()))
+
+    def _unlink(self, path: str, fd: int) -> bool:
+        return fsguard.unlink_if_same(path, fd, private_fd=self._private())
 
     # -- regions ---------------------------------------------------------------
 
@@ -236,14 +284,23 @@ class _Run:
             else:
                 self._keep(verdict)
         for start in range(0, len(candidates), _BATCH):
-            self._batch(candidates[start:start + _BATCH])
+            try:
+                deadline.check("removing stale regions")
+                self._batch(candidates[start:start + _BATCH])
+            except deadline.DeadlineExpiredError as exc:
+                left = len(candidates) - start
+                self.errors.append(GcFailure(path="", message=f"{exc.message}; {left} "
+                                             "candidate region(s) were not examined",
+                                             code=exc.code))
+                self.expired = True
+                return
 
     def _precheck(self, r: RegionInfo) -> KeptRegion | None:
         """What discovery already proves: cheap reasons to keep, before any lock."""
         if not r.linked:
-            return self._kept(r, LIVE, "its name was unlinked while "
-                              f"{_holders_text(r.holders) or 'a process still maps it'}; "
-                              "it vanishes with its last user", _first_pid(r.holders))
+            users = _holders_text(r.holders) or "a process this run cannot name"
+            return self._kept(r, LIVE, f"unlinked, still in use by {users}; its memory is "
+                              "freed when the last of them exits", _first_pid(r.holders))
         for seg in r.segments:
             name = os.path.basename(seg.path)
             codes = {p.code for p in seg.problems}
@@ -277,13 +334,21 @@ class _Run:
                     locked.append(held)
             if not locked:
                 return
-            own = [fd for h in locked for fd in h.fds]
-            fids = [FileId.of(st) for h in locked for _, _, st in h.files]
-            uses, denied = users_of(fids, own_fds=own)
-            self.denied.update(denied)
-            vis = visibility.assess(denied, namespace_waived=self.options.shm_private_to_namespace)
-            if vis.blind:  # appeared since the run started: judge nothing more
-                self.blind = self.blind or vis.effective
+            # The kernel's lease answers "used anywhere?" for a region at once; /proc is
+            # walked again only for regions it cannot answer for (leases disabled, not
+            # the owner and no CAP_LEASE) or that it says are in use (to name the user).
+            rescan = [h for h in locked if not _sole_now(h)]
+            uses: dict[FileId, list[FileUse]] = {}
+            vis = self.inventory.visibility
+            if rescan:
+                own = [fd for h in locked for fd in h.fds]
+                fids = [FileId.of(st) for h in rescan for _, _, st in h.files]
+                uses, denied = users_of(fids, own_fds=own)
+                self.denied.update(denied)
+                vis = visibility.assess(denied,
+                                        namespace_waived=self.options.shm_private_to_namespace)
+                if vis.blind:  # appeared since the run started: judge nothing more
+                    self.blind = self.blind or vis.effective
             for h in locked:
                 if self.blind:
                     self._keep(self._blind_kept(h.region, self.blind))
@@ -296,7 +361,8 @@ class _Run:
 
     def _lock(self, r: RegionInfo) -> _Locked | None:
         """Open, judge and exclusively lock every file of a region, or say why not."""
-        held = _Locked(r, [], str(manifest_path(self.shm_dir, r.engine_id)))
+        held = _Locked(region=r, files=[], manifest_path=str(manifest_path(self.shm_dir,
+                                                                           r.engine_id)))
         ok = False
         try:
             for seg in sorted(r.segments, key=lambda s: s.segment):
@@ -362,17 +428,23 @@ class _Run:
                 or not locking.try_lock_exclusive(fd)):
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
-        held.manifest_fd = fd
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
-        if bare is None:
-            return
         try:
             m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners,
-                                    owner_uid=bare.st_uid)
+                                    owner_uid=None if bare is None else bare.st_uid)
         except (manifest_io.ManifestError, OSError):
-            return  # invalid or not the region owner's: goes with the region, tells nothing
-        if (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
-            held.manifest = m  # otherwise it describes an earlier file of that name
+            if bare is not None and _names_another_inode(fd, bare):
+                os.close(fd)  # e.g. another region's manifest renamed onto this name
+            else:
+                held.manifest_fd = fd  # invalid: tells nothing, goes with the region
+            return
+        if bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
+            held.manifest_fd, held.manifest = fd, m
+            return
+        # It describes another inode (an earlier file of that name, or a live region's
+        # manifest renamed onto this name): not removed with this region; once the
+        # region is gone it is judged as an orphan manifest.
+        os.close(fd)
 
     def _decide(self, held: _Locked, uses: list[FileUse], vis: Visibility) -> None:
         r = held.region
@@ -408,7 +480,23 @@ class _Run:
                     f"({verdict.why}); run gc as root with CAP_SYS_PTRACE and CAP_LEASE"),
                     blind_spot=visibility.HIDDEN_HOLDERS))
             else:
-                self._remove(held, max(age, 0.0), leased=verdict.sole is True)
+                leased = verdict.sole is True
+                self._remove(held, max(age, 0.0), leased=leased,
+                             why=self._stale_text(m, max(age, 0.0), leased),
+                             hidden=tuple(suspects) if leased else ())
+
+    def _stale_text(self, m: Manifest | None, age: float, leased: bool) -> str:
+        """Why a region about to go was judged stale: the system log records it."""
+        why = [("the kernel granted a write lease: no process anywhere has it open or mapped"
+                if leased else
+                "no process maps it or has it open (/proc, scanned again after locking)"),
+               "its exclusive lock was free"]
+        if m is not None and not m.complete:
+            why.append(f"its creator pid {m.creator_pid} died before finishing")
+        if m is not None and m.persistent and m.complete:
+            why.append("persistent, removed with --include-persistent")
+        why.append(f"unchanged for {age:.0f} s (--min-age {self.options.min_age:g} s)")
+        return "; ".join(why)
 
     def _opened_elsewhere(self, r: RegionInfo, suspects: list[int]) -> KeptRegion:
         if suspects:
@@ -422,8 +510,10 @@ class _Run:
         return self._kept(r, UNKNOWN, f"not proven unused: {spots[0].message}; "
                           f"{visibility.advice(spots)}", blind_spot=spots[0].code)
 
-    def _remove(self, held: _Locked, age: float, *, leased: bool = False) -> None:
+    def _remove(self, held: _Locked, age: float, *, leased: bool = False, why: str = "",
+                hidden: tuple[int, ...] = ()) -> None:
         r = held.region
+        uid = held.files[0][2].st_uid if held.files else None
         if leased and not all(openers.still_sole(fd) for _, fd, _ in held.files):
             self._keep(self._opened_elsewhere(r, []))  # an open() is waiting on our lease
             return
@@ -431,14 +521,22 @@ class _Run:
         freed = sum(st.st_blocks * 512 for _, _, st in held.files)
         if self.options.dry_run:
             self.removed.append(RemovedRegion(
-                r.engine_id, tuple(seg.path for seg, _, _ in held.files), size, freed,
-                held.manifest_path if held.manifest_fd is not None else None, age))
+                engine_id=r.engine_id, paths=tuple(seg.path for seg, _, _ in held.files),
+                bytes=size, freed_bytes=freed,
+                manifest=held.manifest_path if held.manifest_fd is not None else None,
+                age_seconds=age, uid=uid, reason=why, hidden_pids=hidden))
             return
+        with deadline.shielded():
+            self._unlink_region(held, age, uid=uid, why=why, hidden=hidden)
+
+    def _unlink_region(self, held: _Locked, age: float, *, uid: int | None, why: str,
+                       hidden: tuple[int, ...]) -> None:
+        r = held.region
         manifest_removed = None
         if held.manifest_fd is not None:
             # first: while the region's name is taken, no creator can write a new manifest
             try:
-                if fsguard.unlink_if_same(held.manifest_path, held.manifest_fd):
+                if self._unlink(held.manifest_path, held.manifest_fd):
                     manifest_removed = held.manifest_path
             except OSError as exc:
                 self._fail(held.manifest_path, exc, r.engine_id)
@@ -447,7 +545,7 @@ class _Run:
         # segments before the bare name: a new creator starts from the bare name
         for seg, fd, st in sorted(held.files, key=lambda f: -f[0].segment):
             try:
-                gone = fsguard.unlink_if_same(seg.path, fd)
+                gone = self._unlink(seg.path, fd)
             except OSError as exc:
                 self._fail(seg.path, exc, r.engine_id)
                 continue
@@ -459,20 +557,26 @@ class _Run:
                 self.vanished.append(r.engine_id)
         if paths:
             paths.reverse()
-            self.removed.append(RemovedRegion(r.engine_id, tuple(paths), size, freed,
-                                              manifest_removed, age))
+            self.removed.append(RemovedRegion(engine_id=r.engine_id, paths=tuple(paths),
+                                              bytes=size, freed_bytes=freed,
+                                              manifest=manifest_removed, age_seconds=age,
+                                              uid=uid, reason=why, hidden_pids=hidden))
             logger.info("removed %s (%d bytes)", ", ".join(paths), size)
 
     # -- manifests and temporary files --------------------------------------------
 
     def orphan_manifests(self, orphans: Iterable[OrphanManifest]) -> None:
         for o in orphans:
+            deadline.check("removing orphaned manifests")
             if o.uid not in self.owners:
                 continue
             region = str(region_path(self.shm_dir, o.engine_id))
 
-            def still_orphan(region: str = region) -> bool:
-                return not os.path.lexists(region)  # a region came (back) since discovery
+            def still_orphan(fd: int, region: str = region) -> bool:
+                if os.path.lexists(region):
+                    return False  # a region came (back) since discovery
+                # a live region's manifest renamed onto this name stays with its region
+                return _recorded_region(fd) not in self.known_inodes
 
             if self._unlink_old(o.path, o.engine_id, expect=o.file_id, lock=True,
                                 still_wanted=still_orphan):
@@ -496,7 +600,8 @@ class _Run:
                 self.temps.append(entry.path)
 
     def _unlink_old(self, path: str, engine_id: str | None, *, expect: FileId | None = None,
-                    lock: bool = False, still_wanted: Callable[[], bool] | None = None) -> bool:
+                    lock: bool = False, still_wanted: Callable[[int], bool] | None = None
+                    ) -> bool:
         """Unlink a small file of ours older than --min-age, judged on its descriptor.
 
         Never follows a link; `expect` pins the inode discovery saw; `lock` takes
@@ -513,9 +618,9 @@ class _Run:
                     or not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
                     or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age
                     or (lock and not locking.try_lock_exclusive(fd))
-                    or (still_wanted is not None and not still_wanted())):
+                    or (still_wanted is not None and not still_wanted(fd))):
                 return False
-            return self.options.dry_run or fsguard.unlink_if_same(path, fd)
+            return self.options.dry_run or self._unlink(path, fd)
         except OSError as exc:
             self._fail(path, exc, engine_id)
             return False
@@ -536,8 +641,9 @@ class _Run:
 
     def _kept(self, r: RegionInfo, code: str, reason: str, pid: int | None = None, *,
               blind_spot: str | None = None) -> KeptRegion:
-        return KeptRegion(r.engine_id, code, reason, tuple(r.paths), pid, r.linked,
-                          blind_spot)
+        return KeptRegion(engine_id=r.engine_id, code=code, reason=reason, paths=tuple(r.paths),
+                          pid=pid, linked=r.linked,
+                          blind_spot=blind_spot)
 
     def _keep(self, kept: KeptRegion) -> None:
         logger.debug("keeping %s: %s", kept.engine_id, kept.reason)
@@ -548,8 +654,9 @@ class _Run:
             if engine_id is not None:
                 self.vanished.append(engine_id)
             return
-        self.errors.append(GcFailure(path, f"cannot remove {path}: {exc.strerror or exc}",
-                                     engine_id))
+        self.errors.append(GcFailure(path=path,
+                                     message=f"cannot remove {path}: {exc.strerror or exc}",
+                                     engine_id=engine_id))
 
     def _lock_refused(self, r: RegionInfo, fid: FileId | None) -> KeptRegion:
         """LOCK_EX refused: a user's shared lock, or another collector's probe."""
@@ -583,6 +690,41 @@ class _Run:
 
 _PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-persistent to "
                     "remove it")
+
+
+def _recorded_region(fd: int) -> FileId | None:
+    """The region inode a manifest records, read leniently (it may name another
+    engine_id, or fail other checks); None when it records none."""
+    try:
+        doc = untrusted_json.loads(os.pread(fd, manifest_io.MAX_BYTES + 1, 0),
+                                   max_bytes=manifest_io.MAX_BYTES)
+    except (OSError, ValueError):
+        return None
+    region = doc.get("region") if isinstance(doc, dict) else None
+    if not isinstance(region, dict):
+        return None
+    dev, ino = region.get("dev"), region.get("ino")
+    if type(dev) is not int or type(ino) is not int:
+        return None
+    return FileId(dev, ino)
+
+
+def _names_another_inode(fd: int, bare: os.stat_result) -> bool:
+    """A manifest refused as invalid that still records a region inode other than
+    `bare` (it names another engine_id, say): it may be a live region's."""
+    recorded = _recorded_region(fd)
+    return recorded is not None and recorded != FileId.of(bare)
+
+
+# A probe refused this long sends the region to the /proc re-scan, which names its user.
+_PROBE_RETRY = 0.02
+
+
+def _sole_now(held: _Locked) -> bool:
+    """The kernel granted a lease on every file: nobody else has any of them open or
+    mapped right now (the lease in `_decide` asks again before anything is removed)."""
+    with openers.sole_opener([fd for _, fd, _ in held.files], retry=_PROBE_RETRY) as verdict:
+        return verdict.sole is True
 
 
 def _holders_text(holders: Sequence[Holder]) -> str:

@@ -12,6 +12,7 @@ by rename meanwhile), then write a new file and rename it into place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -27,8 +28,7 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import Problem
-from vllm_offload_cli.core.base.procfs import ProcessRef
-from vllm_offload_cli.core.region import fsguard, placement
+from vllm_offload_cli.core.region import fsguard, page_policy
 from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.naming import (
@@ -36,9 +36,11 @@ from vllm_offload_cli.core.region.naming import (
     parse_manifest_filename,
     split_engine_id,
 )
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef
 
 MANIFEST_VERSION = 1
-_MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
+MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
 # Two-phase creation: `creating` until the region is sized and pre-faulted.
 CREATING, READY = "creating", "ready"
 
@@ -49,7 +51,7 @@ class ManifestError(UnsafeRegionError):
     code = "manifest_invalid"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Attachment:
     pid: int
     start_ticks: int | None
@@ -61,7 +63,7 @@ class Attachment:
     engine_token: str | None = None  # shared by every process of one engine (engine hook)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     engine_id: str
     geometry: Geometry
@@ -183,7 +185,7 @@ MAX_SEGMENTS = 4096
 def _placement(doc: Any) -> dict[str, Any] | None:
     """The optional placement record, or the refusal every bad field gets."""
     try:
-        return placement.record_from_json(doc)
+        return page_policy.record_from_json(doc)
     except (ValueError, TypeError) as exc:
         raise uj.UntrustedJsonError(f"placement: {exc}") from exc
 
@@ -191,13 +193,14 @@ def _placement(doc: Any) -> dict[str, Any] | None:
 def _geometry(g: dict[str, Any]) -> Geometry:
     try:
         return Geometry(
-            uj.integer(uj.field(g, "num_blocks", "geometry"), "geometry.num_blocks", 1,
+            num_blocks=uj.integer(uj.field(g, "num_blocks", "geometry"), "geometry.num_blocks", 1,
                        _MAX_ROWS),
-            uj.integer(uj.field(g, "row_stride", "geometry"), "geometry.row_stride", 1,
+            row_stride=uj.integer(uj.field(g, "row_stride", "geometry"), "geometry.row_stride", 1,
                        _MAX_BYTES_PER_ROW),
-            uj.integer(uj.field(g, "cpu_page_size", "geometry"), "geometry.cpu_page_size", 1,
+            cpu_page_size=uj.integer(uj.field(g, "cpu_page_size", "geometry"),
+                                     "geometry.cpu_page_size", 1,
                        _MAX_BYTES_PER_ROW),
-            uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
+            world_size=uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
         )
     except OffloadError as exc:
         raise uj.UntrustedJsonError(exc.message) from None
@@ -230,9 +233,9 @@ def _parse(fd: int, path: str, allowed_uids: Collection[int] | None,
     if problems:
         raise ManifestError(f"manifest {path} {problems[0].message}", path=path,
                             code=f"manifest_{problems[0].code}")
-    data = os.pread(fd, _MAX_BYTES + 1, 0)  # never more, whatever the size says
+    data = os.pread(fd, MAX_BYTES + 1, 0)  # never more, whatever the size says
     try:
-        m = Manifest.from_json(uj.loads(data, max_bytes=_MAX_BYTES))
+        m = Manifest.from_json(uj.loads(data, max_bytes=MAX_BYTES))
         named = parse_manifest_filename(os.path.basename(path))
         if named is not None and m.engine_id != named:
             raise uj.UntrustedJsonError(f"it records engine_id {m.engine_id!r}, not {named!r}")
@@ -267,7 +270,7 @@ def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None,
     return _parse(fd, path, allowed_uids, owner_uid)
 
 
-def read_matching(path: str, file_id: fsguard.FileId | None, *,
+def read_matching(path: str, file_id: FileId | None, *,
                   allowed_uids: Collection[int] | None = None,
                   owner_uid: int | None = None,
                   ) -> tuple[Manifest | None, Problem | None]:
@@ -302,8 +305,9 @@ def write(path: str, manifest: Manifest) -> None:
     payload = json.dumps(manifest.to_json(), indent=1, sort_keys=True,
                          allow_nan=False).encode() + b"\n"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        fd = fsguard.create_exclusive(tmp, os.O_WRONLY)
+    except OffloadError:
+        raise
     except OSError as exc:
         raise OperationFailedError(f"cannot write manifest beside {path}: {exc.strerror}",
                                    path=path) from exc
@@ -313,8 +317,10 @@ def write(path: str, manifest: Manifest) -> None:
         finally:
             os.close(fd)
         os.rename(tmp, path)  # replaces a link itself, never its target
-    except BaseException:
+    except BaseException as exc:
         _silent_unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise fsguard.no_space(path, exc) from None
         raise
 
 
