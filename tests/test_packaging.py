@@ -356,7 +356,7 @@ def test_wheel_carries_license_man_page_and_completions(dists: dict[str, Path]) 
     assert unconditional == BASE_DEPS
     torch_markers = {r.split(";")[1].strip() for r in requires if r.startswith("torch")}
     assert "extra == 'copy'" in torch_markers
-    assert "vllm-offload = vllm_offload_cli.cli.app:main" in entry_points
+    assert "vllm-offload = vllm_offload_cli.__main__:main" in entry_points
     assert "vllm_offload = vllm_offload_cli.engine.plugin:register" in entry_points
 
 
