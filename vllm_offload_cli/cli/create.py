@@ -39,6 +39,49 @@ class HugePages(str, enum.Enum):
     always = "always"
 
 
+class VllmLayout(str, enum.Enum):
+    auto = "auto"
+    segmented = "segmented"
+    single_file = "single-file"
+
+
+def _vllm_layout(choice: VllmLayout, size_bytes: int
+                 ) -> tuple[int, int, str, str | None, str | None]:
+    """(segment files asked for, vLLM's smallest file, basis, vLLM version, warning).
+
+    `auto` reads what the CPU spec of the vLLM installed here makes (its code,
+    not its version); with no vLLM here it keeps the newest release's layout and
+    says so (the warning) where that excludes older releases.
+    """
+    from vllm_offload_cli.core.region.segments import (
+        MIN_SEGMENT_BYTES,
+        VLLM_CPU_SEGMENTS,
+        effective_segments,
+    )
+
+    if choice is VllmLayout.segmented:
+        return VLLM_CPU_SEGMENTS, MIN_SEGMENT_BYTES, "requested", None, None
+    if choice is VllmLayout.single_file:
+        return 1, MIN_SEGMENT_BYTES, "requested", None, None
+    from vllm_offload_cli.engine.vllm_rules import UnsupportedVllm, read_rules, vllm_root
+
+    root = vllm_root()
+    if root is None:
+        files = effective_segments(VLLM_CPU_SEGMENTS, size_bytes)
+        warning = None if files == 1 else (
+            "no vLLM is installed here, so the region has the newest release's layout "
+            f"(vLLM 0.33's CPU spec: {files} files); an engine on vLLM 0.31 or 0.32, or on "
+            "a tiering spec, needs --vllm-layout single-file")
+        return VLLM_CPU_SEGMENTS, MIN_SEGMENT_BYTES, "newest", None, warning
+    try:
+        rules = read_rules(root)
+    except UnsupportedVllm as exc:
+        raise InvalidInputError(f"cannot tell which layout the vLLM here makes ({exc}); "
+                                "pass --vllm-layout segmented or single-file",
+                                code="unknown_vllm") from None
+    return rules.cpu_worker.segments, rules.min_segment_bytes, "vllm", rules.version, None
+
+
 def _nodes(spec: str | None) -> tuple[int, ...] | None:
     if spec is None:
         return None
@@ -117,17 +160,18 @@ def create(
     huge_pages: Annotated[HugePages, typer.Option(
         "--huge-pages", help="Transparent huge pages: always (error, exit 5, where the "
         "kernel refuses), auto (warn and continue), never.")] = HugePages.never,
-    segments: Annotated[int | None, typer.Option(
-        "--segments", min=1, help="Split into files .mmap, .mmap.1, ... as vLLM does "
-        "(capped so none is under 1 GiB; default: vLLM's CPU spec, min(32, size // 1GiB); "
-        "1 for the tiering spec).")] = None,
+    vllm_layout: Annotated[VllmLayout, typer.Option(
+        "--vllm-layout", help="Files as the joining vLLM makes them: segmented (.mmap, "
+        ".mmap.1, ...: min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file "
+        "(vLLM 0.31 and 0.32, every tiering spec), or auto: what the CPU spec of the vLLM "
+        "installed here makes (segmented when none is found).")] = VllmLayout.auto,
 ) -> Outcome:
     """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
 
     Without --hold the region stays and is marked persistent, pre-provisioned for
     an engine to join; `gc` keeps it unless given --include-persistent.
     """
-    from vllm_offload_cli.core.region.segments import default_segments
+    from vllm_offload_cli.core.region.segments import layout_of
     from vllm_offload_cli.core.region.shared_region import (
         SharedOffloadRegion,  # not needed by --help
     )
@@ -136,6 +180,8 @@ def create(
     geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)
     shm_dir = shm_dir_checked(inv)
     nodes = _nodes(numa_node)
+    segments, min_segment_bytes, basis, version, layout_warning = _vllm_layout(
+        vllm_layout, geometry.size_bytes)
     with inv.progress("pre-faulting", geometry.size_bytes) as progress:
         region = SharedOffloadRegion(
             full_id, geometry.num_blocks, None, geometry.row_stride, geometry.cpu_page_size,
@@ -144,9 +190,12 @@ def create(
             populate_threads=threads or default_threads(), progress=progress,
             numa_node=nodes, numa_policy=None if numa_policy is None else numa_policy.value,
             huge_pages=huge_pages.value,
-            num_segments=segments or default_segments(geometry.size_bytes),
+            num_segments=segments, min_segment_bytes=min_segment_bytes,
+            vllm_layout_basis=basis,
         )
     stats = region.populate_stats
+    if layout_warning is not None:  # said once the region exists, not before a refusal
+        inv.warn("vllm_not_found", layout_warning)
     data: dict[str, Any] = {
         "engine_id": full_id,
         "path": region.mmap_path,
@@ -160,6 +209,8 @@ def create(
         "populate_threads": None if stats is None else stats.threads,
         "persistent": not hold,
         "held": hold,
+        "vllm_layout": {"name": layout_of(len(region.segments)), "basis": basis,
+                        "vllm_version": version},
         "placement": {**region.placement.to_record(),
                       "huge_page_bytes": region.huge_page_bytes},
     }
@@ -198,6 +249,11 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     out.print(f"  size      {format_bytes(data['size_bytes'])} ({data['size_bytes']} bytes)")
     out.print(f"  geometry  {g['num_blocks']} rows x {g['row_stride']} bytes; "
               f"{g['world_size']} slot(s) of {g['cpu_page_size']} bytes")
+    layout = data["vllm_layout"]
+    why = {"vllm": f"read from the vLLM {layout['vllm_version'] or ''} installed here",
+           "newest": "the newest vLLM's: none is installed here",
+           "requested": "as asked"}[layout["basis"]]
+    out.print(f"  layout    {layout['name']} ({why.replace('  ', ' ')})", highlight=False)
     if data["populated"]:
         out.print(f"  pre-fault {data['populate_seconds']:.3f} s "
                   f"({data['populate_gbps']:.2f} GB/s, {data['populate_threads']} thread(s))")

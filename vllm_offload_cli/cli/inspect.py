@@ -23,6 +23,7 @@ from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundE
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.placement import Placement, observe_all
+from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
 
 
 class Format(str, enum.Enum):
@@ -43,8 +44,22 @@ def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
     }
 
 
+def vllm_layout(r: RegionInfo) -> str | None:
+    """`segmented` or `single-file` (which vLLM can join it); None where nothing tells.
+
+    The manifest says what was made; without one the files do, except for a
+    released name's bare file: the first of several, or the only one.
+    """
+    if r.manifest is not None:
+        return r.manifest.vllm_layout or layout_of(r.manifest.segments)
+    if any(s.segment > 0 for s in r.segments):
+        return SEGMENTED
+    return SINGLE_FILE if r.linked else None
+
+
 def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None) -> dict[str, Any]:
     doc = r.to_dict()
+    doc["vllm_layout"] = vllm_layout(r)
     p = None if placed is None else placed.get(r.paths[0])
     if p is not None:
         pd = p.to_dict()
@@ -140,6 +155,15 @@ _STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red",
 STATES = ("live", "creating", "persistent", "stale", "unknown")
 
 
+def _layout_text(r: RegionInfo) -> str:
+    """`segmented/3` (files), `single-file`, or `-` where it cannot be told."""
+    layout = vllm_layout(r)
+    if layout == SEGMENTED:
+        files = r.manifest.segments if r.manifest is not None else len(r.segments)
+        return f"{layout}/{files}"
+    return layout or "-"
+
+
 def _numa_text(p: Placement | None) -> str:
     """Resident share per node, then the huge-page share if any: 'n0:62% n1:38% thp:100%'."""
     if p is None or not p.numa_nodes:
@@ -157,10 +181,10 @@ def render_table(out: Console, found: Inventory,
         out.print(f"No offload regions in {found.shm_dir}.")
     else:
         table = Table(box=None, header_style="bold", pad_edge=False)
-        for col in ("ENGINE ID", "DP", "STATE", "SIZE", "RESIDENT", "NUMA", "AGE", "HOLDERS",
-                    "PROBLEMS"):
-            table.add_column(col, no_wrap=col in ("ENGINE ID", "SIZE", "RESIDENT", "NUMA", "AGE",
-                                                  "STATE"))
+        for col in ("ENGINE ID", "DP", "STATE", "SIZE", "RESIDENT", "LAYOUT", "NUMA", "AGE",
+                    "HOLDERS", "PROBLEMS"):
+            table.add_column(col, no_wrap=col in ("ENGINE ID", "SIZE", "RESIDENT", "LAYOUT",
+                                                  "NUMA", "AGE", "STATE"))
         for r in found.regions:
             name = r.engine_id if r.linked else f"{r.engine_id} (unlinked)"
             state = f"[{_STATE_STYLE.get(r.state, '')}]{r.state}[/]"
@@ -168,7 +192,7 @@ def render_table(out: Console, found: Inventory,
             where = None if placed is None else placed.get(r.paths[0])
             table.add_row(cell(name), "-" if r.dp_rank is None else str(r.dp_rank), state,
                           format_bytes(r.size_bytes), format_bytes(r.resident_bytes),
-                          _numa_text(where), _age(r.age_seconds), _holders_text(r),
+                          _layout_text(r), _numa_text(where), _age(r.age_seconds), _holders_text(r),
                           problems)
         out.print(table)
         for r in found.regions:

@@ -54,11 +54,6 @@ def effective_segments(requested: int, size_bytes: int, *,
     return max(1, min(requested, size_bytes // min_bytes))
 
 
-def default_segments(size_bytes: int) -> int:
-    """How many files vLLM's CPU spec makes for a region of this size."""
-    return effective_segments(VLLM_CPU_SEGMENTS, size_bytes)
-
-
 def split(num_blocks: int, row_stride: int, segments: int) -> tuple[Segment, ...]:
     """The files of a region of `segments` (already effective) parts, as vLLM lays them out.
 
