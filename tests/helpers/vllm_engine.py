@@ -70,7 +70,6 @@ def build(args: dict[str, Any]) -> tuple[Any, list[Any], Any]:
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.plugins import load_general_plugins
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -102,8 +101,19 @@ def build(args: dict[str, Any]) -> tuple[Any, list[Any], Any]:
     specs = [per_worker] * args["tp"]
     resolve_kv_cache_layout(config, [["LBNHC"]] * args["tp"],
                             [s for spec in specs for s in spec.values()])
-    groups = get_global_kv_cache_groups(config, specs)
-    kv_configs = get_kv_cache_configs(config, specs, [4 << 20] * args["tp"], groups)
+    memory = [4 << 20] * args["tp"]
+    try:  # 0.33: the planner is its own module, and groups the layers first
+        from vllm.v1.core.kv_cache_planning import (
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+    except ImportError:  # 0.31, 0.32: in kv_cache_utils, grouping inside
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as plan
+
+        kv_configs = plan(config, specs, memory)
+    else:
+        kv_configs = get_kv_cache_configs(config, specs, memory,
+                                          get_global_kv_cache_groups(config, specs))
     for kv in kv_configs:
         kv.kv_cache_layout = config.cache_config.kv_cache_layout
     return config, kv_configs, generate_scheduler_kv_cache_config(kv_configs)
@@ -136,6 +146,7 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     from vllm_offload_cli.core.region.fsguard import FileId
 
     config.parallel_config.rank = rank
+    vllm_stubs.device_stand_in(rank)  # this rank's GPU: vLLM 0.31 folds it into the slot
     init_distributed_environment(world_size=args["tp"], rank=rank, local_rank=rank,
                                  distributed_init_method=init, backend="gloo")
     offloading = build_offloading_config(config, kv_config)
