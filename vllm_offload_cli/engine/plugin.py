@@ -32,13 +32,13 @@ def register() -> None:
     """Register both spec names with vLLM's OffloadingSpecFactory (once per process)."""
     strict = os.environ.get(STRICT_ENV) == "1"
     try:
+        engine_token()
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
         rules = rules_or_none(strict=strict)
         if rules is None:
             return  # warned: nothing registered, the engine runs as plain vLLM
         logger.debug("vllm-offload: %s", rules.summary())
-        engine_token()
-        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
         for name in SPEC_NAMES:
             with contextlib.suppress(ValueError):  # registered already: a second call
                 OffloadingSpecFactory.register_spec(name, SPEC_MODULE, name)
