@@ -9,6 +9,7 @@ new package cannot appear without a place in the table.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,18 +24,20 @@ ROOT = "vllm_offload_cli"
 # layering: the region format knows nothing of hosts, reclaim, layouts or copies.
 ALLOWED: dict[str, set[str]] = {
     "core.base": set(),
-    "core.region": {"core.base"},
-    "core.host": {"core.base", "core.region"},
-    "core.layout": {"core.base", "core.region", "core.host"},
-    "core.reclaim": {"core.base", "core.region", "core.host"},
-    "core.transfer": {"core.base", "core.region"},
+    # the one layer that reads the host (/proc, /sys, mountinfo, cgroups, libc)
+    "core.system": {"core.base"},
+    "core.region": {"core.base", "core.system"},
+    "core.host": {"core.base", "core.system", "core.region"},
+    "core.layout": {"core.base", "core.system", "core.region", "core.host"},
+    "core.reclaim": {"core.base", "core.system", "core.region", "core.host"},
+    "core.transfer": {"core.base", "core.system", "core.region"},
     "core": {"core.base", "core.region", "core.transfer"},  # core/__init__ re-exports only
     # the engine hook: start-up steps on the core, importable without vLLM and torch
-    "engine": {"core.base", "core.region", "core.host", "core.reclaim"},
+    "engine": {"core.base", "core.system", "core.region", "core.host", "core.reclaim"},
     # merge and render a fleet's per-node answers; Ray only in fleet.ray_runner
     "fleet": {"core.base"},
-    "cli": {"core.base", "core.region", "core.host", "core.layout", "core.reclaim",
-            "core.transfer", "engine", "fleet", "package"},
+    "cli": {"core.base", "core.system", "core.region", "core.host", "core.layout",
+            "core.reclaim", "core.transfer", "engine", "fleet", "package"},
     "package": {"cli"},  # __main__.py runs the CLI
 }
 THIRD_PARTY_FORBIDDEN_IN_CORE = {"typer", "rich", "click"}
@@ -138,3 +141,41 @@ def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
                      "from vllm_offload_cli.core.region import naming\n")
     wrong = _violations(probe, "vllm_offload_cli.core.region.probe")
     assert [w.split(":")[0] for w in wrong] == ["line 1", "line 2", "line 3"]
+
+
+# -- host facts come from core/system only ------------------------------------------
+
+_HOST_PATH = re.compile(r"^/(?:proc|sys)(?:/|$)")  # a path, not prose like "/proc is ..."
+
+
+def _host_path_literals(path: Path) -> list[str]:
+    """String literals that are /proc or /sys paths (docstrings and prose do not count)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        f"line {node.lineno}: {node.value!r}" for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        and id(node) not in docstrings
+        and _HOST_PATH.match(node.value)
+    ]
+
+
+@pytest.mark.parametrize("path", [p for p in _modules() if "system" not in p.parts],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_core_system_reads_the_host(path: Path) -> None:
+    """Every /proc and /sys path is built in core/system, so one error policy applies."""
+    assert _host_path_literals(path) == []
+
+
+def test_the_host_path_rule_is_live(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""Reads /proc/PID/maps (a docstring: fine)."""\n'
+                     'def f(pid: int) -> str:\n'
+                     '    print("/proc is mounted with hidepid (prose: fine)")\n'
+                     '    return open(f"/proc/{pid}/maps").read() + open("/sys/x").read()\n')
+    assert [w.split(":")[0] for w in _host_path_literals(probe)] == ["line 4", "line 4"]

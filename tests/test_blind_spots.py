@@ -26,6 +26,7 @@ from region_files import region_file
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.region import openers
+from vllm_offload_cli.core.system import mounts
 
 SNEAKY = Path(__file__).parent / "helpers" / "sneaky_holder.py"
 NOBODY = 65534
@@ -159,15 +160,18 @@ MOUNTINFO = """\
 ])
 def test_proc_mount_options(options: str, codes: list[str]) -> None:
     text = MOUNTINFO.replace("- proc proc rw", f"- proc proc {options}")
-    spots = visibility.mount_blind_spots(visibility.parse_proc_mount(text), {4242})
+    mount = visibility.proc_mount(mounts.parse_mountinfo(text))
+    spots = visibility.mount_blind_spots(mount, {4242})
     assert [s.code for s in spots] == codes
 
 
 def test_the_proc_mount_on_top_is_the_one_that_counts() -> None:
     over = MOUNTINFO + "63 22 0:39 / /proc rw,nosuid - proc proc rw,hidepid=2\n"
-    assert visibility.parse_proc_mount(over) == visibility.ProcMount("2", None, None)
+    on_top = visibility.proc_mount(mounts.parse_mountinfo(over))
+    assert on_top == visibility.ProcMount("2", None, None)
     covered = over + "70 63 0:40 / /proc rw - tmpfs tmpfs rw\n"
-    assert visibility.parse_proc_mount(covered) is None  # not a proc at all any more
+    # not a proc at all any more
+    assert visibility.proc_mount(mounts.parse_mountinfo(covered)) is None
 
 
 def test_this_host_is_seen_whole() -> None:

@@ -10,10 +10,10 @@ from vllm_offload_cli.core.base.errors import InsufficientSpaceError
 from vllm_offload_cli.core.region.capacity import (
     Capacity,
     ShmUsage,
-    cgroup_headroom,
     check_fits,
     measure,
 )
+from vllm_offload_cli.core.system.memory import cgroup_headroom
 
 GiB = 1 << 30
 
@@ -48,8 +48,9 @@ def test_cgroup_v1_and_unlimited(tmp_path: Path) -> None:
 
 
 def _cap(shm_free: int, cg_free: int | None, avail: int | None) -> Capacity:
-    return Capacity(ShmUsage(64 * GiB, shm_free), None if cg_free is None else 99 * GiB,
-                    cg_free, avail)
+    return Capacity(shm=ShmUsage(64 * GiB, shm_free),
+                    cgroup_limit_bytes=None if cg_free is None else 99 * GiB,
+                    cgroup_free_bytes=cg_free, mem_available_bytes=avail)
 
 
 @pytest.mark.parametrize(("cap", "code", "hint"), [

@@ -24,13 +24,13 @@ import pytest
 
 from tests.conftest import wait_until
 from tests.region_files import region_file
-from vllm_offload_cli.core.base.procfs import start_ticks
 from vllm_offload_cli.core.base.testhook import PAUSE_ENV, POINTS
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim.collector import collect
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.naming import manifest_path, region_path
+from vllm_offload_cli.core.system.processes import start_ticks
 
 SIZE = "256MiB"
 
@@ -133,7 +133,8 @@ def _fake_creating(shm_dir: Path, engine_id: str, ticks: int | None) -> None:
     path = region_file(shm_dir, engine_id)
     st = path.stat()
     manifest_io.write(str(manifest_path(shm_dir, engine_id)), manifest_io.Manifest(
-        engine_id=engine_id, geometry=Geometry(4, 8192, 4096, 2), region_dev=st.st_dev,
+        engine_id=engine_id, geometry=Geometry(num_blocks=4, row_stride=8192, cpu_page_size=4096,
+                                               world_size=2), region_dev=st.st_dev,
         region_ino=st.st_ino, creator_pid=os.getpid(), creator_start_ticks=ticks,
         creator_host="h", created_at=time.time() - 3600, persistent=True,
         state=manifest_io.CREATING))

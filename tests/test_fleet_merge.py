@@ -19,10 +19,10 @@ from rich.console import Console
 
 from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.fleet import node_task
+from vllm_offload_cli.core.base.exit_status import PRECEDENCE, ExitStatus
 from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
 from vllm_offload_cli.fleet.result import (
     ANSWERED,
-    EXIT_PARTIAL,
     FAILED,
     TIMED_OUT,
     FleetResult,
@@ -36,8 +36,18 @@ GC: dict[str, Any] = {"engine_ids": None, "dry_run": True, "min_age": 0.0,
 
 
 def _answer(node: str, command: str, options: dict[str, Any], shm: Path) -> NodeResult:
-    return NodeResult(node * 28, "10.0.0.1", ANSWERED,
+    return NodeResult(node_id=node * 28, node_name="10.0.0.1", outcome=ANSWERED,
                       envelope=node_task(command, options, str(shm)), seconds=0.01)
+
+
+def _missing(node: str, outcome: str, reason: str) -> NodeResult:
+    """A node that did not answer, as the Ray runner reports it."""
+    return NodeResult(node_id=node * 56, node_name=f"10.0.0.{ord(node) - ord('a') + 1}",
+                      outcome=outcome, reason=reason, reason_code=outcome, seconds=5)
+
+
+def _fleet(command: str, *nodes: NodeResult) -> FleetResult:
+    return FleetResult(command=f"fleet {command}", address="auto", nodes=nodes, timeout=60)
 
 
 def _show(render: Any, result: FleetResult, **kw: Any) -> str:
@@ -83,13 +93,11 @@ def test_node_task_reports_errors_as_the_cli_does(cli: Any, shm_dir: Path) -> No
 def test_partial_answer_exits_7_and_keeps_the_others(two_dirs: tuple[Path, Path]) -> None:
     a, b = two_dirs
     region_file(a, "leak_dp1")
-    result = FleetResult("fleet inspect", "head:6379", (
+    result = FleetResult(command="fleet inspect", address="head:6379", nodes=(
         _answer("a", "inspect", INSPECT, a), _answer("b", "inspect", INSPECT, b),
-        NodeResult("c" * 56, "10.0.0.3", FAILED, reason="node died: raylet gone",
-                   reason_code="node_died"),
-        NodeResult("d" * 56, "10.0.0.4", TIMED_OUT, reason="no answer within 5 s",
-                   reason_code="timed_out", seconds=5)), timeout=5)
-    assert result.exit_code == EXIT_PARTIAL
+        _missing("c", FAILED, "node died: raylet gone"),
+        _missing("d", TIMED_OUT, "no answer within 5 s")), timeout=5)
+    assert result.exit_code == ExitStatus.PARTIAL
     data = result.data()
     assert data["partial"] is True and (data["nodes_total"], data["nodes_answered"]) == (4, 2)
     assert [n["status"] for n in data["nodes"]] == ["ok", "ok", "failed", "timed_out"]
@@ -111,9 +119,8 @@ def test_exit_code_is_the_worst_node_and_refusal_is_named(two_dirs: tuple[Path, 
     os.mkfifo(b / "vllm_offload_odd.mmap", 0o600)
     options = {"engine_id": "odd", "world_size": None, "dp_size": None, "devices": None,
                "rank_source": None, "no_dp_suffix": False, "cpu_page_size": None}
-    result = FleetResult("fleet verify-rank-layout", "auto", (
-        _answer("a", "verify-rank-layout", options, a),
-        _answer("b", "verify-rank-layout", options, b)), timeout=60)
+    result = _fleet("verify-rank-layout", _answer("a", "verify-rank-layout", options, a),
+                    _answer("b", "verify-rank-layout", options, b))
     assert [n.status for n in result.nodes] == ["absent", "refused"]
     assert result.exit_code == 6
     assert result.errors()[0]["code"] == "not_regular_file"
@@ -122,9 +129,11 @@ def test_exit_code_is_the_worst_node_and_refusal_is_named(two_dirs: tuple[Path, 
 
 def test_a_region_on_no_node_is_exit_2(two_dirs: tuple[Path, Path]) -> None:
     opts = {**INSPECT, "engine_ids": ["nowhere"]}
-    result = FleetResult("fleet inspect", "auto", tuple(
-        _answer(n, "inspect", opts, d) for n, d in zip("ab", two_dirs, strict=True)), 60)
+    result = _fleet("inspect", *(
+        _answer(n, "inspect", opts, d) for n, d in zip("ab", two_dirs, strict=True)))
     assert [n.status for n in result.nodes] == ["absent", "absent"] and result.exit_code == 2
+    assert [e["code"] for e in result.errors()] == ["not_found"]
+    assert "no node has a region named nowhere" in _show(render_inspect, result)
 
 
 def test_gc_plan_lists_every_node(two_dirs: tuple[Path, Path]) -> None:
@@ -132,8 +141,8 @@ def test_gc_plan_lists_every_node(two_dirs: tuple[Path, Path]) -> None:
     old = time.time() - 3600
     for d, name in ((a, "one"), (b, "two")):
         os.utime(region_file(d, name), (old, old))
-    result = FleetResult("fleet garbage-collect", "auto", tuple(
-        _answer(n, "garbage-collect", GC, d) for n, d in zip("ab", two_dirs, strict=True)), 60)
+    result = _fleet("garbage-collect", *(
+        _answer(n, "garbage-collect", GC, d) for n, d in zip("ab", two_dirs, strict=True)))
     assert result.exit_code == 0
     text = _show(render_gc, result, quiet=False)
     assert "10.0.0.1/aaaaaaaa: Would remove one:" in text
@@ -143,12 +152,12 @@ def test_gc_plan_lists_every_node(two_dirs: tuple[Path, Path]) -> None:
 
 
 def test_no_node_is_a_failure() -> None:
-    assert FleetResult("fleet inspect", "auto", (), 60).exit_code == 1
+    assert _fleet("inspect").exit_code == 1
 
 
 def test_a_node_on_another_version_is_warned_about(shm_dir: Path) -> None:
     node = _answer("a", "inspect", INSPECT, shm_dir)
-    result = FleetResult("fleet inspect", "auto", (node,), 60)
+    result = _fleet("inspect", node)
     assert node.envelope is not None
 
     def mismatches(version: str) -> list[dict[str, str]]:
@@ -157,3 +166,81 @@ def test_a_node_on_another_version_is_warned_about(shm_dir: Path) -> None:
     assert mismatches(node.envelope["node"]["version"]) == []
     [warning] = mismatches("0.0.0-other")
     assert "node 10.0.0.1 runs vllm-offload" in warning["message"]
+
+
+# -- precedence: the merged exit status names what to act on first, not the largest code --
+
+
+def _said(node: str, code: int, *errors: str, data: dict[str, Any] | None = None
+          ) -> NodeResult:
+    """A node that answered `code` with these error codes (a synthetic envelope)."""
+    envelope = {"schema_version": 1, "command": "x", "ok": code == 0, "exit_code": code,
+                "data": data or {}, "warnings": [],
+                "errors": [{"code": e, "message": f"{e} here"} for e in errors]}
+    return NodeResult(node_id=node * 56, node_name=f"n{node}", outcome=ANSWERED,
+                      envelope=envelope)
+
+
+ANSWERABLE = [s for s in PRECEDENCE if s not in (ExitStatus.PARTIAL, ExitStatus.INTERRUPTED)]
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (a, b) for i, a in enumerate(ANSWERABLE) for b in ANSWERABLE[i + 1:]])
+def test_the_more_important_node_status_wins(first: ExitStatus, second: ExitStatus) -> None:
+    for order in ((first, second), (second, first)):
+        nodes = [_said(n, s, *(["e"] if s else [])) for n, s in zip("ab", order, strict=True)]
+        assert _fleet("inspect", *nodes).exit_code == first
+
+
+def test_problems_found_outrank_a_busy_node() -> None:
+    assert _fleet("verify-rank-layout", _said("a", 3, "p"), _said("b", 4, "busy")
+                  ).exit_code == ExitStatus.PROBLEMS_FOUND
+
+
+def test_a_finding_outranks_a_node_that_did_not_answer() -> None:
+    result = _fleet("garbage-collect", _said("a", 6, "pid_namespace"),
+                    _missing("b", TIMED_OUT, "no answer within 60 s"))
+    assert result.exit_code == ExitStatus.UNSAFE and result.data()["partial"] is True
+
+
+def test_a_node_interrupted_there_makes_the_answer_partial() -> None:
+    """The operator did not interrupt the fleet run: 130 from a node is not 130 for it."""
+    result = _fleet("inspect", _said("a", 0), _said("b", 130, "interrupted"))
+    assert result.exit_code == ExitStatus.PARTIAL and result.data()["partial"] is True
+    assert "PARTIAL: 1 node(s) were interrupted; exit 7." in _show(render_inspect, result)
+    # ... and what another node found still outranks it
+    assert _fleet("verify-rank-layout", _said("a", 3, "p"), _said("b", 130, "interrupted")
+                  ).exit_code == ExitStatus.PROBLEMS_FOUND
+
+
+def test_unknown_codes_count_as_failed() -> None:
+    assert _fleet("inspect", _said("a", 0), _said("b", 99, "new")).exit_code == 1
+
+
+def test_regions_on_different_nodes_are_all_found(two_dirs: tuple[Path, Path]) -> None:
+    a, b = two_dirs
+    region_file(a, "x")
+    region_file(b, "y")
+    for command, options in (("inspect", INSPECT), ("garbage-collect", GC)):
+        named = {**options, "engine_ids": ["x", "y"]}
+        result = _fleet(command, _answer("a", command, named, a), _answer("b", command, named, b))
+        assert [n.exit_code for n in result.nodes] == [2, 2]  # each node lacks one
+        assert result.exit_code == 0 and result.errors() == []
+        named = {**options, "engine_ids": ["x", "z"]}
+        result = _fleet(command, _answer("a", command, named, a), _answer("b", command, named, b))
+        assert result.exit_code == 2
+        assert [e["message"] for e in result.errors()] == ["no node has a region named z"]
+
+
+def test_a_node_that_did_not_answer_may_have_the_region(two_dirs: tuple[Path, Path]) -> None:
+    opts = {**INSPECT, "engine_ids": ["nowhere"]}
+    result = _fleet("inspect", _answer("a", "inspect", opts, two_dirs[0]),
+                    _missing("b", FAILED, "worker crashed"))
+    assert result.exit_code == ExitStatus.PARTIAL and result.on_no_node() is None
+
+
+def test_a_failed_removal_beside_a_missing_name_counts_as_failed() -> None:
+    """gc on a node that lacks one named region and failed to remove another."""
+    node = _said("a", 2, "not_found", "unlink_failed", data={"not_found": ["y"]})
+    other = _said("b", 2, "not_found", data={"not_found": ["x"]})
+    assert _fleet("garbage-collect", node, other).exit_code == ExitStatus.FAILED

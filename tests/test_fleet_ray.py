@@ -24,6 +24,7 @@ import pytest
 from conftest import wait_until
 from region_files import region_file
 
+from vllm_offload_cli.core.base.exit_status import most_important
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -294,7 +295,8 @@ def test_gc_on_a_node_that_cannot_see_the_hosts_processes(
         local = _blind_local("gc", "--dry-run", "--min-age", "0", "--shm-dir", str(blind_node))
         assert node["exit_code"] == local["exit_code"]
         assert [e["code"] for e in node["errors"]] == [e["code"] for e in local["errors"]]
-        assert code == plan["exit_code"] == max(n["exit_code"] for n in plan["data"]["nodes"])
+        assert code == plan["exit_code"] == most_important(
+            n["exit_code"] for n in plan["data"]["nodes"])
         if local["exit_code"] == 6:  # node-local gc refuses where it is blind
             assert node["status"] == "refused" and code == 6
             assert any(e["node_id"] == node["node_id"] for e in plan["errors"])

@@ -92,13 +92,13 @@ def test_only_named_engine_ids_are_collected(cli: Any, shm_dir: Path) -> None:
     region_file(shm_dir, "a")
     b = region_file(shm_dir, "b")
 
-    doc = gc_json(cli, shm_dir, "--min-age", "0", "a", "missing")
+    doc = gc_json(cli, shm_dir, "--min-age", "0", "a", "missing", expect=2)
 
     assert removed_ids(doc) == ["a"]
     assert b.exists()
-    # a region that is already gone is the state cron wants: warn, exit 0
+    # a name that matches nothing is an error, as for inspect (a typo must not pass as done)
     assert doc["data"]["not_found"] == ["missing"]
-    assert "not_found" in [w["code"] for w in doc["warnings"]]
+    assert [e["code"] for e in doc["errors"]] == ["not_found"]
 
 
 def test_invalid_engine_id_is_bad_usage(cli: Any, shm_dir: Path) -> None:

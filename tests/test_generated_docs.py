@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_offload_cli.cli.gendocs import outputs
+from vllm_offload_cli.cli.gendocs import README, outputs, readme_with_exit_status
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = "regenerate with `python -m vllm_offload_cli.cli.gendocs` from the repository root"
@@ -18,6 +19,22 @@ FIX = "regenerate with `python -m vllm_offload_cli.cli.gendocs` from the reposit
 def test_committed_copy_is_current(rel: str, text: str) -> None:
     committed = (ROOT / rel).read_text()
     assert committed == text, f"{rel} is out of date; {FIX}"
+
+
+def test_readme_exit_status_table_is_current() -> None:
+    readme = (ROOT / README).read_text()
+    assert readme == readme_with_exit_status(readme), f"{README}'s exit-status table is out " \
+        f"of date; {FIX}"
+    for status in ExitStatus:
+        assert f"\n| {status.value} | {status.meaning} |\n" in readme
+
+
+def test_man_page_exit_status_is_the_enum() -> None:
+    man = (ROOT / "man" / "vllm-offload.1").read_text()
+    section = man.split(".SH EXIT STATUS\n", 1)[1].split(".SH ", 1)[0]
+    entries = section.split(".PP\n", 1)[0].split(".TP\n")[1:]
+    assert [tuple(e.strip().split("\n")) for e in entries] == [
+        (f".B {s.value}", s.meaning.replace("-", "\\-")) for s in ExitStatus]
 
 
 def test_every_command_is_documented() -> None:

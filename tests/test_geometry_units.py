@@ -24,11 +24,8 @@ def test_slot_ranges_and_offsets() -> None:
     assert g.row_stride == P and g.size_bytes == 10 * P
     assert [(s.start, s.end) for s in map(g.slot, range(3))] == [(0, 1000), (1000, 2000),
                                                                 (2000, 3000)]
-    assert g.slot_offset(4, 2) == 4 * P + 2000
     with pytest.raises(InvalidInputError, match="outside"):
         g.slot(3)
-    with pytest.raises(InvalidInputError):
-        g.slot_offset(10, 0)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -116,3 +116,38 @@ def test_the_command_it_runs_is_ours_and_works(cli: Any, shm_dir: Path,
     assert "vllm_offload_gc_regions_removed 1.0" in prom.read_text()
     again = cli(*argv, env={"VLLM_OFFLOAD_SHM_DIR": str(shm_dir)})
     assert again.exit_code == 0 and again.stdout == ""  # --quiet: silent when idle
+
+
+CONTAINERFILE = MANIFEST.parent / "Containerfile"
+
+
+def _containerfile() -> list[tuple[str, str]]:
+    from tests.test_packaging import containerfile_steps
+    return containerfile_steps()
+
+
+def test_the_manifest_runs_the_image_the_containerfile_builds() -> None:
+    """One tag, pinned to this version, in the build command and the DaemonSet."""
+    from vllm_offload_cli import __version__
+
+    image = _container()["image"]
+    assert image.endswith(f"/vllm-offload:{__version__}")
+    build = f"-f contrib/kubernetes/Containerfile -t {image} ."
+    assert build in CONTAINERFILE.read_text()
+    assert build in (MANIFEST.parent / "README.md").read_text()
+    assert "./Containerfile" in MANIFEST.read_text()
+
+
+def test_containerfile_is_slim_non_root_and_fits_a_read_only_root() -> None:
+    steps = _containerfile()
+    (base,) = [args for instruction, args in steps if instruction == "FROM"]
+    assert base.startswith("docker.io/library/python:3.") and base.endswith("-slim")
+    (user,) = [args for instruction, args in steps if instruction == "USER"]
+    assert int(user.split(":")[0]) != 0  # the DaemonSet chooses uid 0 itself, and says why
+    env = " ".join(args for instruction, args in steps if instruction == "ENV")
+    assert "PYTHONDONTWRITEBYTECODE=1" in env  # nothing tries to write to the root fs
+    assert ("ENTRYPOINT", '["vllm-offload"]') in steps
+    sc = _container()["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
+    readme = (MANIFEST.parent / "README.md").read_text()
+    assert "Why uid 0, not a non-root user" in readme and "no_new_privs" in readme

@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 from conftest import Holder, wait_until
 
-from vllm_offload_cli.core.base import libc, numa
-from vllm_offload_cli.core.host import placement as observed
+from vllm_offload_cli.core.host import observed_placement as observed
 from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region import placement
-from vllm_offload_cli.core.region.fsguard import FileId
+from vllm_offload_cli.core.region import page_policy
 from vllm_offload_cli.core.region.geometry import Geometry
+from vllm_offload_cli.core.system import libc, memory, mounts, numa, processes
+from vllm_offload_cli.core.system.files import FileId
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TOPO = numa.topology()
@@ -54,7 +54,7 @@ def test_cpulist_parsing() -> None:
 
 
 def test_host_topology_has_this_process_cpus() -> None:
-    mine = numa.allowed_cpus(os.getpid())
+    mine = processes.allowed_cpus(os.getpid())
     assert mine is not None and mine
     assert TOPO.nodes_of_cpus(mine), "every CPU this process may use belongs to a node"
     assert set(TOPO.with_memory) <= set(TOPO.nodes)
@@ -64,7 +64,7 @@ def test_missing_sysfs_is_one_node_not_a_crash(tmp_path: Path) -> None:
     topo = numa.topology(str(tmp_path / "absent"))
     assert topo.nodes == (0,) and topo.single_node and not topo.from_sysfs
     assert topo.with_memory == {0}
-    assert numa.allowed_cpus(2**22 + 12345) is None  # no such process
+    assert processes.allowed_cpus(2**22 + 12345) is None  # no such process
 
 
 def test_garbage_in_sysfs_is_tolerated(tmp_path: Path) -> None:
@@ -221,22 +221,16 @@ def test_manifest_with_a_bad_placement_is_corrupt(cli: Any, shm_dir: Path, bad: 
 
 # -- huge pages ----------------------------------------------------------------------------------
 
-def _write(path: Path, text: str) -> str:
-    path.write_text(text)
-    return str(path)
-
-
 def test_thp_support_follows_the_kernel_and_the_mount(tmp_path: Path) -> None:
-    mounts = _write(tmp_path / "mountinfo", textwrap.dedent("""\
+    table = mounts.parse_mountinfo(textwrap.dedent("""\
         22 1 0:21 / / rw,relatime - ext4 /dev/vda1 rw
         30 22 0:27 / /dev/shm rw,nosuid - tmpfs tmpfs rw,size=1024k
         31 22 0:28 / /mnt/huge rw - tmpfs none rw,size=1024k,huge=advise
         32 22 0:29 / /mnt/always\\040x rw - tmpfs none rw,huge=within_size
         """))
 
-    def support(setting: str, where: str) -> placement.ThpSupport:
-        enabled = _write(tmp_path / "shmem_enabled", setting)
-        return placement.thp_support(where, shmem_enabled=enabled, mountinfo=mounts)
+    def support(setting: str, where: str) -> page_policy.ThpSupport:
+        return page_policy.judge_thp(where, memory.selected_word(setting), table)
 
     assert not support("always within_size advise [never] deny force", "/dev/shm").allowed
     assert support("always within_size advise [never] deny force", "/mnt/huge").allowed
@@ -246,13 +240,12 @@ def test_thp_support_follows_the_kernel_and_the_mount(tmp_path: Path) -> None:
     assert support("always within_size advise never deny [force]", "/dev/shm").allowed
     other = support("[advise] never", str(tmp_path))
     assert not other.allowed and "not on tmpfs" in other.reason
-    missing = placement.thp_support("/dev/shm", shmem_enabled=str(tmp_path / "absent"),
-                                    mountinfo=mounts)
+    missing = page_policy.judge_thp("/dev/shm", None, table)
     assert not missing.allowed
 
 
 def test_huge_pages_where_the_kernel_refuses(cli: Any, shm_dir: Path) -> None:
-    support = placement.thp_support(shm_dir)
+    support = page_policy.thp_support(shm_dir)
     if support.allowed:
         pytest.skip(f"this host gives huge pages in {shm_dir} ({support.setting})")
     always = _create(cli, shm_dir, "huge", "--huge-pages", "always")
@@ -301,7 +294,7 @@ _HUGE_SCRIPT = """
 import json, sys
 from typer.testing import CliRunner
 from vllm_offload_cli.cli.app import app
-from vllm_offload_cli.core.region.placement import thp_support
+from vllm_offload_cli.core.region.page_policy import thp_support
 shm = sys.argv[1]
 if not thp_support(shm).allowed:
     print(thp_support(shm).reason, file=sys.stderr)
@@ -381,12 +374,14 @@ def test_holder_numa_maps_match_by_inode_even_when_unlinked(shm_dir: Path,
     h = holders("vllm-unlink", str(shm_dir), "ghost", "8", "none", str(PAGE), str(PAGE))
     h.send("fill 7")  # rank none: no slot to fill; the mapping alone counts
     st_dev = os.stat(shm_dir).st_dev
-    found = observed.holder_pages(h.pid, [FileId(st_dev, h.info["ino"])])
+    fid = FileId(st_dev, h.info["ino"])
+    found = observed.merge(h.pid, observed.scan_holder(h.pid, {fid}), [fid])
     assert found is not None and found.pid == h.pid
     assert found.huge_bytes == 0 or found.huge_bytes <= 8 * PAGE
     assert set(found.nodes) <= set(TOPO.nodes)
-    assert observed.holder_pages(h.pid, [FileId(st_dev, h.info["ino"] + 10**9)]) is None
-    assert observed.holder_pages(2**22 + 12345, [FileId(st_dev, h.info["ino"])]) is None
+    other = FileId(st_dev, h.info["ino"] + 10**9)
+    assert observed.scan_holder(h.pid, {other}) == {}
+    assert observed.scan_holder(2**22 + 12345, {fid}) is None  # no such process
 
 
 def test_inspect_shows_placement_of_held_unheld_and_empty_regions(
@@ -402,7 +397,7 @@ def test_inspect_shows_placement_of_held_unheld_and_empty_regions(
     full, empty, held = regions["full"], regions["empty"], regions["held"]
     assert full["numa_nodes"] == {str(FIRST_NODE): full["resident_bytes"]} != {}
     assert empty["numa_nodes"] == {} and empty["resident_bytes"] == 0
-    if TOPO.single_node and not placement.thp_support(shm_dir).allowed:
+    if TOPO.single_node and not page_policy.thp_support(shm_dir).allowed:
         # nothing to read: every resident byte is on the one node, none in huge pages
         assert held["placement"]["source"] == "single_node"
         assert held["numa_nodes"] == {str(FIRST_NODE): held["resident_bytes"]}
@@ -439,7 +434,7 @@ def test_verify_reports_worker_affinity_and_slot_nodes(cli: Any, shm_dir: Path,
     for rank, h in enumerate(workers):
         row = numa_rows[rank]
         assert row["pid"] == h.pid
-        cpus = numa.allowed_cpus(h.pid)
+        cpus = processes.allowed_cpus(h.pid)
         assert cpus is not None
         assert row["cpu_nodes"] == sorted(TOPO.nodes_of_cpus(cpus))
         assert row["slot_numa_nodes"] == {str(FIRST_NODE): 4 * PAGE}
@@ -454,7 +449,7 @@ def test_remote_slot_rule_with_real_page_nodes(shm_dir: Path, holders: Any) -> N
     """The multi-node path: the worker's CPUs are declared to be on another node than the
     one move_pages reports for its slot (a two-node topology passed in; pages are real)."""
     worker = _worker(holders, shm_dir, 0)
-    cpus = numa.allowed_cpus(worker.pid)
+    cpus = processes.allowed_cpus(worker.pid)
     assert cpus is not None
     other = FIRST_NODE + 1
     split = numa.Topology({FIRST_NODE: frozenset(), other: cpus},
@@ -491,7 +486,7 @@ _BENCH = ("benchmark", "--device", "cpu", "--size", "8MiB", "--cpu-page-size", "
 
 
 def test_benchmark_says_why_huge_pages_were_not_measured(cli: Any, shm_dir: Path) -> None:
-    support = placement.thp_support(shm_dir)
+    support = page_policy.thp_support(shm_dir)
     if support.allowed:
         pytest.skip(f"this host gives huge pages in {shm_dir}")
     result = cli(*_BENCH, "--shm-dir", str(shm_dir))
@@ -507,7 +502,7 @@ _BENCH_SCRIPT = f"""
 import sys
 from typer.testing import CliRunner
 from vllm_offload_cli.cli.app import app
-from vllm_offload_cli.core.region.placement import thp_support
+from vllm_offload_cli.core.region.page_policy import thp_support
 if not thp_support(sys.argv[1]).allowed:
     sys.exit(99)
 r = CliRunner().invoke(app, [*{list(_BENCH)!r}, "--shm-dir", sys.argv[1]])

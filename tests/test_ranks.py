@@ -18,7 +18,6 @@ from vllm_offload_cli.core.region.ranks import (
     RankSource,
     WorkerPlace,
     parse_rank_source,
-    slot_for,
 )
 
 
@@ -70,7 +69,8 @@ def test_parse_refuses_unknown_names_listing_the_known_ones() -> None:
 
 def test_parse_accepts_registered_objects_only() -> None:
     assert parse_rank_source(LOGICAL) is LOGICAL
-    impostor = RankSource("logical", ranks.device_modulo, "not the real one", device_based=True)
+    impostor = RankSource(name="logical", compute=ranks.device_modulo,
+                          description="not the real one", device_based=True)
     with pytest.raises(InvalidInputError):
         parse_rank_source(impostor)
     with pytest.raises(InvalidInputError):
@@ -89,10 +89,11 @@ def test_worker_place_refuses_nonsense(kw: dict[str, int]) -> None:
         WorkerPlace(**kw)
 
 
-def test_slot_for_is_what_the_engine_hook_calls() -> None:
-    assert slot_for("device-modulo", local_rank=1, device_index=2, world_size=2) == 0
-    assert slot_for("logical", local_rank=1, device_index=2, world_size=2) == 1
-    assert slot_for(DEVICE_INDEX, local_rank=1, device_index=2, world_size=2) == 2
+def test_each_named_source_picks_its_own_slot() -> None:
+    place = WorkerPlace(local_rank=1, device_index=2, world_size=2)
+    assert parse_rank_source("device-modulo").slot(place) == 0
+    assert parse_rank_source("logical").slot(place) == 1
+    assert parse_rank_source(DEVICE_INDEX).slot(place) == 2
 
 
 def test_region_records_the_canonical_rank_source(shm_dir: Path) -> None:

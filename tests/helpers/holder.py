@@ -83,7 +83,7 @@ def main() -> None:
             ino = os.fstat(fd).st_ino
         elif mode == "map-only":
             # Python's mmap keeps a dup of the descriptor; map through libc to hold none
-            from vllm_offload_cli.core.base import libc
+            from vllm_offload_cli.core.system import libc
 
             fd = os.open(path, os.O_RDONLY)
             libc.map_readonly(fd, os.fstat(fd).st_size)

@@ -143,7 +143,7 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     from vllm_offload_cli.core.host.procscan import flock_holders
-    from vllm_offload_cli.core.region.fsguard import FileId
+    from vllm_offload_cli.core.system.files import FileId
 
     config.parallel_config.rank = rank
     vllm_stubs.device_stand_in(rank)  # this rank's GPU: vLLM 0.31 folds it into the slot

@@ -20,12 +20,8 @@ from typer.exceptions import Abort
 
 from vllm_offload_cli import __version__
 from vllm_offload_cli.cli import benchmark, create, fleet, gc, inspect, preflight, verify
-from vllm_offload_cli.cli.common import (
-    EXIT_INTERRUPTED,
-    EXIT_USAGE,
-    envelope,
-    print_json,
-)
+from vllm_offload_cli.cli.common import envelope, print_json
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 
 
@@ -41,10 +37,10 @@ class EnvelopeGroup(TyperGroup):
                          complete_var=complete_var, standalone_mode=False,
                          rich_markup_mode=self.rich_markup_mode, **extra)
         except ClickException as exc:
-            code = EXIT_USAGE if isinstance(exc, UsageError) else exc.exit_code
+            code = ExitStatus.USAGE if isinstance(exc, UsageError) else exc.exit_code
             _report_usage_error(exc, argv, code)
         except Abort:
-            code = EXIT_INTERRUPTED
+            code = ExitStatus.INTERRUPTED
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.extras import COPY, require
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ def benchmark_cmd(
     bytes as the baseline; on CUDA both pinned and pageable. The region is removed at the
     end, also on Ctrl-C or SIGTERM.
     """
+    require(COPY, what="vllm-offload benchmark")  # exit 2 with the install line, no traceback
     from vllm_offload_cli.core.transfer.bench import (
         BenchConfig,
         passive_openmp,
@@ -136,7 +138,7 @@ def benchmark_cmd(
     with _sigterm_interrupts(), inv.progress("benchmark", 1) as update:
         report = run_benchmark(config, progress=update)
     data = report.to_dict()
-    return Outcome(data, render=lambda out: _render(out, report))
+    return Outcome(data=data, render=lambda out: _render(out, report))
 
 
 def _gbps(value: float) -> str:

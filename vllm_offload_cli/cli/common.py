@@ -27,36 +27,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from vllm_offload_cli.core.base import errors
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 
 SCHEMA_VERSION = 1
 SHM_DIR_ENV = "VLLM_OFFLOAD_SHM_DIR"
-
-# Exit codes: the command-line contract (DESIGN section 4).
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_VERIFY = 3
-EXIT_BUSY = 4
-EXIT_NO_SPACE = 5
-EXIT_UNSAFE = 6
-EXIT_INTERRUPTED = 130
-
-_EXIT_BY_ERROR: list[tuple[type[errors.OffloadError], int]] = [
-    (errors.InvalidInputError, EXIT_USAGE),
-    (errors.RegionNotFoundError, EXIT_USAGE),
-    (errors.RegionBusyError, EXIT_BUSY),
-    (errors.InsufficientSpaceError, EXIT_NO_SPACE),
-    (errors.UnsafeRegionError, EXIT_UNSAFE),
-]
-
-
-def exit_code_for(error: errors.OffloadError) -> int:
-    for cls, code in _EXIT_BY_ERROR:
-        if isinstance(error, cls):
-            return code
-    return EXIT_FAILED
-
 
 def _pipe_width() -> int | None:
     """Tables piped to grep or a file are not cut to 80 columns; a terminal sets its own."""
@@ -90,12 +65,12 @@ class _PrintableFormatter(logging.Formatter):
         return printable(super().format(record))
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Outcome:
     """A command's result: `data` for the envelope, `render` for people."""
 
     data: dict[str, Any]
-    exit_code: int = EXIT_OK
+    exit_code: ExitStatus = ExitStatus.SUCCESS
     errors: list[dict[str, str]] = field(default_factory=list)
     render: Callable[[Console], None] | None = None
 
@@ -112,9 +87,12 @@ class _WarningCollector(logging.Handler):
                           "message": record.getMessage()})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Invocation:
-    """One run of one subcommand: its common options and its output channels."""
+    """One run of one subcommand: its common options and its output channels.
+
+    Not frozen: `inspect --format json` turns `json_output` on once it knows.
+    """
 
     command: str
     shm_dir: Path
@@ -163,7 +141,7 @@ class Invocation:
 def envelope(command: str, *, ok: bool, exit_code: int, data: dict[str, Any],
              errors: list[dict[str, str]], warnings: list[dict[str, str]]) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "command": command, "ok": ok,
-            "exit_code": exit_code, "data": data, "errors": errors, "warnings": warnings}
+            "exit_code": int(exit_code), "data": data, "errors": errors, "warnings": warnings}
 
 
 def print_json(doc: dict[str, Any]) -> None:
@@ -209,14 +187,16 @@ def evaluate(inv: Invocation, body: Callable[[], Outcome]
     try:
         outcome = body()
     except errors.OffloadError as exc:
-        return _error_envelope(inv, exc.code, exc.message, exit_code_for(exc)), None, None
+        return _error_envelope(inv, exc.code, exc.message, exc.exit_status), None, None
     except KeyboardInterrupt:
-        return _error_envelope(inv, "interrupted", "interrupted", EXIT_INTERRUPTED), None, None
+        return (_error_envelope(inv, "interrupted", "interrupted", ExitStatus.INTERRUPTED),
+                None, None)
     except Exception as exc:  # a bug: the caller keeps the traceback
         doc = _error_envelope(inv, "internal_error", f"{type(exc).__name__}: {exc}",
-                              EXIT_FAILED)
+                              ExitStatus.FAILED)
         return doc, None, exc
-    doc = envelope(inv.command, ok=outcome.exit_code == EXIT_OK, exit_code=outcome.exit_code,
+    doc = envelope(inv.command, ok=outcome.exit_code == ExitStatus.SUCCESS,
+                   exit_code=outcome.exit_code,
                    data=outcome.data, errors=outcome.errors, warnings=inv.warnings)
     return doc, outcome, None
 
@@ -280,7 +260,7 @@ def make_invocation(command: str, *, shm_dir: Path, json_output: bool, verbose: 
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Subcommand:
     """A subcommand with the common options, ready for `cli.app` to add.
 
@@ -320,7 +300,8 @@ def subcommand(name: str, *, aliases: tuple[str, ...] = (),
         del command.__wrapped__  # typer must see the new signature, not fn's
         command.__signature__ = inspect.Signature(own + _COMMON)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in own + _COMMON}
-        return Subcommand(name, command, aliases, dict(typer_kw), fn)
+        return Subcommand(name=name, callback=command, aliases=aliases,
+                          typer_kw=dict(typer_kw), body=fn)
 
     return build
 

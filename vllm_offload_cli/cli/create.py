@@ -13,10 +13,10 @@ from rich.console import Console
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.numa import parse_cpulist
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
+from vllm_offload_cli.core.system.numa import parse_cpulist
 
 
 class _Released(Exception):  # noqa: N818 - a signal, not an error
@@ -219,7 +219,7 @@ def create(
                  "mapped none (fragmented memory, or the region is smaller than 2 MiB)")
     if not hold:
         region.cleanup()  # persistent: closes without unlinking
-        return Outcome(data, render=lambda out: _render(out, data))
+        return Outcome(data=data, render=lambda out: _render(out, data))
     previous: dict[int, Any] = {}
     try:
         previous = {s: signal.signal(s, _release) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -237,7 +237,7 @@ def create(
             for s, handler in previous.items():
                 signal.signal(s, handler)
     data["removed"] = not os.path.exists(region.mmap_path)
-    return Outcome(data, render=lambda out: out.print(
+    return Outcome(data=data, render=lambda out: out.print(
         f"Removed {region.mmap_path} ({data['released_by']})."))
 
 

@@ -95,7 +95,8 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
     if not nodes:
         raise OperationFailedError(f"the Ray cluster at {where!r} has no alive node",
                                    code="no_nodes")
-    return FleetResult(f"fleet {command}", where, tuple(nodes), timeout)
+    return FleetResult(command=f"fleet {command}", address=where, nodes=tuple(nodes),
+                       timeout=timeout)
 
 
 def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
@@ -121,7 +122,8 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
                                address=address, timeout=timeout)
             for w in result.warnings(__version__):
                 inv.warn(w["code"], w["message"])
-            return Outcome(result.data(), exit_code=result.exit_code, errors=result.errors(),
+            return Outcome(data=result.data(), exit_code=result.exit_code,
+                           errors=result.errors(),
                            render=lambda out: render(out, result, inv.verbosity))
 
         code = run_boundary(inv, body)
@@ -146,8 +148,10 @@ fleet_app.command("inspect", short_help="inspect on every node: one table with a
 
     Runs `vllm-offload inspect --json` on each alive node of the Ray cluster
     (one task pinned per node) and merges the answers. A node that fails or
-    does not answer within --timeout is listed as such, and the exit status is
-    7 (partial answer); otherwise it is the highest node exit status.
+    does not answer within --timeout is listed as such. Exit status: the most
+    important node status (see EXIT STATUS), 7 (partial) when a node did not
+    answer and no node reported worse; nodes without a named region are
+    skipped (exit 2 only when no node has it).
     """, lambda out, result, _: render_inspect(out, result)))
 
 _gc = _fleet_command(gc.garbage_collect, {"prometheus": None}, """garbage-collect on every node.
@@ -155,8 +159,9 @@ _gc = _fleet_command(gc.garbage_collect, {"prometheus": None}, """garbage-collec
     It is node-local garbage-collect, run on each node: every safety rule
     holds there, and a node that refuses (exit 6, e.g. it cannot see all of
     its host's processes) is reported as refused. Use --dry-run first: it shows
-    the whole plan, node by node, and changes nothing. Exit status: the highest
-    node exit status, or 7 when a node failed or did not answer.
+    the whole plan, node by node, and changes nothing. Exit status: the most
+    important node status (see EXIT STATUS), 7 (partial) when a node failed or
+    did not answer and no node reported worse.
     """, lambda out, result, verbosity: render_gc(out, result, quiet=verbosity < 0))
 fleet_app.command("garbage-collect", short_help="garbage-collect on every node; --dry-run "
                   "shows the plan (alias: gc).")(_gc)
@@ -169,5 +174,5 @@ fleet_app.command("verify-rank-layout", short_help="verify-rank-layout on every 
     without it are skipped (exit 2 only when no node has it). Plan mode runs
     the plan on every node (useful with --devices env, which reads each node's
     CUDA_VISIBLE_DEVICES). Exit 3 when a node found problems, 7 when a node
-    failed or did not answer.
+    failed or did not answer (and no node reported worse; see EXIT STATUS).
     """, lambda out, result, _: render_verify(out, result)))

@@ -10,15 +10,14 @@ from rich.console import Console
 
 from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_UNSAFE,
     Invocation,
     Outcome,
     shm_dir_checked,
     subcommand,
     warn_useless_waiver,
 )
+from vllm_offload_cli.core.base.errors import RegionNotFoundError
+from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcReport
 
@@ -86,8 +85,9 @@ def garbage_collect(
     could be hidden (a PID namespace that is not the host's, hidepid, processes
     it may not inspect and no lease proof), it removes nothing it cannot prove
     unused. Exit status: 0 when nothing failed (kept regions are not
-    failures), 1 when a removal failed, 2 for bad usage, 6 when it refused to
-    judge because a holder could be hidden.
+    failures), 1 when a removal failed, 2 for bad usage or a named ENGINE_ID
+    that matches no region or manifest (the others are still collected), 6
+    when it refused to judge because a holder could be hidden.
     """
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: only when run
@@ -96,9 +96,6 @@ def garbage_collect(
                      min_age=min_age, include_persistent=include_persistent,
                      all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
     warn_useless_waiver(inv, shm_private_to_namespace)
-    for engine_id in report.not_found:
-        inv.warn("not_found", f"no region or manifest named {engine_id} in {report.shm_dir}; "
-                 "nothing to collect")
     if report.uninspectable_processes and not report.blind_spots:
         inv.warn("uninspectable_processes",
                  f"{report.uninspectable_processes} process(es) could not be inspected "
@@ -110,9 +107,15 @@ def garbage_collect(
         data["prometheus"] = str(prometheus)
     errors = [{"code": e.code, "message": e.message} for e in report.errors]
     refusals = refusal_errors(report)
-    code = EXIT_FAILED if errors else EXIT_UNSAFE if refusals else EXIT_OK
-    return Outcome(data, exit_code=code, errors=errors + refusals,
-                   render=lambda out: _render(inv, out, report, refusals))
+    # a named id that matches nothing is said, as `inspect` says it: a typo must not pass
+    missing = [{"code": RegionNotFoundError.code, "message": f"no region or manifest named "
+                f"{engine_id} in {report.shm_dir}; `vllm-offload inspect` lists them all"}
+               for engine_id in report.not_found]
+    code = most_important(status for status, present in (
+        (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing))
+        if present)
+    return Outcome(data=data, exit_code=code, errors=errors + refusals + missing,
+                   render=lambda out: _render(inv, out, report, refusals + missing))
 
 
 def refusal_errors(report: GcReport) -> list[dict[str, str]]:
@@ -136,8 +139,11 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
 
 
 def _render(inv: Invocation, out: Console, report: GcReport,
-            refusals: list[dict[str, str]]) -> None:
-    """Default: every decision. -q: only what was removed or failed (quiet cron mail)."""
+            other_errors: list[dict[str, str]]) -> None:
+    """Default: every decision. -q: only what was removed or failed (quiet cron mail).
+
+    `other_errors`: what is not a failed removal (refusals, names that match nothing).
+    """
 
     def say(text: str) -> None:
         out.print(text, highlight=False, markup=False, soft_wrap=True)
@@ -158,7 +164,7 @@ def _render(inv: Invocation, out: Console, report: GcReport,
         say(f"{verb} orphaned manifest {path}")
     for path in report.temp_files_removed:
         say(f"{verb} leftover temporary file {path}")
-    for failure in [*(e.message for e in report.errors), *(r["message"] for r in refusals)]:
+    for failure in [*(e.message for e in report.errors), *(r["message"] for r in other_errors)]:
         inv.err.print(f"Error: {failure}", highlight=False, markup=False, soft_wrap=True)
     if quiet and not (report.removed or report.orphan_manifests_removed
                       or report.temp_files_removed):

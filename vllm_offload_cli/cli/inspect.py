@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,9 +21,10 @@ from vllm_offload_cli.cli.common import (
     warn_useless_waiver,
 )
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
-from vllm_offload_cli.core.host.placement import Placement, observe_all
+from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
 
 
@@ -96,7 +98,8 @@ def inspect_cmd(
     run (another PID namespace, hidepid, processes it may not inspect), else `stale`
     (leaked, or a create that died).
     Names, process names and manifest fields are shown with control characters
-    escaped (\\xNN); --json keeps them raw (JSON escapes them).
+    escaped (\\xNN); --json keeps them raw (JSON escapes them). A named ENGINE_ID
+    that matches no region is an error (exit 2), the others are still shown.
     """
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")
@@ -107,11 +110,10 @@ def inspect_cmd(
     found = discover(shm_dir, engine_ids=engine_ids or None,
                      measure_residency=not no_residency,
                      shm_private_to_namespace=shm_private_to_namespace)
-    missing = [e for e in (engine_ids or []) if not found.find(e)]
-    if missing:
-        raise RegionNotFoundError(
-            f"no region named {', '.join(missing)} in {found.shm_dir}; "
-            "`vllm-offload inspect` lists them all", engine_id=missing[0])
+    missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
+    not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
+                  f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
+                 for engine_id in missing]
     warn_useless_waiver(inv, shm_private_to_namespace)
     for spot in found.visibility.effective:
         inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
@@ -122,15 +124,28 @@ def inspect_cmd(
                  "(permission denied); regions they use may show fewer holders")
     placed = observe_all(found.regions, measure=not no_residency)
     data = inventory_data(found, placed)
+    data["not_found"] = missing
+    shown: Callable[[Console], None] | None = None
     if fmt is Format.prometheus:
         metrics.emit(_registry(found, placed), output)
         if output is not None:
             data["output"] = str(output)
-        return Outcome(data, render=None if output is None else
-                       lambda out: out.print(f"Wrote {output}"))
-    if fmt is Format.json:
-        inv.json_output = True
-    return Outcome(data, render=lambda out: render_table(out, found, placed))
+            shown = lambda out: out.print(f"Wrote {output}")  # noqa: E731
+    else:
+        if fmt is Format.json:
+            inv.json_output = True
+        if found.regions or not missing:
+            shown = lambda out: render_table(out, found, placed)  # noqa: E731
+
+    def render(out: Console) -> None:
+        if shown is not None:
+            shown(out)
+        for e in not_found:
+            inv.err.print(f"Error: {e['message']}", highlight=False, markup=False,
+                          soft_wrap=True)
+
+    return Outcome(data=data, exit_code=ExitStatus.USAGE if missing else ExitStatus.SUCCESS,
+                   errors=not_found, render=render)
 
 
 def _holders_text(r: RegionInfo) -> str:

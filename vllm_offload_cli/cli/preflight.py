@@ -70,7 +70,7 @@ def preflight(
         "dry_run": dry_run,
         "replicas": [r.to_dict() for r in results],
     }
-    return Outcome(data, render=lambda out: _render(out, data))
+    return Outcome(data=data, render=lambda out: _render(out, data))
 
 
 _SAYS = {

@@ -17,8 +17,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from vllm_offload_cli.cli.common import (
-    EXIT_OK,
-    EXIT_VERIFY,
     Invocation,
     Outcome,
     cell,
@@ -26,6 +24,7 @@ from vllm_offload_cli.cli.common import (
     subcommand,
 )
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
 
@@ -97,7 +96,8 @@ def _refuse(mode: str, *given: tuple[str, bool]) -> None:
 
 
 def _outcome(data: dict[str, Any], problems: list[dict[str, Any]], render: Any) -> Outcome:
-    return Outcome(data, exit_code=EXIT_VERIFY if problems else EXIT_OK,
+    return Outcome(data=data,
+                   exit_code=ExitStatus.PROBLEMS_FOUND if problems else ExitStatus.SUCCESS,
                    errors=[{"code": p["code"], "message": p["message"]} for p in problems],
                    render=render)
 

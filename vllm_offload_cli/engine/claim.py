@@ -29,15 +29,15 @@ from vllm_offload_cli.core.base.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.base.procfs import ProcessRef, comm
 from vllm_offload_cli.core.host.discovery import PERSISTENT, STALE, RegionInfo, discover
 from vllm_offload_cli.core.host.procscan import flock_holders
 from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
 from vllm_offload_cli.core.region import capacity
-from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.locking import lock_waiting
 from vllm_offload_cli.core.region.naming import region_path, validate_engine_id
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef, comm
 from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
     environ_readable,

@@ -22,6 +22,7 @@ import secrets
 from collections.abc import MutableMapping
 
 from vllm_offload_cli.core.base.errors import RegionBusyError
+from vllm_offload_cli.core.system import processes, procfs
 
 ENGINE_TOKEN_ENV = "VLLM_OFFLOAD_ENGINE_TOKEN"
 _TOKEN_RE = re.compile(r"[0-9a-f]{32}")
@@ -78,29 +79,15 @@ def process_token(pid: int) -> str | None:
 
 
 def _environ_token(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read(1 << 20)
-    except OSError:
-        return None
-    prefix = ENGINE_TOKEN_ENV.encode() + b"="
-    for entry in data.split(b"\0"):
-        if entry.startswith(prefix):
-            value = entry[len(prefix):].decode("ascii", "replace")
-            return value if valid_token(value) else None
-    return None
+    value = processes.environ_value(pid, ENGINE_TOKEN_ENV)
+    return value if valid_token(value) else None
 
 
 def _beacon_token(pid: int) -> str | None:
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
+    targets = procfs.fd_targets(pid)
+    if isinstance(targets, procfs.Unreadable):
         return None
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
+    for target in targets:
         found = _BEACON_RE.fullmatch(target)
         if found:
             return found.group(1)
@@ -109,9 +96,4 @@ def _beacon_token(pid: int) -> str | None:
 
 def environ_readable(pid: int) -> bool:
     """Whether `process_token` can tell anything about this process."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            f.read(1)
-    except OSError:
-        return False
-    return True
+    return processes.environ_readable(pid)

@@ -16,11 +16,11 @@ import os
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import RegionNotFoundError, UnsafeRegionError
-from vllm_offload_cli.core.base.procfs import ProcessRef
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
+from vllm_offload_cli.core.system.processes import ProcessRef
 from vllm_offload_cli.engine.claim import ClaimResult, claim, startup_lock
 
 logger = logging.getLogger(__name__)

@@ -169,13 +169,14 @@ def _result(ray: Any, node: dict[str, Any], ref: Any, done_at: dict[Any, float],
     node_id, name = str(node["NodeID"]), str(node.get("NodeName") or "?")
     if ref not in done_at:
         ray.cancel(ref, force=True)
-        return NodeResult(node_id, name, TIMED_OUT, reason=(
+        return NodeResult(node_id=node_id, node_name=name, outcome=TIMED_OUT, reason=(
             f"no answer within {timeout:g} s (--timeout)"), reason_code="timed_out",
             seconds=timeout)
     try:
         doc = ray.get(ref, timeout=0)
     except Exception as exc:  # whatever Ray raised: this node did not answer
         code, reason = _failure(exc, ray)
-        return NodeResult(node_id, name, FAILED, reason=reason, reason_code=code,
-                          seconds=done_at[ref])
-    return NodeResult(node_id, name, ANSWERED, envelope=doc, seconds=done_at[ref])
+        return NodeResult(node_id=node_id, node_name=name, outcome=FAILED, reason=reason,
+                          reason_code=code, seconds=done_at[ref])
+    return NodeResult(node_id=node_id, node_name=name, outcome=ANSWERED, envelope=doc,
+                      seconds=done_at[ref])

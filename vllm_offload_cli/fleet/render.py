@@ -6,7 +6,6 @@ core objects, so it shows exactly what `--json` carries.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -22,6 +21,7 @@ from vllm_offload_cli.fleet.result import (
     TIMED_OUT,
     FleetResult,
     NodeResult,
+    no_node_has,
 )
 
 _STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red",
@@ -78,10 +78,16 @@ def render_nodes(out: Console, result: FleetResult) -> None:
         what = "REFUSED" if status == REFUSED else f"exit {n.exit_code}"
         for e in errors or [{"message": "(no message)"}]:
             _say(out, f"node {label}: {what}: {e.get('message', '')}")
+    nowhere = result.on_no_node()
+    if nowhere is not None:
+        _say(out, no_node_has(nowhere))
     answered = len(result.nodes) - len(result.missing)
+    interrupted = sum(n.interrupted for n in result.nodes)
+    short = ([f"{len(result.missing)} node(s) did not"] if result.missing else []) + (
+        [f"{interrupted} node(s) were interrupted"] if interrupted else [])
     verdict = (f"{answered} of {len(result.nodes)} node(s) answered"
-               + (f"; PARTIAL: {len(result.missing)} node(s) did not" if result.missing else ""))
-    _say(out, f"Fleet {result.address}: {verdict}; exit {result.exit_code}.")
+               + (f"; PARTIAL: {', '.join(short)}" if short else ""))
+    _say(out, f"Fleet {result.address}: {verdict}; exit {int(result.exit_code)}.")
 
 
 def render_inspect(out: Console, result: FleetResult) -> None:
@@ -156,7 +162,3 @@ def render_verify(out: Console, result: FleetResult) -> None:
             _say(out, f"  - {p.get('message')}")
     render_nodes(out, result)
 
-
-RENDERERS: dict[str, Callable[..., None]] = {
-    "inspect": render_inspect, "garbage-collect": render_gc, "verify-rank-layout": render_verify,
-}

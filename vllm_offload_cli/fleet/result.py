@@ -4,7 +4,8 @@ Each node runs the node-local command and answers with its own JSON envelope;
 a node can also fail to answer (its node died, its worker crashed, the task
 could not be placed) or not answer in time. The merge never hides a missing
 node behind the others' results: it is listed with why, and the exit code says
-the answer is partial.
+the answer is partial unless a node said something more important (the order
+is `exit_status.PRECEDENCE`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_UNSAFE = 6
-# A node failed or timed out: the answer covers only the other nodes.
-EXIT_PARTIAL = 7
+from vllm_offload_cli.core.base.errors import RegionNotFoundError
+from vllm_offload_cli.core.base.exit_status import ExitStatus, as_status, most_important
 
 ANSWERED = "answered"
 FAILED = "failed"
@@ -26,12 +24,12 @@ TIMED_OUT = "timed_out"
 OK = "ok"
 ERROR = "error"  # answered with a non-zero exit code (problems, a failed removal, ...)
 REFUSED = "refused"  # answered with exit 6: refused as unsafe (e.g. cannot see all processes)
-ABSENT = "absent"  # the named region(s) live on other nodes
+ABSENT = "absent"  # only "not found" errors: the named region(s) live on other nodes
 
-NOT_FOUND = "not_found"
+NOT_FOUND = RegionNotFoundError.code
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodeResult:
     """What one node answered, or why it did not."""
 
@@ -55,17 +53,55 @@ class NodeResult:
         if self.outcome != ANSWERED or self.envelope is None:
             return self.outcome
         code = self.exit_code
-        if code == EXIT_OK:
+        if code == ExitStatus.SUCCESS:
             return OK
-        if code == EXIT_UNSAFE:
+        if code == ExitStatus.UNSAFE:
             return REFUSED
-        errors = self.envelope.get("errors") or []
-        if code == EXIT_USAGE and errors and all(e.get("code") == NOT_FOUND for e in errors):
+        errors = self._errors()
+        if code == ExitStatus.USAGE and errors and all(e.get("code") == NOT_FOUND
+                                                       for e in errors):
             return ABSENT
         return ERROR
 
+    @property
+    def interrupted(self) -> bool:
+        """The node's command was interrupted there: its answer is incomplete."""
+        return self.exit_code == ExitStatus.INTERRUPTED
 
-@dataclass(frozen=True)
+    def _errors(self) -> list[dict[str, Any]]:
+        errors = (self.envelope or {}).get("errors") or []
+        return [e for e in errors if isinstance(e, dict)]
+
+    def not_found(self) -> frozenset[str] | None:
+        """The named engine_ids this node lacks: empty when it said nothing of the kind,
+        None for "all of them" (an answer that was only "not found", without a list)."""
+        if not any(e.get("code") == NOT_FOUND for e in self._errors()):
+            return frozenset()
+        listed = ((self.envelope or {}).get("data") or {}).get("not_found")
+        if isinstance(listed, list):
+            return frozenset(str(e) for e in listed)
+        return None
+
+    def merge_status(self) -> ExitStatus:
+        """What this node adds to the fleet's exit status.
+
+        A node that did not answer, or whose command was interrupted there,
+        makes the answer PARTIAL (the operator did not interrupt the fleet
+        run). A node that lacks named regions counts as if it had not been
+        asked for them (FleetResult decides about regions no node has): its
+        exit 2 then stands only for those, and any other error it reported
+        ranks below "not found" (a failed removal), so it counts as FAILED.
+        """
+        if self.outcome != ANSWERED or self.interrupted:
+            return ExitStatus.PARTIAL
+        status = as_status(self.exit_code)
+        if status != ExitStatus.USAGE or self.not_found() == frozenset():
+            return status
+        others = [e for e in self._errors() if e.get("code") != NOT_FOUND]
+        return ExitStatus.FAILED if others else ExitStatus.SUCCESS
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetResult:
     command: str
     address: str
@@ -78,23 +114,35 @@ class FleetResult:
         return [n for n in self.nodes if n.outcome != ANSWERED]
 
     @property
-    def exit_code(self) -> int:
-        """The highest node exit code; a node that did not answer counts as EXIT_PARTIAL.
+    def partial(self) -> bool:
+        """A node did not answer, or was interrupted: the answer lacks part of the fleet."""
+        return any(n.outcome != ANSWERED or n.interrupted for n in self.nodes)
 
-        A node where the named regions are not (exit 2, only `not_found`) counts
-        as 0, unless no node has them.
-        """
+    @property
+    def exit_code(self) -> ExitStatus:
+        """The most important node status by `exit_status.PRECEDENCE` (not the largest
+        number); USAGE when a named region is on no node (and every node answered)."""
         if not self.nodes:
-            return 1
-        codes = []
+            return ExitStatus.FAILED
+        statuses = [n.merge_status() for n in self.nodes]
+        if self.on_no_node() is not None:
+            statuses.append(ExitStatus.USAGE)
+        return most_important(statuses)
+
+    def on_no_node(self) -> list[str] | None:
+        """Named engine_ids that every node lacks (every node answered); None when there is
+        none, [] when the nodes said "not found" without naming what."""
+        if not self.nodes or self.missing:  # a node that did not answer may have it
+            return None
+        everywhere: frozenset[str] | None = None  # None: whatever was named
         for n in self.nodes:
-            if n.outcome != ANSWERED:
-                codes.append(EXIT_PARTIAL)
-            elif n.status != ABSENT:
-                codes.append(n.exit_code if n.exit_code is not None else 1)
-        if not codes:  # every node said "not here"
-            return EXIT_USAGE
-        return max(codes)
+            lacks = n.not_found()
+            if lacks is None:
+                continue
+            everywhere = lacks if everywhere is None else everywhere & lacks
+            if not everywhere:
+                return None
+        return sorted(everywhere or ())
 
     def label(self, node: NodeResult) -> str:
         """The node's name, with its id when several nodes share one (one host, many nodes)."""
@@ -102,8 +150,12 @@ class FleetResult:
         return node.node_name if same == 1 else f"{node.node_name}/{node.node_id[:8]}"
 
     def errors(self) -> list[dict[str, str]]:
-        """Fleet errors: each missing node, then each node's own errors, naming the node."""
+        """Fleet errors: a named region on no node, each missing node, then each node's
+        own errors, naming the node."""
         out = []
+        nowhere = self.on_no_node()
+        if nowhere is not None:
+            out.append({"code": NOT_FOUND, "message": no_node_has(nowhere)})
         for n in self.nodes:
             if n.outcome != ANSWERED:
                 out.append({"code": f"node_{n.outcome}", "message":
@@ -148,9 +200,14 @@ class FleetResult:
         return {
             "address": self.address,
             "timeout_seconds": self.timeout,
-            "partial": bool(missing),
+            "partial": self.partial,
             "nodes_total": len(self.nodes),
             "nodes_answered": len(self.nodes) - len(missing),
             "nodes": nodes,
         }
 
+
+def no_node_has(engine_ids: list[str]) -> str:
+    """The message for named regions on no node ([]: the nodes did not say which)."""
+    named = f"a region named {', '.join(engine_ids)}" if engine_ids else "the named region(s)"
+    return f"no node has {named}"

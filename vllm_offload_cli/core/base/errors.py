@@ -1,17 +1,23 @@
 """Known failures, each carrying the path, engine_id and pid it concerns.
 
 Modelled on psutil's exceptions: a small hierarchy whose classes say *what
-kind* of failure happened, so the CLI can map each kind to one exit code and
-print one line, while anything outside the hierarchy stays a bug.
+kind* of failure happened. Each class carries its exit status, so the CLI
+prints one line and exits with it, while anything outside the hierarchy stays
+a bug.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
+
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 
 
 class OffloadError(Exception):
     """Base class of every failure the toolkit reports to users."""
 
     code = "error"
+    exit_status: ClassVar[ExitStatus] = ExitStatus.FAILED
 
     def __init__(
         self,
@@ -38,30 +44,35 @@ class InvalidInputError(OffloadError, ValueError):
     """An argument is malformed: engine_id, size, geometry, device list."""
 
     code = "invalid_input"
+    exit_status = ExitStatus.USAGE
 
 
 class RegionNotFoundError(OffloadError, LookupError):
     """No region with that engine_id exists in the shm directory."""
 
     code = "not_found"
+    exit_status = ExitStatus.USAGE
 
 
 class RegionBusyError(OffloadError):
     """The name is taken, or the region is held by a live process."""
 
     code = "busy"
+    exit_status = ExitStatus.BUSY
 
 
 class InsufficientSpaceError(OffloadError):
     """tmpfs, the cgroup or the host does not have room for the region."""
 
     code = "no_space"
+    exit_status = ExitStatus.NO_SPACE
 
 
 class UnsafeRegionError(OffloadError):
     """A file fails the safety checks: symlink, owner, mode, links, size."""
 
     code = "unsafe"
+    exit_status = ExitStatus.UNSAFE
 
 
 class RegionTimeoutError(OffloadError, TimeoutError):
@@ -79,8 +90,24 @@ class OperationFailedError(OffloadError):
 class DeviceUnavailableError(InsufficientSpaceError):
     """The requested accelerator is absent: there is no device memory to use at all.
 
-    A subclass of InsufficientSpaceError so it keeps that exit code (5): from
-    the operator's side both mean "this host lacks the memory the job needs".
+    A subclass of InsufficientSpaceError so it keeps that exit status
+    (NO_SPACE): from the operator's side both mean "this host lacks the memory
+    the job needs".
     """
 
     code = "no_device"
+
+
+class MissingExtraError(InvalidInputError):
+    """A feature needs an optional dependency (an extra) that is not installed.
+
+    An InvalidInputError (exit 2): the install is incomplete for what was asked,
+    nothing failed. The message ends with the `pip install` line that fixes it.
+    """
+
+    code = "extra_not_installed"
+
+    def __init__(self, message: str, *, extra: str, install: str) -> None:
+        super().__init__(message)
+        self.extra = extra
+        self.install = install

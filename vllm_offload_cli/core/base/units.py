@@ -21,7 +21,6 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[A-Za-z]*)\s*")
 _MAX_DIGITS = 30  # more than any real size; bounds the arithmetic on what we are given
-_EXACT_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
 
 def parse_size(text: str, *, what: str = "size") -> int:
@@ -47,17 +46,6 @@ def parse_size(text: str, *, what: str = "size") -> int:
         raise InvalidInputError(f"{what} {text!r} is not a whole number of bytes",
                                 code="invalid_size")
     return int(value)
-
-
-def format_size(n: int) -> str:
-    """The exact size in the largest IEC unit that divides it: 65536 -> '64KiB'.
-
-    Unlike format_bytes, parse_size(format_size(n)) == n.
-    """
-    for unit, multiple in _EXACT_UNITS:
-        if n and n % multiple == 0:
-            return f"{n // multiple}{unit}"
-    return str(n)
 
 
 def format_bytes(n: int | float | None) -> str:

@@ -24,14 +24,12 @@ from vllm_offload_cli.core.base.errors import (
     RegionNotFoundError,
 )
 from vllm_offload_cli.core.base.problems import Problem
-from vllm_offload_cli.core.base.procfs import ProcessRef, comm
 from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
 from vllm_offload_cli.core.host.visibility import Visibility
 from vllm_offload_cli.core.region import fsguard, locking, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
-from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
@@ -41,12 +39,15 @@ from vllm_offload_cli.core.region.naming import (
     split_engine_id,
     validate_engine_id,
 )
+from vllm_offload_cli.core.system import procfs
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
 CREATING, UNKNOWN = "creating", "unknown"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Holder:
     """A process using a region; `rank` comes from the manifest when it knows."""
 
@@ -59,7 +60,7 @@ class Holder:
         return {"pid": self.pid, "name": self.name, "rank": self.rank, "via": list(self.via)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SegmentFile:
     """One file of a region: the bare name (segment 0) or `.mmap.N`."""
 
@@ -77,7 +78,7 @@ class SegmentFile:
     sole_opener: openers.OpenersVerdict | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RegionInfo:
     engine_id: str
     base_engine_id: str
@@ -129,7 +130,7 @@ class RegionInfo:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OrphanManifest:
     engine_id: str
     path: str
@@ -138,7 +139,7 @@ class OrphanManifest:
     mtime: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Inventory:
     shm_dir: str
     regions: tuple[RegionInfo, ...]
@@ -189,21 +190,27 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
     lst = os.stat(path, follow_symlinks=False)  # FileNotFoundError: vanished, caller skips
     if not stat.S_ISREG(lst.st_mode):
         problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids)
-        return SegmentFile(path, segment, None, 0, lst.st_uid, stat.S_IMODE(lst.st_mode),
-                           lst.st_mtime, True, None, tuple(problems)), False
+        return SegmentFile(path=path, segment=segment, file_id=None, size_bytes=0, uid=lst.st_uid,
+                           mode=stat.S_IMODE(lst.st_mode),
+                           mtime=lst.st_mtime, linked=True, resident_bytes=None,
+                           problems=tuple(problems)), False
     try:
         fd = fsguard.open_existing(path, os.O_RDONLY)
     except RegionNotFoundError:
         raise FileNotFoundError(path) from None
     except RegionBusyError:  # a long-held lease: someone is at it; not stale
-        return SegmentFile(path, segment, FileId.of(lst), lst.st_size, lst.st_uid,
-                           stat.S_IMODE(lst.st_mode), lst.st_mtime, True, None), True
+        return SegmentFile(path=path, segment=segment, file_id=FileId.of(lst),
+                           size_bytes=lst.st_size, uid=lst.st_uid,
+                           mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_mtime, linked=True,
+                           resident_bytes=None), True
     except Exception:
         problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids) or [
             Problem("unreadable", "cannot be opened by this user")]
-        return SegmentFile(path, segment, FileId.of(lst), lst.st_size, lst.st_uid,
-                           stat.S_IMODE(lst.st_mode), lst.st_mtime, True, None,
-                           tuple(problems)), False
+        return SegmentFile(path=path, segment=segment, file_id=FileId.of(lst),
+                           size_bytes=lst.st_size, uid=lst.st_uid,
+                           mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_mtime, linked=True,
+                           resident_bytes=None,
+                           problems=tuple(problems)), False
     try:
         st = os.fstat(fd)
         if FileId.of(st) != FileId.of(lst):
@@ -211,10 +218,12 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
         problems = fsguard.stat_problems(st, allowed_uids=allowed_uids)
         resident = _resident(fd) if measure else None
         locked = not locking.try_lock_exclusive(fd)
-        return SegmentFile(path, segment, FileId.of(st), st.st_size, st.st_uid,
-                           stat.S_IMODE(st.st_mode), max(st.st_mtime, st.st_ctime), True,
-                           resident, tuple(problems),
-                           None if locked or probe_if is None or not probe_if(st)
+        return SegmentFile(path=path, segment=segment, file_id=FileId.of(st),
+                           size_bytes=st.st_size, uid=st.st_uid,
+                           mode=stat.S_IMODE(st.st_mode), mtime=max(st.st_mtime,
+                                                                    st.st_ctime), linked=True,
+                           resident_bytes=resident, problems=tuple(problems),
+                           sole_opener=None if locked or probe_if is None or not probe_if(st)
                            else openers.probe(fd, retry=_PROBE_RETRY)), locked
     finally:
         os.close(fd)  # also drops the probe lock
@@ -253,7 +262,7 @@ def holders_of(uses: Iterable[FileUse], manifest: Manifest | None = None
             if ProcessRef(a.pid, a.start_ticks).alive():
                 ranks[a.pid] = a.rank
     return tuple(
-        Holder(pid, comm(pid), ranks.get(pid), tuple(sorted(kinds[pid])))
+        Holder(pid=pid, name=comm(pid), rank=ranks.get(pid), via=tuple(sorted(kinds[pid])))
         for pid in sorted(kinds)
     )
 
@@ -411,22 +420,19 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: Proc
     size = max((u.size_hint or 0) for u in uses)
     resident, uid, mode = None, None, None
     fd_use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
-    if fd_use is not None:
-        try:
-            fd = os.open(f"/proc/{fd_use.pid}/fd/{fd_use.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            fd = -1
-        if fd >= 0:
+    if fd_use is not None and fd_use.fd is not None:
+        fd = procfs.open_fd(fd_use.pid, fd_use.fd, fid)
+        if fd is not None:
             try:
                 st = os.fstat(fd)
-                if FileId.of(st) == fid:
-                    size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
-                    resident = _resident(fd) if measure else None
+                size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
+                resident = _resident(fd) if measure else None
             finally:
                 os.close(fd)
     parsed = parse_region_filename(os.path.basename(path))
-    seg = SegmentFile(path, 0 if parsed is None else parsed.segment, fid, size, uid, None, None,
-                      False, resident)
+    seg = SegmentFile(path=path, segment=0 if parsed is None else parsed.segment, file_id=fid,
+                      size_bytes=size, uid=uid, mode=None, mtime=None,
+                      linked=False, resident_bytes=resident)
     return RegionInfo(
         engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
         segments=(seg,), linked=False, size_bytes=size, resident_bytes=resident, uid=uid,
@@ -510,6 +516,7 @@ def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | N
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
             continue
-        orphans.append(OrphanManifest(engine_id, entry.path, FileId.of(st), st.st_uid,
-                                      st.st_mtime))
+        orphans.append(OrphanManifest(engine_id=engine_id, path=entry.path, file_id=FileId.of(st),
+                                      uid=st.st_uid,
+                                      mtime=st.st_mtime))
     return orphans

@@ -1,4 +1,4 @@
-"""Who uses which region: /proc/*/maps, /proc/*/fd and /proc/locks.
+"""Who uses which region: every process's mappings and descriptors, and /proc/locks.
 
 Matching is by (device, inode), never by name: a region is found after its
 name was unlinked (newer vLLM unlinks once all workers mapped it), through a
@@ -7,6 +7,9 @@ same tmpfs; and a process using a same-named newer file is not confused with
 one using the old one.
 Processes that vanish mid-scan are skipped; those that deny access are
 counted, so callers can say "N processes could not be inspected".
+Per process the descriptors are read before the mappings: a user that opens,
+maps, then closes its descriptor (as vLLM may) shows up in at least one of
+the two reads, whatever moment it does so.
 """
 
 from __future__ import annotations
@@ -15,23 +18,22 @@ import os
 import re
 import stat
 from collections import defaultdict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from vllm_offload_cli.core.region.fsguard import FileId
+from vllm_offload_cli.core.system import processes, procfs
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.procfs import DENIED, GONE
 
-_DELETED = " (deleted)"
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FileUse:
     """One process's use of a region file."""
 
     pid: int
     kind: str  # "map", "fd" or "lock"
-    path: str  # as /proc shows it, without " (deleted)"
-    deleted: bool
+    path: str = ""  # as /proc shows it, without " (deleted)"
+    deleted: bool = False
     size_hint: int | None = None  # bytes mapped (maps) or st_size (fd)
     fd: int | None = None
 
@@ -50,246 +52,117 @@ class ProcessScan:
         return self.uses.get(fid, [])
 
 
-def _parse_dev(text: str) -> int:
-    """'00:1a' (hex major:minor, as maps and locks print it) -> st_dev."""
-    major, minor = text.split(":")
-    return os.makedev(int(major, 16), int(minor, 16))
+class _Filter:
+    """Which files a scan keeps: every file on one device, or exact identities."""
+
+    def __init__(self, dev: int | None = None, ids: Collection[FileId] = ()) -> None:
+        self.ids = set(ids)
+        self.devs = {dev} if dev is not None else {f.dev for f in self.ids}
+        self.tokens = [procfs.maps_dev_token(d) for d in self.devs]
+        # a cheap pre-test on the raw maps text before any line is parsed
+        self.inodes = re.compile(rb" (?:" + b"|".join(
+            str(i).encode() for i in sorted({f.ino for f in self.ids})) + rb") ") \
+            if self.ids else None
+
+    def keeps(self, fid: FileId) -> bool:
+        return fid in self.ids if self.ids else fid.dev in self.devs
+
+    def may_hold(self, maps: bytes) -> bool:
+        return any(t in maps for t in self.tokens) and (
+            self.inodes is None or self.inodes.search(maps) is not None)
 
 
-def _strip_deleted(path: str) -> tuple[str, bool]:
-    if path.endswith(_DELETED):
-        return path[: -len(_DELETED)], True
-    return path, False
+def _scan_fds(pid: int, want: _Filter, skip: Collection[int],
+              uses: dict[FileId, list[FileUse]]) -> bool | None:
+    """Matching descriptors of `pid` into `uses`; True denied, None gone."""
+    stats = procfs.fd_stats(pid, skip)
+    if stats is GONE:
+        return None
+    if stats is DENIED:
+        return True
+    assert not isinstance(stats, procfs.Unreadable)
+    for fd, st in stats:
+        fid = FileId.of(st)
+        if want.keeps(fid) and stat.S_ISREG(st.st_mode):
+            path, deleted = procfs.strip_deleted(procfs.fd_target(pid, fd) or "")
+            uses[fid].append(FileUse(pid=pid, kind="fd", path=path, deleted=deleted,
+                                     size_hint=st.st_size, fd=fd))
+    return False
 
 
-def maps_dev_token(dev: int) -> bytes:
-    """How /proc/PID/maps prints a device: ' 00:1a ' (hex major:minor)."""
-    return f" {os.major(dev):02x}:{os.minor(dev):02x} ".encode()
+def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bool | None:
+    """Matching mappings of `pid` into `uses`, one FileUse per file and name shown."""
+    data = procfs.read_maps(pid)
+    if data is GONE:
+        return None
+    if data is DENIED:
+        return True
+    assert isinstance(data, bytes)
+    if not want.may_hold(data):
+        return False
+    extents: dict[tuple[FileId, str, bool], int] = {}
+    for token in want.tokens:
+        for m in procfs.parse_maps(data, only=token):
+            if want.keeps(m.file_id):
+                key = (m.file_id, m.path, m.deleted)
+                extents[key] = max(extents.get(key, 0), m.extent)
+    for (fid, path, deleted), extent in extents.items():
+        uses[fid].append(FileUse(pid=pid, kind="map", path=path, deleted=deleted,
+                                 size_hint=extent))
+    return False
 
 
-def _scan_maps(pid: int, token: bytes, shm_dev: int, scan: ProcessScan) -> None:
-    """Every mapping of a file on the shm filesystem, whatever name it shows."""
-    with open(f"/proc/{pid}/maps", "rb") as f:
-        data = f.read()
-    if token not in data:
-        return
-    spans: dict[tuple[FileId, str], int] = {}
-    for raw in data.splitlines():
-        if token not in raw:
-            continue
-        parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
-        if len(parts) < 5:
-            continue
-        addr, _perms, offset, dev, inode = parts[:5]
-        try:
-            fid = FileId(_parse_dev(dev), int(inode))
-        except ValueError:
-            continue
-        if fid.dev != shm_dev or fid.ino == 0:
-            continue
-        start, end = (int(x, 16) for x in addr.split("-"))
-        key = (fid, parts[5] if len(parts) > 5 else "")
-        spans[key] = max(spans.get(key, 0), int(offset, 16) + end - start)
-    for (fid, shown), extent in spans.items():
-        path, deleted = _strip_deleted(shown)
-        scan.uses[fid].append(FileUse(pid, "map", path, deleted, extent))
-
-
-def _fd_files(pid: int, proc: str, skip: Collection[int] = ()
-              ) -> Iterator[tuple[int, os.stat_result]]:
-    """(fd, stat) of every descriptor of a process, matched later by (dev, ino).
-
-    stat() of /proc/PID/fd/N follows to the open file itself, so its identity
-    holds whatever name it was opened by (a hard link removed since included).
-    """
-    fd_dir = f"{proc}/{pid}/fd"
-    for name in os.listdir(fd_dir):
-        fd = int(name)
-        if fd in skip:
-            continue
-        try:
-            yield fd, os.stat(f"{fd_dir}/{name}")
-        except PermissionError:
-            raise  # listable but not followable (PID 1 in some sandboxes): uninspected
-        except OSError:
-            continue  # closed meanwhile
-
-
-def _fd_use(pid: int, fd: int, st: os.stat_result, proc: str) -> FileUse:
-    try:
-        path, deleted = _strip_deleted(os.readlink(f"{proc}/{pid}/fd/{fd}"))
-    except OSError:
-        path, deleted = "", False
-    return FileUse(pid, "fd", path, deleted, st.st_size, fd)
-
-
-def _scan_fds(pid: int, shm_dev: int, scan: ProcessScan) -> None:
-    for fd, st in _fd_files(pid, "/proc"):
-        if st.st_dev == shm_dev and stat.S_ISREG(st.st_mode):
-            scan.uses[FileId.of(st)].append(_fd_use(pid, fd, st, "/proc"))
-
-
-@dataclass(frozen=True)
-class LockEntry:
-    """One granted lock from /proc/locks (waiters are skipped)."""
-
-    kind: str  # "FLOCK", "POSIX" or "OFDLCK"
-    exclusive: bool
-    pid: int
-    file_id: FileId
-
-
-def lock_entries(proc: str = "/proc") -> Iterator[LockEntry]:
-    try:
-        text = Path(f"{proc}/locks").read_text()
-    except OSError:
-        return
-    for line in text.splitlines():
-        fields = line.split()
-        if "->" in fields or len(fields) < 8 or fields[1] not in ("FLOCK", "POSIX", "OFDLCK"):
-            continue
-        try:
-            pid = int(fields[4])
-            major, minor, inode = fields[5].split(":")
-            fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
-        except ValueError:
-            continue
-        yield LockEntry(fields[1], fields[3] == "WRITE", pid, fid)
-
-
-def _scan_locks(scan: ProcessScan, shm_dev: int) -> None:
-    for lock in lock_entries():
-        if lock.file_id.dev == shm_dev:
-            scan.uses[lock.file_id].append(FileUse(lock.pid, "lock", "", False))
-
-
-def _scan_process(pid: int, token: bytes, shm_dev: int, scan: ProcessScan) -> bool | None:
-    """Read one process; True if it denied access, None if it vanished.
-
-    Descriptors before mappings: a user that opens, maps, then closes its
-    descriptor is seen by at least one of the two reads.
-    """
-    denied = False
-    for fds in (True, False):
-        try:
-            if fds:
-                _scan_fds(pid, shm_dev, scan)
-            else:
-                _scan_maps(pid, token, shm_dev, scan)
-        except (FileNotFoundError, ProcessLookupError):
-            return None
-        except PermissionError:
-            denied = True
-        except OSError:
-            return None
-    return denied
-
-
-def scan_processes(shm_dir: str | Path) -> ProcessScan:
-    """Every use of a region-named file on shm_dir's filesystem, by any process."""
-    shm_dir = os.path.realpath(shm_dir)
-    shm_dev = os.stat(shm_dir).st_dev
-    token = maps_dev_token(shm_dev)
+def _scan(want: _Filter, own_fds: Collection[int]) -> ProcessScan:
     scan = ProcessScan()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        denied = _scan_process(pid, token, shm_dev, scan)
-        if denied is not None:  # None: it vanished mid-scan
-            scan.scanned += 1
-            if denied:
-                scan.denied_pids.append(pid)
-    _scan_locks(scan, shm_dev)
+    me = os.getpid()
+    for pid in processes.pids():
+        denied = False
+        gone = False
+        for step in ("fd", "map"):
+            got = (_scan_fds(pid, want, own_fds if pid == me else (), scan.uses)
+                   if step == "fd" else _scan_maps(pid, want, scan.uses))
+            if got is None:
+                gone = True
+                break
+            denied = denied or got  # the other read may still work: do it
+        if gone:
+            continue  # exited mid-scan: it holds nothing now
+        scan.scanned += 1
+        if denied:
+            scan.denied_pids.append(pid)
     return scan
 
 
-def users_of(
-    fids: Collection[FileId],
-    *,
-    own_fds: Collection[int] = (),
-    proc: str = "/proc",
-) -> tuple[dict[FileId, list[FileUse]], list[int]]:
+def scan_processes(shm_dir: str | os.PathLike[str]) -> ProcessScan:
+    """Every use of a file on shm_dir's filesystem, by any process, locks included."""
+    shm_dev = os.stat(os.path.realpath(shm_dir)).st_dev
+    scan = _scan(_Filter(dev=shm_dev), ())
+    for lock in procfs.lock_entries():
+        if lock.file_id.dev == shm_dev:
+            scan.uses[lock.file_id].append(FileUse(pid=lock.pid, kind="lock"))
+    return scan
+
+
+def users_of(fids: Collection[FileId], *, own_fds: Collection[int] = ()
+             ) -> tuple[dict[FileId, list[FileUse]], list[int]]:
     """Who uses these exact files right now, and which processes denied us.
 
-    The re-check a garbage collector makes while it holds the exclusive lock,
-    so it matches by (device, inode) rather than by path: a process that
-    opened the file through another mount of the same tmpfs is still found.
-    Per process the descriptors are read before the mappings: a user that
-    opens, maps, then closes its descriptor (as vLLM may) shows up in at
-    least one of the two reads, whatever moment it does so. Flock entries are
-    ignored: the caller holds LOCK_EX, so any flock on these inodes is its own.
+    The re-check a garbage collector makes while it holds the exclusive lock.
+    Descriptors in `own_fds` are this process's own and do not count. POSIX
+    and OFD locks count as users; flock entries are ignored, since the caller
+    holds LOCK_EX, so any flock on these inodes is its own.
     """
-    wanted = set(fids)
-    found: dict[FileId, list[FileUse]] = defaultdict(list)
-    if not wanted:
-        return found, []
-    inodes = re.compile(rb" (?:" + b"|".join(str(i).encode() for i in
-                                              sorted({f.ino for f in wanted})) + rb") ")
-    tokens = {maps_dev_token(f.dev) for f in wanted}
-    me = os.getpid()
-    denied: list[int] = []
-    for entry in os.listdir(proc):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        refused = False
-        for step in (_fds_using, _maps_using):
-            try:
-                if step is _fds_using:
-                    _fds_using(pid, wanted, own_fds if pid == me else (), found, proc)
-                else:
-                    _maps_using(pid, wanted, tokens, inodes, found, proc)
-            except PermissionError:
-                refused = True  # the other read may still work: do it
-            except OSError:  # vanished (or worse): nothing more to read
-                break
-        if refused:
-            denied.append(pid)
-    _locks_on(wanted, found, proc)
-    return found, denied
+    if not fids:
+        return defaultdict(list), []
+    want = _Filter(ids=fids)
+    scan = _scan(want, own_fds)
+    for lock in procfs.lock_entries():
+        if lock.kind != "FLOCK" and lock.file_id in want.ids:
+            scan.uses[lock.file_id].append(FileUse(pid=lock.pid, kind="lock"))
+    return scan.uses, scan.denied_pids
 
 
-def _fds_using(pid: int, wanted: set[FileId], skip: Collection[int],
-               found: dict[FileId, list[FileUse]], proc: str) -> None:
-    for fd, st in _fd_files(pid, proc, skip):
-        fid = FileId.of(st)
-        if fid in wanted:
-            found[fid].append(_fd_use(pid, fd, st, proc))
-
-
-def _maps_using(pid: int, wanted: set[FileId], tokens: set[bytes], inodes: re.Pattern[bytes],
-                found: dict[FileId, list[FileUse]], proc: str) -> None:
-    with open(f"{proc}/{pid}/maps", "rb") as f:
-        data = f.read()
-    if not any(t in data for t in tokens) or inodes.search(data) is None:
-        return
-    seen: set[FileId] = set()
-    for raw in data.splitlines():
-        if inodes.search(raw) is None:
-            continue
-        parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
-        if len(parts) < 5:
-            continue
-        try:
-            fid = FileId(_parse_dev(parts[3]), int(parts[4]))
-        except ValueError:
-            continue
-        if fid in wanted and fid not in seen:
-            seen.add(fid)
-            shown = parts[5] if len(parts) > 5 else ""
-            path, deleted = _strip_deleted(shown)
-            found[fid].append(FileUse(pid, "map", path, deleted))
-
-
-def _locks_on(wanted: set[FileId], found: dict[FileId, list[FileUse]], proc: str) -> None:
-    """POSIX and OFD locks count as users; flock entries are the caller's own."""
-    for lock in lock_entries(proc):
-        if lock.kind != "FLOCK" and lock.file_id in wanted:
-            found[lock.file_id].append(FileUse(lock.pid, "lock", "", False))
-
-
-def flock_holders(fid: FileId, *, proc: str = "/proc") -> list[tuple[int, bool]]:
+def flock_holders(fid: FileId) -> list[tuple[int, bool]]:
     """(pid, exclusive) for each flock on one inode, from /proc/locks."""
-    return [(lock.pid, lock.exclusive) for lock in lock_entries(proc)
+    return [(lock.pid, lock.exclusive) for lock in procfs.lock_entries()
             if lock.kind == "FLOCK" and lock.file_id == fid]

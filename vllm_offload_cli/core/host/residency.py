@@ -9,8 +9,8 @@ from __future__ import annotations
 import ctypes
 import os
 
-from vllm_offload_cli.core.base import libc
 from vllm_offload_cli.core.region.geometry import PAGESIZE
+from vllm_offload_cli.core.system import libc
 
 _WINDOW = 1 << 30  # map and measure at most this much at once
 

@@ -2,7 +2,7 @@
 
 A holder found in /proc proves a region is in use; no holder found proves
 nothing unless /proc showed every process that could use it. Three things
-break that (DESIGN section 3, "Know your blind spots"):
+break that:
 
 - **Host-wide** (`BlindSpot`): we run in a PID namespace that is not the
   host's (a container without hostPID), /proc is mounted from another
@@ -14,7 +14,7 @@ break that (DESIGN section 3, "Know your blind spots"):
   may not read (another user's, a non-dumpable one, PID 1 in some sandboxes).
   It matters only for files it could open: same uid as the owner, or a
   capability that overrides file permissions, or a region with group/other
-  bits. /proc/PID/status stays readable and says which.
+  bits. Its owner and capabilities stay readable and say which.
 
 Callers turn "could be hidden" into state `unknown` unless the kernel's own
 count of open files (region.openers) proves the file is open nowhere else.
@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+
+from vllm_offload_cli.core.system import mounts, processes, procfs
 
 # The initial PID namespace's inode number (PROC_PID_INIT_INO, fixed since Linux 3.8).
 PROC_PID_INIT_INO = 0xEFFFFFFC
@@ -58,7 +60,7 @@ class HiddenProcess:
     """A process whose maps or descriptors we could not read."""
 
     pid: int
-    uids: frozenset[int] | None  # real, effective, saved, fs; None: status unreadable
+    uids: frozenset[int] | None  # real, effective, saved; None: unreadable
     open_any: bool  # holds a capability that bypasses file permissions
 
     def could_open(self, owner: int | None, mode: int | None) -> bool:
@@ -97,20 +99,12 @@ class Visibility:
         }
 
 
-def namespace_blind_spots(proc: str = "/proc") -> list[BlindSpot]:
+def namespace_blind_spots() -> list[BlindSpot]:
     """Are we, and is /proc, in the host's initial PID namespace?"""
-    try:
-        shown = os.readlink(f"{proc}/self")
-    except OSError:
-        shown = ""
-    if shown != str(os.getpid()):
-        return [BlindSpot(FOREIGN_PROC, f"{proc} is mounted from another PID namespace than "
+    if not procfs.proc_shows_self():
+        return [BlindSpot(FOREIGN_PROC, "/proc is mounted from another PID namespace than "
                           "this process's, so it does not show the processes that matter")]
-    try:
-        ino = os.stat(f"{proc}/self/ns/pid").st_ino
-    except OSError:
-        ino = None
-    if ino == PROC_PID_INIT_INO:
+    if procfs.pid_namespace_inode() == PROC_PID_INIT_INO:
         return []
     return [BlindSpot(PID_NAMESPACE, "this process runs in a PID namespace that is not the "
                       "host's (a container without hostPID?), so processes outside it that "
@@ -126,26 +120,14 @@ class ProcMount:
     gid: int | None
 
 
-def parse_proc_mount(mountinfo: str, mount_point: str = "/proc") -> ProcMount | None:
-    """The last proc mount at `mount_point` in /proc/self/mountinfo text."""
-    found = None
-    for line in mountinfo.splitlines():
-        head, sep, tail = line.partition(" - ")
-        fields = head.split()
-        if not sep or len(fields) < 5 or fields[4] != mount_point:
-            continue
-        super_fields = tail.split()
-        if not super_fields or super_fields[0] != "proc":
-            found = None  # something else mounted over /proc
-            continue
-        options: dict[str, str] = {}
-        for opt in (super_fields[2] if len(super_fields) > 2 else "").split(","):
-            key, _, value = opt.partition("=")
-            options[key] = value
-        gid = options.get("gid")
-        found = ProcMount(options.get("hidepid"), options.get("subset"),
-                          int(gid) if gid and gid.isdigit() else None)
-    return found
+def proc_mount(table: list[mounts.Mount]) -> ProcMount | None:
+    """The options of the proc mount that path lookups of /proc see; None if not proc."""
+    top = mounts.top_mount_at(procfs.PROC, table)
+    if top is None or top.fstype != "proc":
+        return None  # nothing there, or something else mounted over /proc
+    gid = top.options.get("gid")
+    return ProcMount(top.options.get("hidepid"), top.options.get("subset"),
+                     int(gid) if gid and gid.isdigit() else None)
 
 
 def mount_blind_spots(mount: ProcMount | None, groups: Collection[int]) -> list[BlindSpot]:
@@ -163,47 +145,30 @@ def mount_blind_spots(mount: ProcMount | None, groups: Collection[int]) -> list[
     return spots
 
 
-def host_blind_spots(proc: str = "/proc") -> list[BlindSpot]:
+def host_blind_spots() -> list[BlindSpot]:
     """Every host-wide blind spot of this process, read afresh."""
-    spots = namespace_blind_spots(proc)
-    try:
-        with open(f"{proc}/self/mountinfo") as f:
-            mountinfo = f.read()
-    except OSError:
-        mountinfo = ""
     groups = {os.getegid(), *os.getgroups()}
-    return spots + mount_blind_spots(parse_proc_mount(mountinfo, proc), groups)
+    return namespace_blind_spots() + mount_blind_spots(proc_mount(mounts.mounts()), groups)
 
 
-def hidden_process(pid: int, proc: str = "/proc") -> HiddenProcess | None:
-    """What /proc/PID/status says about a process we could not inspect (None: gone)."""
-    try:
-        with open(f"{proc}/{pid}/status", "rb") as f:
-            text = f.read().decode("ascii", "replace")
-    except (FileNotFoundError, ProcessLookupError):
+def hidden_process(pid: int) -> HiddenProcess | None:
+    """Who a process we could not inspect runs as, and whether it may open any file
+    (None: it is gone). Unreadable owner or capabilities count as "could open it"."""
+    caps = procfs.capability_mask(pid)
+    if caps is procfs.GONE:
         return None
-    except OSError:
+    uids = processes.uids(pid)
+    if caps is procfs.DENIED or uids is None:
         return HiddenProcess(pid, None, True)
-    uids: frozenset[int] | None = None
-    caps = 0
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        try:
-            if key == "Uid":
-                uids = frozenset(int(v) for v in value.split())
-            elif key in ("CapPrm", "CapEff"):
-                caps |= int(value.strip(), 16)
-        except ValueError:
-            return HiddenProcess(pid, None, True)
+    assert isinstance(caps, int)
     return HiddenProcess(pid, uids, bool(caps & _OPEN_ANY_CAPS))
 
 
-def assess(denied_pids: Iterable[int], *, namespace_waived: bool = False,
-           proc: str = "/proc") -> Visibility:
+def assess(denied_pids: Iterable[int], *, namespace_waived: bool = False) -> Visibility:
     """This run's visibility, from the pids a scan could not read."""
-    hidden = [h for h in (hidden_process(p, proc) for p in sorted(set(denied_pids)))
+    hidden = [h for h in (hidden_process(p) for p in sorted(set(denied_pids)))
               if h is not None]
-    return Visibility(tuple(host_blind_spots(proc)), tuple(hidden), namespace_waived)
+    return Visibility(tuple(host_blind_spots()), tuple(hidden), namespace_waived)
 
 
 def advice(spots: Iterable[BlindSpot]) -> str:

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_offload_cli.core.base import libc, numa
-from vllm_offload_cli.core.host import placement, residency
+from vllm_offload_cli.core.host import observed_placement, residency
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
+from vllm_offload_cli.core.system import libc, numa, processes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerPlacement:
     """One attached worker: the nodes of its CPUs and where its slot's pages are."""
 
@@ -53,11 +53,11 @@ def slot_nodes(fd: int, g: Geometry, rows: int, rank: int, resident: bytes,
         return {topo.nodes[0]: total} if total else {}
     if not total or not libc.numa_syscalls_available():
         return {} if not total else None
-    step = max(1, rows * len(cols) // placement.SAMPLE_PAGES)
+    step = max(1, rows * len(cols) // observed_placement.SAMPLE_PAGES)
     picked = [row * per_row + j for row in range(0, rows, step) for j in cols
               if resident[row * per_row + j]]
     try:
-        seen = placement.sample_pages(fd, rows * g.row_stride, picked).nodes
+        seen = observed_placement.sample_pages(fd, rows * g.row_stride, picked).nodes
     except OSError:
         return None
     whole = sum(seen.values())
@@ -73,12 +73,13 @@ def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, 
     resident = residency.page_map(fd, 0, rows * g.row_stride)
     out = []
     for pid, rank in workers:
-        cpus = numa.allowed_cpus(pid)
+        cpus = processes.allowed_cpus(pid)
         cpu_nodes = None if cpus is None else tuple(sorted(topo.nodes_of_cpus(cpus)))
         nodes = slot_nodes(fd, g, rows, rank, resident, topo)
         remote = bool(cpu_nodes and nodes and any(
             n not in cpu_nodes for n, b in nodes.items() if b))
-        out.append(WorkerPlacement(pid, rank, cpu_nodes, nodes, remote))
+        out.append(WorkerPlacement(pid=pid, rank=rank, cpu_nodes=cpu_nodes, slot_nodes=nodes,
+                                   remote=remote))
     return out
 
 

@@ -25,7 +25,6 @@ from vllm_offload_cli.core.base.errors import (
     RegionNotFoundError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.base.procfs import ProcessRef
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
@@ -33,9 +32,11 @@ from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, default_row_stride
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.region.ranks import RANK_SOURCES
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckProblem:
     """A finding about a live region, naming the ranks, pids and slot involved."""
 
@@ -56,7 +57,7 @@ class CheckProblem:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttachedWorker:
     """A live ranked opener recorded in the manifest."""
 
@@ -71,7 +72,7 @@ class AttachedWorker:
                 "rank_source": self.rank_source, "host": self.host}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SlotReport:
     """One slot across all rows: who claims it and how much of it is resident.
 
@@ -108,7 +109,7 @@ class SlotReport:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LiveCheck:
     engine_id: str
     path: str
@@ -181,7 +182,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeRegionError(f"{path} is not a regular file; it is no region",
                                 path=path, engine_id=engine_id, code="not_regular_file")
-    problems = [CheckProblem(p.code, f"{path} {p.message}")
+    problems = [CheckProblem(code=p.code, message=f"{path} {p.message}")
                 for p in fsguard.stat_problems(st, allowed_uids=allowed_uids)]
     manifest, mproblem = _manifest_for(mpath, st, allowed_uids)
     if mproblem is not None:
@@ -198,7 +199,8 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
                 "--world-size and --cpu-page-size", path=path, engine_id=engine_id,
                 code="geometry_unknown")
         geometry, rows, source = None, 0, None
-        gproblems = [CheckProblem("geometry_unknown", "without a usable manifest the geometry "
+        gproblems = [CheckProblem(code="geometry_unknown",
+                                  message="without a usable manifest the geometry "
                                   "is unknown; pass --world-size and --cpu-page-size")]
     else:
         geometry, rows, gproblems = _geometry_from_arguments(st.st_size, world_size,
@@ -216,8 +218,9 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
             elif a.rank is None:
                 rankless += 1
             else:
-                workers.append(AttachedWorker(a.pid, a.rank, a.device_index, a.rank_source,
-                                              a.host))
+                workers.append(AttachedWorker(pid=a.pid, rank=a.rank, device_index=a.device_index,
+                                              rank_source=a.rank_source,
+                                              host=a.host))
     slots: list[SlotReport] = []
     placed: list[affinity.WorkerPlacement] = []
     if geometry is not None and geometry.world_size is not None:
@@ -226,8 +229,9 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
         notes += w_notes
         if rankless:
             notes.append(CheckProblem(
-                "rankless_opener",
-                f"{rankless} rank-less opener(s) (the scheduler, or `create`) hold the region; "
+                code="rankless_opener",
+                message=f"{rankless} rank-less opener(s) (the scheduler, or `create`) hold the "
+                        f"region; "
                 "they pre-fault every slot, so residency cannot show which workers wrote"))
         if rows > 0:
             slots, s_problems, s_notes = _slot_reports(fd, geometry, rows, workers)
@@ -236,7 +240,8 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
             slots = [_with_status(s, problems) for s in slots]
             placed = affinity.check_workers(fd, geometry, rows, [
                 (w.pid, w.rank) for w in workers if 0 <= w.rank < geometry.world_size])
-            notes += [CheckProblem("numa_remote", affinity.remote_message(w), ranks=(w.rank,),
+            notes += [CheckProblem(code="numa_remote", message=affinity.remote_message(w),
+                                   ranks=(w.rank,),
                                    pids=(w.pid,)) for w in placed if w.remote]
 
     return LiveCheck(
@@ -253,9 +258,9 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
 def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: Collection[int] | None
                   ) -> tuple[manifest_io.Manifest | None, CheckProblem | None]:
     """The manifest, if it exists, parses, and describes this very file."""
-    m, problem = manifest_io.read_matching(mpath, fsguard.FileId.of(st),
+    m, problem = manifest_io.read_matching(mpath, FileId.of(st),
                                            allowed_uids=allowed_uids, owner_uid=st.st_uid)
-    return m, None if problem is None else CheckProblem(problem.code, problem.message)
+    return m, None if problem is None else CheckProblem(code=problem.code, message=problem.message)
 
 
 def _stride_problems(row_stride: int, cpu_page_size: int, world_size: int
@@ -263,12 +268,13 @@ def _stride_problems(row_stride: int, cpu_page_size: int, world_size: int
     problems = []
     if row_stride % PAGESIZE:
         problems.append(CheckProblem(
-            "row_stride_unaligned",
-            f"row stride {row_stride} is not a multiple of the page size {PAGESIZE}"))
+            code="row_stride_unaligned",
+            message=f"row stride {row_stride} is not a multiple of the page size {PAGESIZE}"))
     if world_size * cpu_page_size > row_stride:
         problems.append(CheckProblem(
-            "row_stride_too_small",
-            f"{world_size} slots of {cpu_page_size} bytes need {world_size * cpu_page_size} "
+            code="row_stride_too_small",
+            message=f"{world_size} slots of {cpu_page_size} bytes need "
+                    f"{world_size * cpu_page_size} "
             f"bytes per row, more than the row stride {row_stride}; the last slots would "
             "spill into the next row"))
     return problems
@@ -282,12 +288,13 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
     problems = []
     if world_size is not None and g.world_size is not None and world_size != g.world_size:
         problems.append(CheckProblem(
-            "geometry_mismatch",
-            f"the manifest records world size {g.world_size}, --world-size says {world_size}"))
+            code="geometry_mismatch",
+            message=f"the manifest records world size {g.world_size}, --world-size says "
+                    f"{world_size}"))
     if cpu_page_size is not None and cpu_page_size != g.cpu_page_size:
         problems.append(CheckProblem(
-            "geometry_mismatch",
-            f"the manifest records cpu_page_size {g.cpu_page_size}, --cpu-page-size says "
+            code="geometry_mismatch",
+            message=f"the manifest records cpu_page_size {g.cpu_page_size}, --cpu-page-size says "
             f"{cpu_page_size}"))
     world = g.world_size if g.world_size is not None else world_size
     if world is None:
@@ -296,15 +303,16 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
             path=mpath, code="geometry_unknown")
     if size != g.size_bytes:
         problems.append(CheckProblem(
-            "size_mismatch",
-            f"the file is {size} bytes but its manifest geometry needs {g.size_bytes} "
+            code="size_mismatch",
+            message=f"the file is {size} bytes but its manifest geometry needs {g.size_bytes} "
             f"({g.num_blocks} rows of {g.row_stride} bytes)"))
     stride_problems = _stride_problems(g.row_stride, g.cpu_page_size, world)
     problems += stride_problems
     if stride_problems:
         return None, 0, problems
     rows = min(g.num_blocks, size // g.row_stride)
-    return Geometry(g.num_blocks, g.row_stride, g.cpu_page_size, world), rows, problems
+    return Geometry(num_blocks=g.num_blocks, row_stride=g.row_stride,
+                    cpu_page_size=g.cpu_page_size, world_size=world), rows, problems
 
 
 def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, path: str
@@ -314,20 +322,23 @@ def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, pat
     rows, rest = divmod(size, row_stride)
     hint = "wrong --world-size or --cpu-page-size?"
     if size == 0:
-        return None, 0, [CheckProblem("size_mismatch", f"{path} is empty; its creator never "
+        return None, 0, [CheckProblem(code="size_mismatch",
+                                      message=f"{path} is empty; its creator never "
                                    "sized it (crashed between open and ftruncate?)")]
     if rows == 0:
         return None, 0, [CheckProblem(
-            "size_mismatch", f"{path} is {size} bytes, smaller than one row of {row_stride} "
+            code="size_mismatch",
+            message=f"{path} is {size} bytes, smaller than one row of {row_stride} "
             f"bytes ({world_size} slot(s) of {cpu_page_size}); {hint}")]
     problems = []
     if rest:
         problems.append(CheckProblem(
-            "size_mismatch",
-            f"{path} is {size} bytes, not a whole number of rows of {row_stride} bytes "
+            code="size_mismatch",
+            message=f"{path} is {size} bytes, not a whole number of rows of {row_stride} bytes "
             f"({world_size} slot(s) of {cpu_page_size}, rounded up to a page): {rows} rows "
             f"and {rest} bytes over; {hint}"))
-    return Geometry(rows, row_stride, cpu_page_size, world_size), rows, problems
+    return Geometry(num_blocks=rows, row_stride=row_stride, cpu_page_size=cpu_page_size,
+                    world_size=world_size), rows, problems
 
 
 def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manifest: bool
@@ -337,17 +348,19 @@ def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manif
     notes: list[CheckProblem] = []
     if not has_manifest:
         return problems, [CheckProblem(
-            "no_manifest", "no manifest records who attached (a region made by vLLM); only "
+            code="no_manifest",
+            message="no manifest records who attached (a region made by vLLM); only "
             "size and residency are checked")]
     if not workers:
         return problems, [CheckProblem(
-            "no_workers", "no live worker is attached (pre-provisioned, or the engine is "
+            code="no_workers",
+            message="no live worker is attached (pre-provisioned, or the engine is "
             "down); only size and residency are checked")]
     for w in workers:
         if not 0 <= w.rank < world_size:
             problems.append(CheckProblem(
-                "rank_out_of_range",
-                f"pid {w.pid} is attached as rank {w.rank}, outside [0, {world_size}) "
+                code="rank_out_of_range",
+                message=f"pid {w.pid} is attached as rank {w.rank}, outside [0, {world_size}) "
                 f"({_origin(w)}); it writes past the row's slots, into another worker's slot "
                 "of the next row", ranks=(w.rank,), pids=(w.pid,)))
     by_rank: dict[int, list[AttachedWorker]] = defaultdict(list)
@@ -356,22 +369,24 @@ def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manif
     for rank, same in sorted(by_rank.items()):
         if len(same) > 1:
             problems.append(CheckProblem(
-                "rank_duplicate",
-                f"rank {rank} is attached {len(same)} times: pids {_and(w.pid for w in same)} "
+                code="rank_duplicate",
+                message=f"rank {rank} is attached {len(same)} times: pids "
+                        f"{_and(w.pid for w in same)} "
                 f"({'; '.join(_origin(w) for w in same)}); they write the same bytes",
                 ranks=(rank,), pids=tuple(w.pid for w in same), slot=rank))
     missing = [r for r in range(world_size) if r not in by_rank]
     if missing:
         problems.append(CheckProblem(
-            "rank_missing",
-            f"no live worker is attached as rank {_and(missing, 'or')} of {world_size}; a "
+            code="rank_missing",
+            message=f"no live worker is attached as rank {_and(missing, 'or')} of {world_size}; a "
             "worker never attached, or computed another rank", ranks=tuple(missing)))
     problems += _device_checks(workers, notes)
     sources = sorted({w.rank_source for w in workers if w.rank_source is not None})
     if len(sources) > 1:
         problems.append(CheckProblem(
-            "mixed_rank_sources",
-            f"live workers computed their ranks with different sources ({', '.join(sources)}); "
+            code="mixed_rank_sources",
+            message=f"live workers computed their ranks with different sources "
+                    f"({', '.join(sources)}); "
             "their slots need not be disjoint",
             pids=tuple(w.pid for w in workers if w.rank_source is not None)))
     return problems, notes
@@ -398,14 +413,16 @@ def _device_checks(workers: Sequence[AttachedWorker], notes: list[CheckProblem]
         device_based = all(_device_based(w.rank_source) for w in same)
         if device_based:
             problems.append(CheckProblem(
-                "device_shared",
-                f"pids {_and(pids)} all report device index {device} and derive their rank from "
+                code="device_shared",
+                message=f"pids {_and(pids)} all report device index {device} and derive their "
+                        f"rank from "
                 "it, so they compute the same slot", ranks=tuple(w.rank for w in same),
                 pids=pids))
         else:
             notes.append(CheckProblem(
-                "device_index_shared",
-                f"pids {_and(pids)} all report device index {device}; fine when each worker "
+                code="device_index_shared",
+                message=f"pids {_and(pids)} all report device index {device}; fine when each "
+                        f"worker "
                 "process sees only its own GPU, a shared GPU otherwise",
                 ranks=tuple(w.rank for w in same), pids=pids))
     return problems
@@ -438,7 +455,7 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
     for slot in range(world):
         rng = g.slot(slot)
         report = SlotReport(
-            slot, rng.start, rng.end, tuple(by_rank.get(slot, ())),
+            slot=slot, start=rng.start, end=rng.end, workers=tuple(by_rank.get(slot, ())),
             pages=len(own[slot]) * rows,
             resident_pages=sum(resident_in_column[j] for j in own[slot]),
             shared_pages=len(shared[slot]) * rows,
@@ -448,8 +465,8 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
         where = f"bytes {rng.start}..{rng.end} of each of {rows} rows"
         if report.pages == 0:
             notes.append(CheckProblem(
-                "slot_unmeasurable",
-                f"slot {slot} ({where}) shares every page with a neighbouring slot "
+                code="slot_unmeasurable",
+                message=f"slot {slot} ({where}) shares every page with a neighbouring slot "
                 f"(cpu_page_size {g.cpu_page_size} is not page aligned), so residency cannot "
                 "tell whether it was populated", slot=slot))
         elif report.resident_pages == 0:
@@ -458,8 +475,8 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
                    "wrote there" if claim else
                    "no live worker claims it; a worker never attached, or wrote elsewhere")
             problems.append(CheckProblem(
-                "slot_unpopulated",
-                f"slot {slot} ({where}) was never populated: none of its "
+                code="slot_unpopulated",
+                message=f"slot {slot} ({where}) was never populated: none of its "
                 f"{report.pages} page(s) is resident; {who}", slot=slot,
                 pids=tuple(w.pid for w in claim)))
     return reports, problems, notes
@@ -470,8 +487,10 @@ def _with_status(s: SlotReport, problems: Iterable[CheckProblem]) -> SlotReport:
                                 if p.slot == s.slot or s.slot in p.ranks))
     if not codes and s.pages == 0:
         codes = ("unmeasurable",)
-    return SlotReport(s.slot, s.start, s.end, s.workers, s.pages, s.resident_pages,
-                      s.shared_pages, s.shared_resident_pages, codes)
+    return SlotReport(slot=s.slot, start=s.start, end=s.end, workers=s.workers, pages=s.pages,
+                      resident_pages=s.resident_pages,
+                      shared_pages=s.shared_pages, shared_resident_pages=s.shared_resident_pages,
+                      status=codes)
 
 
 def _device_based(name: str | None) -> bool:

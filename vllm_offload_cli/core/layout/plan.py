@@ -169,7 +169,7 @@ class WorkerRef:
         return {"replica": self.replica, "worker": self.worker}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanProblem:
     """A layout flaw, naming exactly the workers (or replicas) involved."""
 
@@ -194,7 +194,7 @@ class PlanProblem:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerPlan:
     replica: int
     worker: int  # its logical rank within the replica
@@ -212,7 +212,7 @@ class WorkerPlan:
                 "status": ",".join(self.problems) or "ok"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaPlan:
     replica: int
     engine_id: str
@@ -225,7 +225,7 @@ class ReplicaPlan:
                 "workers": [w.to_dict() for w in self.workers]}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayoutPlan:
     world_size: int
     dp_size: int
@@ -296,13 +296,17 @@ def plan_layout(
             if p.code not in involved[ref]:
                 involved[ref].append(p.code)
     replicas = tuple(
-        ReplicaPlan(k, engine_ids[k], engine_id_suffix(k, dp_size, dp_suffix=dp_suffix), tuple(
-            WorkerPlan(k, w, device, slots[WorkerRef(k, w)], tuple(involved[WorkerRef(k, w)]))
+        ReplicaPlan(replica=k, engine_id=engine_ids[k],
+                    engine_id_suffix=engine_id_suffix(k, dp_size, dp_suffix=dp_suffix),
+                    workers=tuple(
+            WorkerPlan(replica=k, worker=w, device=device, slot=slots[WorkerRef(k, w)],
+                       problems=tuple(involved[WorkerRef(k, w)]))
             for w, device in enumerate(group)))
         for k, group in enumerate(assigned)
     )
-    return LayoutPlan(world_size, dp_size, rank_source, layout, dp_suffix, replicas,
-                      tuple(problems), layout.unused(world_size, dp_size))
+    return LayoutPlan(world_size=world_size, dp_size=dp_size, rank_source=rank_source,
+                      devices=layout, dp_suffix=dp_suffix, replicas=replicas,
+                      problems=tuple(problems), unused_devices=layout.unused(world_size, dp_size))
 
 
 def _require_count(option: str, value: int) -> None:
@@ -322,8 +326,9 @@ def _engine_id_collisions(engine_ids: Sequence[str], dp_suffix: bool) -> list[Pl
         why = ("" if dp_suffix else
                " (no _dp suffix: the multiprocessing path before vLLM PR 47987)")
         problems.append(PlanProblem(
-            "engine_id_collision",
-            f"replicas {_and(replicas)} would all use engine_id {engine_id}{why}: one region "
+            code="engine_id_collision",
+            message=f"replicas {_and(replicas)} would all use engine_id {engine_id}{why}: one "
+                    f"region "
             "file for all of them, so their workers write into each other's rows",
             replicas=tuple(replicas), engine_id=engine_id))
     return problems
@@ -350,8 +355,8 @@ def _slot_collisions(slots: Mapping[WorkerRef, int], engine_ids: Sequence[str],
                                      for r in refs))
         via = reasons[0] + " for each" if len(reasons) == 1 else ", ".join(reasons)
         problems.append(PlanProblem(
-            "slot_collision",
-            f"{_name_workers(refs)} {_both(refs)} -> slot {slot} of {engine_id} "
+            code="slot_collision",
+            message=f"{_name_workers(refs)} {_both(refs)} -> slot {slot} of {engine_id} "
             f"({source.name}: {via}); they would overwrite each other's KV blocks",
             workers=tuple(refs), slot=slot, engine_id=engine_id))
     return problems
@@ -365,8 +370,8 @@ def _out_of_range(slots: Mapping[WorkerRef, int], world_size: int, engine_ids: S
         if 0 <= slot < world_size:
             continue
         problems.append(PlanProblem(
-            "slot_out_of_range",
-            f"{_name_workers([ref])} -> slot {slot}, outside [0, {world_size}) "
+            code="slot_out_of_range",
+            message=f"{_name_workers([ref])} -> slot {slot}, outside [0, {world_size}) "
             f"({source.name}: {_why(source, ref, device_of[ref])} -> {slot}); its bytes fall "
             "past the row's slots, into another worker's slot of the next row (or past the "
             "end of the file)",
@@ -381,8 +386,8 @@ def _shared_devices(device_of: Mapping[WorkerRef, Device]) -> list[PlanProblem]:
         if device.label is not None:
             by_label[device.label].append(ref)
     return [
-        PlanProblem("device_shared",
-                    f"{_name_workers(refs)} are {_both(refs)} on device {label}",
+        PlanProblem(code="device_shared",
+                    message=f"{_name_workers(refs)} are {_both(refs)} on device {label}",
                     workers=tuple(refs), device=label)
         for label, refs in by_label.items() if len(refs) > 1
     ]

@@ -3,7 +3,7 @@
 Deleting by name is unsafe in `/dev/shm`: vLLM keeps using a region through
 its mapping without any lock, a creator may be between `O_EXCL` and
 `ftruncate`, and anyone can plant a symlink named like a region. So a region
-goes only when every test agrees (DESIGN section 3), decided on state read
+goes only when every test agrees, decided on state read
 while we hold the region's exclusive lock:
 
 1. discovery (`discover()`) lists candidates with their holders; anything held,
@@ -46,7 +46,6 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.procfs import ProcessRef, comm
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
@@ -83,7 +82,6 @@ from vllm_offload_cli.core.reclaim.report import (
 )
 from vllm_offload_cli.core.region import fsguard, locking, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
     MANIFEST_SUFFIX,
@@ -92,6 +90,8 @@ from vllm_offload_cli.core.region.naming import (
     manifest_path,
     region_path,
 )
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,9 @@ def collect(
     shm_private_to_namespace: bool = False,
 ) -> GcReport:
     """Find and remove every provably stale region in shm_dir (or only `engine_ids`)."""
-    options = GcOptions(dry_run, min_age, include_persistent, all_users,
-                        shm_private_to_namespace)
+    options = GcOptions(dry_run=dry_run, min_age=min_age, include_persistent=include_persistent,
+                        all_users=all_users,
+                        shm_private_to_namespace=shm_private_to_namespace)
     check_options(options)
     started, clock = time.time(), time.monotonic()
     inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False,
@@ -149,7 +150,7 @@ def reclaim(
     """Act on an inventory: every decision is re-checked on the files themselves,
     so an inventory that aged (files replaced, new users) is still safe to pass."""
     check_options(options)
-    run = _Run(inventory, options)
+    run = _Run(inventory=inventory, options=options)
     run.blind = _effective(visibility.host_blind_spots(), options)
     run.regions(inventory.regions)
     if not run.blind:  # pid-based judgements (is the writer alive?) need the whole host
@@ -180,7 +181,7 @@ def _effective(spots: Sequence[BlindSpot], options: GcOptions) -> tuple[BlindSpo
     return vis.effective
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Locked:
     """A candidate whose files we hold open and exclusively locked."""
 
@@ -203,7 +204,7 @@ class _Locked:
         self.manifest_fd = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Run:
     inventory: Inventory
     options: GcOptions
@@ -296,7 +297,8 @@ class _Run:
 
     def _lock(self, r: RegionInfo) -> _Locked | None:
         """Open, judge and exclusively lock every file of a region, or say why not."""
-        held = _Locked(r, [], str(manifest_path(self.shm_dir, r.engine_id)))
+        held = _Locked(region=r, files=[], manifest_path=str(manifest_path(self.shm_dir,
+                                                                           r.engine_id)))
         ok = False
         try:
             for seg in sorted(r.segments, key=lambda s: s.segment):
@@ -431,8 +433,10 @@ class _Run:
         freed = sum(st.st_blocks * 512 for _, _, st in held.files)
         if self.options.dry_run:
             self.removed.append(RemovedRegion(
-                r.engine_id, tuple(seg.path for seg, _, _ in held.files), size, freed,
-                held.manifest_path if held.manifest_fd is not None else None, age))
+                engine_id=r.engine_id, paths=tuple(seg.path for seg, _,
+                                                   _ in held.files), bytes=size, freed_bytes=freed,
+                manifest=held.manifest_path if held.manifest_fd is not None else None,
+                age_seconds=age))
             return
         manifest_removed = None
         if held.manifest_fd is not None:
@@ -459,8 +463,9 @@ class _Run:
                 self.vanished.append(r.engine_id)
         if paths:
             paths.reverse()
-            self.removed.append(RemovedRegion(r.engine_id, tuple(paths), size, freed,
-                                              manifest_removed, age))
+            self.removed.append(RemovedRegion(engine_id=r.engine_id, paths=tuple(paths),
+                                              bytes=size, freed_bytes=freed,
+                                              manifest=manifest_removed, age_seconds=age))
             logger.info("removed %s (%d bytes)", ", ".join(paths), size)
 
     # -- manifests and temporary files --------------------------------------------
@@ -536,8 +541,9 @@ class _Run:
 
     def _kept(self, r: RegionInfo, code: str, reason: str, pid: int | None = None, *,
               blind_spot: str | None = None) -> KeptRegion:
-        return KeptRegion(r.engine_id, code, reason, tuple(r.paths), pid, r.linked,
-                          blind_spot)
+        return KeptRegion(engine_id=r.engine_id, code=code, reason=reason, paths=tuple(r.paths),
+                          pid=pid, linked=r.linked,
+                          blind_spot=blind_spot)
 
     def _keep(self, kept: KeptRegion) -> None:
         logger.debug("keeping %s: %s", kept.engine_id, kept.reason)
@@ -548,8 +554,9 @@ class _Run:
             if engine_id is not None:
                 self.vanished.append(engine_id)
             return
-        self.errors.append(GcFailure(path, f"cannot remove {path}: {exc.strerror or exc}",
-                                     engine_id))
+        self.errors.append(GcFailure(path=path,
+                                     message=f"cannot remove {path}: {exc.strerror or exc}",
+                                     engine_id=engine_id))
 
     def _lock_refused(self, r: RegionInfo, fid: FileId | None) -> KeptRegion:
         """LOCK_EX refused: a user's shared lock, or another collector's probe."""

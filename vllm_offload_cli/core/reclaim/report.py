@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.host.visibility import HIDDEN_HOLDERS, BlindSpot
+from vllm_offload_cli.core.host.visibility import BlindSpot
 
 DEFAULT_MIN_AGE = 60.0
 
@@ -31,7 +31,7 @@ KEPT_CODES = (LIVE, BUSY, PERSISTENT, TOO_YOUNG, FOREIGN_OWNER, SYMLINK, NOT_REG
               LINK_COUNT, OTHER_FILESYSTEM, CHANGED, UNREADABLE, UNKNOWN, CREATION_RUNNING)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GcOptions:
     dry_run: bool = False
     min_age: float = DEFAULT_MIN_AGE
@@ -40,7 +40,7 @@ class GcOptions:
     shm_private_to_namespace: bool = False  # waives the pid_namespace blind spot only
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RemovedRegion:
     """A region that was removed (or, in a dry run, would be)."""
 
@@ -57,7 +57,7 @@ class RemovedRegion:
                 "age_seconds": round(self.age_seconds, 3)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KeptRegion:
     """A region left in place, and why."""
 
@@ -75,7 +75,7 @@ class KeptRegion:
                 "blind_spot": self.blind_spot}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GcFailure:
     """A removal the system refused: the run exits 1."""
 
@@ -89,7 +89,7 @@ class GcFailure:
                 "engine_id": self.engine_id}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GcReport:
     shm_dir: str
     options: GcOptions
@@ -120,13 +120,6 @@ class GcReport:
     def refused(self) -> tuple[KeptRegion, ...]:
         """Regions kept only because a holder could be hidden: the run exits 6."""
         return tuple(k for k in self.kept if k.code == UNKNOWN)
-
-    def refusal_codes(self) -> list[str]:
-        """Why this run refused: blind-spot codes, then `hidden_holders` if any."""
-        codes = [b.code for b in self.blind_spots]
-        codes += [HIDDEN_HOLDERS] if any(k.blind_spot == HIDDEN_HOLDERS
-                                         for k in self.refused) else []
-        return codes
 
     def kept_by_code(self) -> dict[str, int]:
         counts = dict.fromkeys(KEPT_CODES, 0)

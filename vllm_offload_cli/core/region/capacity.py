@@ -14,8 +14,7 @@ from pathlib import Path
 
 from vllm_offload_cli.core.base.errors import InsufficientSpaceError
 from vllm_offload_cli.core.base.units import format_bytes
-
-_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge number
+from vllm_offload_cli.core.system import memory
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class ShmUsage:
     free_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Capacity:
     """What a new region can take; None where a limit does not apply or cannot be read."""
 
@@ -39,71 +38,10 @@ def shm_usage(shm_dir: str | Path) -> ShmUsage:
     return ShmUsage(st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
 
 
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return None if value >= _UNLIMITED else value
-
-
-def cgroup_headroom(proc_root: Path = Path("/proc"),
-                    cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[int | None, int | None]:
-    """(limit, free) of the tightest memory cgroup above this process, or (None, None)."""
-    try:
-        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        return None, None
-    best: tuple[int, int] | None = None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        rel = rel.lstrip("/")
-        if controllers == "":  # cgroup v2: walk up, every ancestor's limit applies
-            node = cgroup_root / rel if rel else cgroup_root
-            while True:
-                best = _tighter(best, node / "memory.max", node / "memory.current")
-                if node == cgroup_root or cgroup_root not in node.parents:
-                    break
-                node = node.parent
-        elif "memory" in controllers.split(","):
-            base = cgroup_root / "memory" / rel
-            best = _tighter(best, base / "memory.limit_in_bytes", base / "memory.usage_in_bytes")
-    return best if best is not None else (None, None)
-
-
-def _tighter(best: tuple[int, int] | None, limit_file: Path,
-             usage_file: Path) -> tuple[int, int] | None:
-    """`best` or this cgroup's (limit, free), whichever leaves less free."""
-    limit, used = _read_int(limit_file), _read_int(usage_file)
-    if limit is None or used is None:
-        return best
-    free = max(limit - used, 0)
-    return (limit, free) if best is None or free < best[1] else best
-
-
-def mem_available(proc_root: Path = Path("/proc")) -> int | None:
-    try:
-        for line in (proc_root / "meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def measure(shm_dir: str | Path, *, proc_root: Path = Path("/proc"),
-            cgroup_root: Path = Path("/sys/fs/cgroup")) -> Capacity:
-    limit, free = cgroup_headroom(proc_root, cgroup_root)
-    return Capacity(shm_usage(shm_dir), limit, free, mem_available(proc_root))
+def measure(shm_dir: str | Path) -> Capacity:
+    limit, free = memory.cgroup_headroom()
+    return Capacity(shm=shm_usage(shm_dir), cgroup_limit_bytes=limit, cgroup_free_bytes=free,
+                    mem_available_bytes=memory.mem_available())
 
 
 def check_fits(size_bytes: int, capacity: Capacity, *, shm_dir: str | Path,

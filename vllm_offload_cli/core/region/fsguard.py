@@ -12,7 +12,6 @@ import os
 import stat
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import (
     OperationFailedError,
@@ -21,20 +20,9 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 
-OPEN_EXISTING_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-
-
-@dataclass(frozen=True)
-class FileId:
-    """A file's identity: same device and inode means the same bytes."""
-
-    dev: int
-    ino: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileId:
-        return cls(st.st_dev, st.st_ino)
+OPEN_EXISTING_FLAGS = UNTRUSTED_OPEN_FLAGS
 
 
 def default_allowed_uids() -> frozenset[int]:

@@ -32,7 +32,7 @@ class SlotRange:
     end: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Geometry:
     """The shape of a region; `world_size` is None when nobody recorded it."""
 
@@ -71,12 +71,6 @@ class Geometry:
         """Byte range of worker `rank` inside every row."""
         check_rank(self, rank)
         return SlotRange(rank, rank * self.cpu_page_size, (rank + 1) * self.cpu_page_size)
-
-    def slot_offset(self, block: int, rank: int) -> int:
-        """Absolute file offset of worker `rank`'s slot in row `block`."""
-        if not 0 <= block < self.num_blocks:
-            raise InvalidInputError(f"block {block} is outside [0, {self.num_blocks})")
-        return block * self.row_stride + self.slot(rank).start
 
     def to_dict(self) -> dict[str, int | None]:
         return asdict(self)
@@ -146,5 +140,6 @@ def geometry_from_size(
             f"slot(s) of {cpu_page_size} bytes)",
             code="invalid_geometry",
         )
-    g = Geometry(num_blocks, row_stride, cpu_page_size, world_size)
+    g = Geometry(num_blocks=num_blocks, row_stride=row_stride, cpu_page_size=cpu_page_size,
+                 world_size=world_size)
     return g, size_bytes - g.size_bytes

@@ -27,8 +27,7 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import Problem
-from vllm_offload_cli.core.base.procfs import ProcessRef
-from vllm_offload_cli.core.region import fsguard, placement
+from vllm_offload_cli.core.region import fsguard, page_policy
 from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.naming import (
@@ -37,6 +36,8 @@ from vllm_offload_cli.core.region.naming import (
     split_engine_id,
 )
 from vllm_offload_cli.core.region.segments import VLLM_LAYOUTS
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef
 
 MANIFEST_VERSION = 1
 # How a region's vLLM layout was decided: read from the vLLM in use; the newest
@@ -53,7 +54,7 @@ class ManifestError(UnsafeRegionError):
     code = "manifest_invalid"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Attachment:
     pid: int
     start_ticks: int | None
@@ -65,7 +66,7 @@ class Attachment:
     engine_token: str | None = None  # shared by every process of one engine (engine hook)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     engine_id: str
     geometry: Geometry
@@ -202,7 +203,7 @@ def _one_of(value: Any, what: str, allowed: tuple[str, ...]) -> str | None:
 def _placement(doc: Any) -> dict[str, Any] | None:
     """The optional placement record, or the refusal every bad field gets."""
     try:
-        return placement.record_from_json(doc)
+        return page_policy.record_from_json(doc)
     except (ValueError, TypeError) as exc:
         raise uj.UntrustedJsonError(f"placement: {exc}") from exc
 
@@ -210,13 +211,14 @@ def _placement(doc: Any) -> dict[str, Any] | None:
 def _geometry(g: dict[str, Any]) -> Geometry:
     try:
         return Geometry(
-            uj.integer(uj.field(g, "num_blocks", "geometry"), "geometry.num_blocks", 1,
+            num_blocks=uj.integer(uj.field(g, "num_blocks", "geometry"), "geometry.num_blocks", 1,
                        _MAX_ROWS),
-            uj.integer(uj.field(g, "row_stride", "geometry"), "geometry.row_stride", 1,
+            row_stride=uj.integer(uj.field(g, "row_stride", "geometry"), "geometry.row_stride", 1,
                        _MAX_BYTES_PER_ROW),
-            uj.integer(uj.field(g, "cpu_page_size", "geometry"), "geometry.cpu_page_size", 1,
+            cpu_page_size=uj.integer(uj.field(g, "cpu_page_size", "geometry"),
+                                     "geometry.cpu_page_size", 1,
                        _MAX_BYTES_PER_ROW),
-            uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
+            world_size=uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
         )
     except OffloadError as exc:
         raise uj.UntrustedJsonError(exc.message) from None
@@ -286,7 +288,7 @@ def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None,
     return _parse(fd, path, allowed_uids, owner_uid)
 
 
-def read_matching(path: str, file_id: fsguard.FileId | None, *,
+def read_matching(path: str, file_id: FileId | None, *,
                   allowed_uids: Collection[int] | None = None,
                   owner_uid: int | None = None,
                   ) -> tuple[Manifest | None, Problem | None]:

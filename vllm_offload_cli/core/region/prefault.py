@@ -16,15 +16,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.base import libc
 from vllm_offload_cli.core.base.errors import InsufficientSpaceError, OperationFailedError
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
+from vllm_offload_cli.core.system import libc
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 _CHUNK = 16 * 1024 * 1024  # unit of work for threads and progress reports
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PopulateStats:
     bytes: int
     seconds: float
@@ -118,7 +118,7 @@ def populate(
         base = ctypes.addressof(anchor)
         t0 = time.perf_counter()
         if total == 0:
-            return PopulateStats(0, 0.0, "madvise", threads)
+            return PopulateStats(bytes=0, seconds=0.0, method="madvise", threads=threads)
         use_madvise = _madvise_supported(base + ranges[0][0])
         done = 0
         lock = threading.Lock()
@@ -147,8 +147,8 @@ def populate(
             with ThreadPoolExecutor(workers, thread_name_prefix="prefault") as pool:
                 for future in [pool.submit(run, item) for item in items]:
                     future.result()
-        return PopulateStats(total, time.perf_counter() - t0,
-                             "madvise" if use_madvise else "touch", workers)
+        return PopulateStats(bytes=total, seconds=time.perf_counter() - t0,
+                             method="madvise" if use_madvise else "touch", threads=workers)
     finally:
         del anchor
 

@@ -61,7 +61,7 @@ def device_index(place: WorkerPlace) -> int:
     return place.device_index
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankSource:
     """A named way of computing a worker's slot."""
 
@@ -75,14 +75,14 @@ class RankSource:
 
 
 DEVICE_MODULO = RankSource(
-    "device-modulo", device_modulo,
-    "current_device_index() % world_size (vLLM PR 47987)", device_based=True)
+    name="device-modulo", compute=device_modulo,
+    description="current_device_index() % world_size (vLLM PR 47987)", device_based=True)
 LOGICAL = RankSource(
-    "logical", logical,
-    "the worker's logical rank within its replica (vLLM 0.33)", device_based=False)
+    name="logical", compute=logical,
+    description="the worker's logical rank within its replica (vLLM 0.33)", device_based=False)
 DEVICE_INDEX = RankSource(
-    "device-index", device_index,
-    "current_device_index() unfolded (vLLM before PR 47987)", device_based=True)
+    name="device-index", compute=device_index,
+    description="current_device_index() unfolded (vLLM before PR 47987)", device_based=True)
 
 RANK_SOURCES: Mapping[str, RankSource] = MappingProxyType(
     {s.name: s for s in (DEVICE_MODULO, LOGICAL, DEVICE_INDEX)})
@@ -106,8 +106,3 @@ def parse_rank_source(value: str | RankSource) -> RankSource:
                                 code="invalid_rank_source")
     return source
 
-
-def slot_for(source: str | RankSource, *, local_rank: int, device_index: int,
-             world_size: int) -> int:
-    """The slot a worker computes with `source` (what the engine hook calls)."""
-    return parse_rank_source(source).slot(WorkerPlace(local_rank, device_index, world_size))

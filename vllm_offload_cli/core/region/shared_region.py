@@ -2,7 +2,7 @@
 
 Byte-compatible with vLLM's class of the same name (same path, same creator /
 joiner protocol, same layout, same views), so either side can create a region
-and the other can join it. On top of vLLM's behaviour (DESIGN section 3):
+and the other can join it. On top of vLLM's behaviour (the hardening rules):
 
 * joiners never pass O_CREAT, and nothing is followed (O_NOFOLLOW);
 * the descriptor is judged by fstat: regular file, allowed owner, mode 0600,
@@ -31,7 +31,6 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_offload_cli.core.base import libc
 from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OffloadError,
@@ -41,10 +40,9 @@ from vllm_offload_cli.core.base.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.base.procfs import ProcessRef, hostname
 from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.torch_import import import_torch
-from vllm_offload_cli.core.region import capacity, fsguard, locking, placement
+from vllm_offload_cli.core.region import capacity, fsguard, locking, page_policy
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, check_rank
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR, manifest_path, region_path
@@ -57,6 +55,9 @@ from vllm_offload_cli.core.region.segments import (
     layout_of,
     split,
 )
+from vllm_offload_cli.core.system import libc
+from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.processes import ProcessRef, hostname
 
 if TYPE_CHECKING:
     import torch
@@ -94,8 +95,6 @@ class SharedOffloadRegion:
     scheduler's rank-less view (whole rows, whole-file pre-fault).
     """
 
-    BLOCK_SIZE_ALIGNMENT: int = PAGESIZE
-
     def __init__(
         self,
         engine_id: str,
@@ -128,7 +127,8 @@ class SharedOffloadRegion:
         self.page_size = PAGESIZE
         # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
         source_name = None if rank_source is None else parse_rank_source(rank_source).name
-        self.geometry = Geometry(num_blocks, kv_bytes_per_block, cpu_page_size, world_size)
+        self.geometry = Geometry(num_blocks=num_blocks, row_stride=kv_bytes_per_block,
+                                 cpu_page_size=cpu_page_size, world_size=world_size)
         if rank is not None:
             check_rank(self.geometry, rank)
         self.engine_id = engine_id
@@ -145,7 +145,7 @@ class SharedOffloadRegion:
         self.populate_stats: PopulateStats | None = None
         self.huge_page_bytes: int | None = None  # PMD-mapped bytes after pre-fault
         # validated before the file exists: a request the host cannot meet creates nothing
-        self.placement = placement.plan(shm_dir, numa_nodes=numa_node, numa_policy=numa_policy,
+        self.placement = page_policy.choose(shm_dir, numa_nodes=numa_node, numa_policy=numa_policy,
                                         huge_pages=huge_pages)
         # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
         self.segments: tuple[Segment, ...] = split(
@@ -186,14 +186,14 @@ class SharedOffloadRegion:
                             preflight=preflight)
             self.mmap_obj = self._map(fd)
             if self._creator:  # the file's NUMA policy is shared: only its creator sets it
-                placement.apply(self.mmap_obj, self.total_size_bytes, self.placement)
+                page_policy.apply(self.mmap_obj, self.total_size_bytes, self.placement)
             if populate_pages:
                 self.populate_stats = populate(
                     self.mmap_obj, slot_ranges(self.geometry, rank),
                     threads=populate_threads, progress=_pausing(progress),
                 )
                 if self.placement.advise_huge:
-                    self.huge_page_bytes = placement.huge_bytes_of(self.mmap_obj)
+                    self.huge_page_bytes = page_policy.huge_bytes_of(self.mmap_obj)
             self._attach()
         except BaseException:
             self._abandon()
@@ -526,10 +526,10 @@ class SharedOffloadRegion:
         return self._creator
 
     @property
-    def identity(self) -> fsguard.FileId:
+    def identity(self) -> FileId:
         if self.fd is None:
             raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
-        return fsguard.FileId.of(os.fstat(self.fd))
+        return FileId.of(os.fstat(self.fd))
 
     def release_names(self) -> bool:
         """Unlink the files' names (and the manifest) but keep the mapping, as vLLM's CPU

@@ -482,7 +482,7 @@ class _Bench:
 
     def huge_pages(self, block: int) -> HugePageComparison:
         """The same pre-fault and contiguous store/load, normal pages then huge pages."""
-        from vllm_offload_cli.core.region.placement import thp_support
+        from vllm_offload_cli.core.region.page_policy import thp_support
 
         support = thp_support(self.config.shm_dir)
         if not support.allowed:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.extras import COPY, require
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.transfer import pinning
 from vllm_offload_cli.core.transfer.cpu import CpuBackend, RowPair
@@ -52,6 +53,7 @@ class CopyWorker:
     def __init__(self, region: SharedOffloadRegion, device_tensors: Sequence[torch.Tensor], *,
                  layout: str = "worker", region_views: Sequence[torch.Tensor] | None = None,
                  pin: bool = True, cuda_strategy: str = "copy-engine") -> None:
+        require(COPY, what="CopyWorker")  # torch and numpy: the `copy` extra
         tensors = list(device_tensors)
         if not tensors:
             raise InvalidInputError("a copy worker needs at least one device tensor",

@@ -1,4 +1,4 @@
-"""The host's NUMA topology, read from sysfs and procfs, tolerant of their absence.
+"""The host's NUMA topology, read from sysfs, tolerant of its absence.
 
 A kernel without NUMA support (or a container that hides sysfs) has no
 /sys/devices/system/node; that host is treated as one node 0 holding every
@@ -79,17 +79,3 @@ def topology(root: str = NODE_ROOT) -> Topology:
     except ValueError:
         with_memory = frozenset(nodes)
     return Topology(cpus, with_memory & frozenset(nodes) or frozenset(nodes), True)
-
-
-def allowed_cpus(pid: int) -> frozenset[int] | None:
-    """Cpus_allowed_list of a process; None if it vanished or cannot be read."""
-    text = _read(f"/proc/{pid}/status")
-    if text is None:
-        return None
-    for line in text.splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            try:
-                return parse_cpulist(line.split(":", 1)[1])
-            except ValueError:
-                return None
-    return None

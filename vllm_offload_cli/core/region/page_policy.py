@@ -26,18 +26,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_offload_cli.core.base import libc, numa
 from vllm_offload_cli.core.base.errors import (
     InsufficientSpaceError,
     InvalidInputError,
     OperationFailedError,
 )
+from vllm_offload_cli.core.system import libc, memory, mounts, numa, smaps
 
 logger = logging.getLogger(__name__)
 
 NUMA_POLICIES = {"bind": 2, "interleave": 3, "preferred": 1}  # MPOL_* of <linux/mempolicy.h>
 HUGE_PAGE_CHOICES = ("never", "auto", "always")
-SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 _MASK_BITS = 1024  # nodes the mask can name; the kernel's own limit is at most this
 
 
@@ -56,8 +55,8 @@ class ThpSupport:
     reason: str
 
 
-@dataclass(frozen=True)
-class PlacementPlan:
+@dataclass(frozen=True, kw_only=True)
+class PagePolicy:
     """A creator's placement request, validated; recorded in the manifest as given."""
 
     numa_policy: str | None  # None: the kernel's default (local node of the faulting CPU)
@@ -73,8 +72,6 @@ class PlacementPlan:
     def is_default(self) -> bool:
         return self.numa_policy is None and not self.advise_huge and self.huge_pages == "never"
 
-
-DEFAULT_PLAN = PlacementPlan(None, (), "never", False)
 
 
 def record_from_json(doc: Any) -> dict[str, Any] | None:
@@ -103,61 +100,38 @@ def record_from_json(doc: Any) -> dict[str, Any] | None:
 
 # -- huge pages --------------------------------------------------------------------
 
-def _selected(text: str) -> str | None:
-    """'always [never] deny' -> 'never'."""
-    for word in text.split():
-        if word.startswith("[") and word.endswith("]"):
-            return word[1:-1]
-    return None
-
-
-def _mount_of(path: str, mountinfo: str) -> tuple[str, str, str] | None:
-    """(mount point, fstype, super options) of the mount holding `path` (longest prefix)."""
-    best: tuple[str, str, str] | None = None
-    try:
-        with open(mountinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                left, sep, right = line.partition(" - ")
-                fields, tail = left.split(), right.split()
-                if not sep or len(fields) < 5 or len(tail) < 3:
-                    continue
-                point = fields[4].replace("\\040", " ")
-                inside = path == point or path.startswith(point.rstrip("/") + "/")
-                if inside and (best is None or len(point) >= len(best[0])):
-                    best = (point, tail[0], tail[2])
-    except OSError:
-        return None
-    return best
-
-
-def thp_support(shm_dir: str | os.PathLike[str], *, shmem_enabled: str = SHMEM_ENABLED,
-                mountinfo: str = "/proc/self/mountinfo") -> ThpSupport:
+def thp_support(shm_dir: str | os.PathLike[str]) -> ThpSupport:
     """Can a file in `shm_dir` get transparent huge pages when its mapping asks?"""
-    try:
-        with open(shmem_enabled, encoding="ascii") as f:
-            global_setting = _selected(f.read())
-    except (OSError, UnicodeDecodeError):
+    return judge_thp(shm_dir, memory.shmem_thp_setting(), mounts.mounts())
+
+
+def judge_thp(shm_dir: str | os.PathLike[str], setting: str | None,
+              table: list[mounts.Mount]) -> ThpSupport:
+    """thp_support's decision from the selected word of shmem_enabled (None: the kernel
+    has none) and the mount table."""
+    where = memory.SHMEM_ENABLED
+    if setting is None:
         return ThpSupport(False, "no THP", "this kernel has no transparent huge pages for shmem "
-                          f"({shmem_enabled} is missing)")
-    if global_setting == "deny":
-        return ThpSupport(False, "shmem_enabled=deny", f"{shmem_enabled} is 'deny', which "
+                          f"({where} is missing)")
+    if setting == "deny":
+        return ThpSupport(False, "shmem_enabled=deny", f"{where} is 'deny', which "
                           "turns huge pages off for every tmpfs mount")
-    if global_setting == "force":
-        return ThpSupport(True, "shmem_enabled=force", f"{shmem_enabled} is 'force'")
+    if setting == "force":
+        return ThpSupport(True, "shmem_enabled=force", f"{where} is 'force'")
     real = os.path.realpath(shm_dir)
-    mount = _mount_of(real, mountinfo)
-    if mount is None or mount[1] != "tmpfs":
-        what = "unknown" if mount is None else mount[1]
+    mount = mounts.mount_of(real, table)
+    if mount is None or mount.fstype != "tmpfs":
+        what = "unknown" if mount is None else mount.fstype
         return ThpSupport(False, f"fstype={what}", f"{real} is not on tmpfs (filesystem "
                           f"{what}); only tmpfs regions can get transparent huge pages")
-    options = dict(o.partition("=")[::2] for o in mount[2].split(","))
-    huge = options.get("huge", "never")
+    huge = mount.options.get("huge", "never")
     if huge in ("always", "within_size", "advise"):
-        return ThpSupport(True, f"huge={huge}", f"the tmpfs at {mount[0]} is mounted huge={huge}")
+        return ThpSupport(True, f"huge={huge}", f"the tmpfs at {mount.point} is mounted "
+                          f"huge={huge}")
     return ThpSupport(False, f"huge={huge}", (
-        f"the tmpfs at {mount[0]} is mounted with huge={huge} (the default), which gives its "
-        f"files no huge pages; remount it with huge=advise (`mount -o remount,huge=advise "
-        f"{mount[0]}`) or use a tmpfs that has it"))
+        f"the tmpfs at {mount.point} is mounted with huge={huge} (the default), which gives "
+        f"its files no huge pages; remount it with huge=advise (`mount -o remount,huge=advise "
+        f"{mount.point}`) or use a tmpfs that has it"))
 
 
 # -- NUMA ----------------------------------------------------------------------------
@@ -176,7 +150,7 @@ def _list(nodes: Iterable[int]) -> str:
     return ",".join(str(n) for n in sorted(nodes)) or "none"
 
 
-def plan(
+def choose(
     shm_dir: str | os.PathLike[str],
     *,
     numa_nodes: Iterable[int] | int | None = None,
@@ -184,7 +158,7 @@ def plan(
     huge_pages: str = "never",
     topo: numa.Topology | None = None,
     thp: ThpSupport | None = None,
-) -> PlacementPlan:
+) -> PagePolicy:
     """Validate a placement request before anything is created (errors: exit 2 or 5)."""
     if huge_pages not in HUGE_PAGE_CHOICES:
         raise InvalidInputError(f"huge pages must be one of {', '.join(HUGE_PAGE_CHOICES)}, "
@@ -223,10 +197,11 @@ def plan(
         else:
             logger.warning("huge pages not available, using normal pages: %s", thp.reason,
                            extra={"code": "huge_pages_unavailable"})
-    return PlacementPlan(policy, tuple(sorted(nodes)), huge_pages, advise)
+    return PagePolicy(numa_policy=policy, numa_nodes=tuple(sorted(nodes)), huge_pages=huge_pages,
+                      advise_huge=advise)
 
 
-def apply(mm: mmap.mmap, length: int, chosen: PlacementPlan) -> None:
+def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:
     """Bind and advise the mapping; call before pre-fault (pages already there stay put)."""
     if chosen.numa_policy is None and not chosen.advise_huge:
         return
@@ -269,20 +244,8 @@ def huge_bytes_of(mm: mmap.mmap) -> int | None:
 
 
 def pmd_mapped(pid: int, start: int) -> int | None:
-    """ShmemPmdMapped + FilePmdMapped of the mapping of `pid` that begins at `start`."""
-    prefix = f"{start:x}-".encode()
-    try:
-        with open(f"/proc/{pid}/smaps", "rb") as f:
-            inside = found = False
-            huge = 0
-            for line in f:
-                if not line.split(b" ", 1)[0].endswith(b":"):  # a mapping's header line
-                    if inside:
-                        break
-                    inside = found = line.startswith(prefix)
-                    continue
-                if inside and line.startswith((b"ShmemPmdMapped:", b"FilePmdMapped:")):
-                    huge += int(line.split()[1]) * 1024
-            return huge if found else None
-    except (OSError, ValueError, IndexError):
+    """Huge (PMD-mapped) bytes of the mapping of `pid` that begins at `start`; None if none."""
+    found = smaps.read_smaps(pid, start=start)
+    if not found or start not in found:
         return None
+    return found[start].huge_bytes

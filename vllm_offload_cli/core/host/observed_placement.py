@@ -20,27 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.base import libc, numa
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import RegionInfo
-from vllm_offload_cli.core.region.fsguard import FileId
 from vllm_offload_cli.core.region.geometry import PAGESIZE
-from vllm_offload_cli.core.region.placement import ThpSupport, pmd_mapped, thp_support
+from vllm_offload_cli.core.region.page_policy import ThpSupport, pmd_mapped, thp_support
+from vllm_offload_cli.core.system import libc, numa, smaps
+from vllm_offload_cli.core.system.files import FileId, open_regular
 
 SAMPLE_PAGES = 4096
 
-_HEADER = re.compile(
-    rb"^([0-9a-f]+)-([0-9a-f]+) \S+ [0-9a-f]+ ([0-9a-f]+):([0-9a-f]+) (\d+)")
-_NODE = re.compile(rb"\bN(\d+)=(\d+)")
-_KPAGE = re.compile(rb"\bkernelpagesize_kB=(\d+)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HolderPages:
     """What one process maps of one file: bytes per node and PMD-mapped (huge) bytes."""
 
@@ -50,7 +45,7 @@ class HolderPages:
     nodes: dict[int, int]  # node -> bytes, from numa_maps (empty if unreadable)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Placement:
     """A region's observed placement; `source` says how it was learned."""
 
@@ -71,14 +66,8 @@ class Placement:
         }
 
 
-def holder_pages(pid: int, files: Iterable[FileId], proc: str = "/proc") -> HolderPages | None:
-    """Parse smaps and numa_maps of `pid` for mappings of `files`; None if unreadable."""
-    ids = {(f.dev, f.ino) for f in files}
-    return merge(pid, scan_holder(pid, ids, proc), ids)
-
-
-def merge(pid: int, found: dict[tuple[int, int], HolderPages] | None,
-          ids: Iterable[tuple[int, int]]) -> HolderPages | None:
+def merge(pid: int, found: dict[FileId, HolderPages] | None,
+          ids: Iterable[FileId]) -> HolderPages | None:
     """One region's share of a scan_holder() result (its segments added up)."""
     parts = [found[i] for i in ids if found and i in found]
     if not parts:
@@ -87,64 +76,28 @@ def merge(pid: int, found: dict[tuple[int, int], HolderPages] | None,
     for part in parts:
         for n, b in part.nodes.items():
             nodes[n] += b
-    return HolderPages(pid, sum(p.mapped_bytes for p in parts),
-                       sum(p.huge_bytes for p in parts), dict(nodes))
+    return HolderPages(pid=pid, mapped_bytes=sum(p.mapped_bytes for p in parts),
+                       huge_bytes=sum(p.huge_bytes for p in parts), nodes=dict(nodes))
 
 
-def scan_holder(pid: int, wanted: set[tuple[int, int]], proc: str = "/proc"
-                ) -> dict[tuple[int, int], HolderPages] | None:
-    """Per (dev, ino) in `wanted`: what `pid` maps of it; one pass over smaps and numa_maps
-    (the kernel walks every page table to produce them, so callers read each once)."""
-    starts: dict[int, tuple[int, int]] = {}
-    rss: dict[tuple[int, int], int] = defaultdict(int)
-    huge: dict[tuple[int, int], int] = defaultdict(int)
-    try:
-        with open(f"{proc}/{pid}/smaps", "rb") as f:
-            current: tuple[int, int] | None = None
-            for line in f:
-                m = _HEADER.match(line)
-                if m is not None:
-                    key = (os.makedev(int(m.group(3), 16), int(m.group(4), 16)),
-                           int(m.group(5)))
-                    current = key if key in wanted else None
-                    if current is not None:
-                        starts[int(m.group(1), 16)] = current
-                    continue
-                if current is not None:
-                    name, _, rest = line.partition(b":")
-                    if name == b"Rss":
-                        rss[current] += int(rest.split()[0]) * 1024
-                    elif name in (b"ShmemPmdMapped", b"FilePmdMapped"):
-                        huge[current] += int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
+def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | None:
+    """Per file in `wanted`: what `pid` maps of it (its smaps and numa_maps read once)."""
+    found = smaps.read_smaps(pid, wanted=wanted)
+    if found is None:
         return None
-    if not starts:
+    if not found:
         return {}
-    nodes = _numa_maps(pid, starts, proc)
-    return {key: HolderPages(pid, rss[key], huge[key], dict(nodes.get(key, {})))
-            for key in set(starts.values())}
-
-
-def _numa_maps(pid: int, starts: dict[int, tuple[int, int]], proc: str
-               ) -> dict[tuple[int, int], dict[int, int]]:
-    nodes: dict[tuple[int, int], dict[int, int]] = defaultdict(lambda: defaultdict(int))
-    try:
-        with open(f"{proc}/{pid}/numa_maps", "rb") as f:
-            for line in f:
-                addr, _, rest = line.partition(b" ")
-                try:
-                    key = starts.get(int(addr, 16))
-                except ValueError:
-                    continue
-                if key is None:
-                    continue
-                kpage = _KPAGE.search(rest)
-                unit = int(kpage.group(1)) * 1024 if kpage else PAGESIZE
-                for node, pages in _NODE.findall(rest):
-                    nodes[key][int(node)] += int(pages) * unit
-    except OSError:
-        return {}
-    return nodes
+    smaps.add_numa_nodes(pid, found, PAGESIZE)
+    rss: dict[FileId, int] = defaultdict(int)
+    huge: dict[FileId, int] = defaultdict(int)
+    nodes: dict[FileId, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for m in found.values():
+        rss[m.file_id] += m.rss_bytes
+        huge[m.file_id] += m.huge_bytes
+        for n, b in m.nodes.items():
+            nodes[m.file_id][n] += b
+    return {fid: HolderPages(pid=pid, mapped_bytes=rss[fid], huge_bytes=huge[fid],
+                             nodes=dict(nodes[fid])) for fid in rss}
 
 
 @dataclass(frozen=True)
@@ -209,7 +162,7 @@ def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAM
     return Sampled(dict(out), huge, len(picked))
 
 
-HolderScans = dict[int, "dict[tuple[int, int], HolderPages] | None"]
+HolderScans = dict[int, "dict[FileId, HolderPages] | None"]
 
 
 def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[int],
@@ -228,8 +181,8 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
     no_huge = thp is not None and not thp.allowed
     if resident_bytes is not None and topo.single_node and no_huge:
         nodes = {topo.nodes[0]: resident_bytes} if resident_bytes else {}
-        return Placement(nodes, 0, "single_node")
-    ids = {(fid.dev, fid.ino) for _, fid, _ in files if fid is not None}
+        return Placement(numa_nodes=nodes, huge_page_bytes=0, source="single_node")
+    ids = {fid for _, fid, _ in files if fid is not None}
     best: HolderPages | None = None
     for holder in holder_pids:
         scan = scans[holder] if scans is not None and holder in scans else scan_holder(
@@ -238,11 +191,15 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
         if found is not None and (best is None or found.mapped_bytes > best.mapped_bytes):
             best = found
     if best is not None and best.nodes:
-        return Placement(best.nodes, best.huge_bytes, "numa_maps", best.pid)
+        return Placement(numa_nodes=best.nodes, huge_page_bytes=best.huge_bytes,
+                         source="numa_maps", pid=best.pid)
     pid = None if best is None else best.pid
     if not measure or not libc.numa_syscalls_available():
-        return Placement(None, 0 if no_huge else None, "unknown", pid)
-    return _sample_files(files, pid) or Placement(None, 0 if no_huge else None, "unknown", pid)
+        return Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None, source="unknown",
+                         pid=pid)
+    return _sample_files(files, pid) or Placement(numa_nodes=None,
+                                                  huge_page_bytes=0 if no_huge else None,
+                                                  source="unknown", pid=pid)
 
 
 def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
@@ -254,13 +211,10 @@ def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
     for path, fid, size in files:
         if fid is None or size <= 0:
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
+        fd = open_regular(path, fid)
+        if fd is None:
             return None
         try:
-            if FileId.of(os.fstat(fd)) != fid:
-                return None
             got = sample_resident(fd, size, sample=max(1, SAMPLE_PAGES // len(files)))
         except OSError:  # no NUMA syscalls, denied, or truncated meanwhile (EFAULT)
             return None
@@ -270,7 +224,8 @@ def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
         huge = None if got.huge_bytes is None or huge is None else huge + got.huge_bytes
         for node, b in got.nodes.items():
             totals[node] += b
-    return Placement(dict(totals), huge, "move_pages", pid, asked)
+    return Placement(numa_nodes=dict(totals), huge_page_bytes=huge, source="move_pages", pid=pid,
+                     sampled_pages=asked)
 
 
 def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
@@ -286,8 +241,7 @@ def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
     easy = topo.single_node and not any(t.allowed for t in thp.values())
     scans: HolderScans = {}
     if not easy:  # each holder's smaps and numa_maps once, for every region it maps
-        wanted = {(s.file_id.dev, s.file_id.ino) for r in regions for s in r.segments
-                  if s.file_id is not None}
+        wanted = {s.file_id for r in regions for s in r.segments if s.file_id is not None}
         for pid in {h.pid for r in regions for h in r.holders}:
             scans[pid] = scan_holder(pid, wanted)
     out: dict[str, Placement] = {}

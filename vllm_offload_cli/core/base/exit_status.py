@@ -1,0 +1,91 @@
+"""Exit statuses of `vllm-offload`: the one table of what each code means.
+
+Exit codes are a contract with scripts, cron, systemd units and launchers: the
+numbers never change. The CLI's error boundary, the core's errors, the fleet's
+merge, the man page and the README all read this module; a test checks the
+committed man page and the README's table against it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+
+class ExitStatus(enum.IntEnum):
+    """A process exit status; `meaning` is its one-line documentation."""
+
+    SUCCESS = 0
+    FAILED = 1
+    USAGE = 2
+    PROBLEMS_FOUND = 3
+    BUSY = 4
+    NO_SPACE = 5
+    UNSAFE = 6
+    PARTIAL = 7
+    INTERRUPTED = 130
+
+    @property
+    def meaning(self) -> str:
+        return _MEANING[self]
+
+
+_MEANING: dict[ExitStatus, str] = {
+    ExitStatus.SUCCESS: "success",
+    ExitStatus.FAILED: "the operation failed",
+    ExitStatus.USAGE: "bad usage or invalid input (engine_id, sizes, options), or a named "
+    "region that does not exist",
+    ExitStatus.PROBLEMS_FOUND: "verification found problems",
+    ExitStatus.BUSY: "region busy, or its name is taken by a live region",
+    ExitStatus.NO_SPACE: "not enough space or memory (tmpfs, cgroup limit, host memory; no GPU "
+    "for --device cuda)",
+    ExitStatus.UNSAFE: "refused as unsafe (ownership, mode, symlink, link count, wrong size, "
+    "corrupt manifest, a holder that could be hidden)",
+    ExitStatus.PARTIAL: "fleet: partial answer, a node failed, was interrupted or did not "
+    "answer in time (the others are shown)",
+    ExitStatus.INTERRUPTED: "interrupted",
+}
+
+# Which status wins when one answer merges several (the fleet's nodes, or one
+# command's several outcomes), most important first: the merged status names
+# what the operator must act on first.
+# - INTERRUPTED: the run did not finish, so nothing else it says is complete.
+# - UNSAFE: something on a host needs a human whatever was asked (a file that
+#   fails the safety checks, or a host where a holder could be hidden, so
+#   nothing could be judged there).
+# - USAGE: the command line, or a node's own setting, is wrong: what ran is not
+#   what was meant; fix it before reading anything else.
+# - PROBLEMS_FOUND: workers would write (or did write) the same bytes: silent
+#   KV corruption, worse than any refusal that fails loudly.
+# - BUSY: the name belongs to a live region: an identity conflict.
+# - NO_SPACE: the host lacks the memory: a sizing problem.
+# - FAILED: an operation failed (a removal, a system call): often transient.
+# - PARTIAL: a node gave no complete answer; what the others said is true.
+PRECEDENCE: tuple[ExitStatus, ...] = (
+    ExitStatus.INTERRUPTED,
+    ExitStatus.UNSAFE,
+    ExitStatus.USAGE,
+    ExitStatus.PROBLEMS_FOUND,
+    ExitStatus.BUSY,
+    ExitStatus.NO_SPACE,
+    ExitStatus.FAILED,
+    ExitStatus.PARTIAL,
+    ExitStatus.SUCCESS,
+)
+
+
+def as_status(code: object) -> ExitStatus:
+    """`code` as an ExitStatus; anything else (no code, one this version does not
+    know, e.g. from a node running a newer release) is FAILED."""
+    if isinstance(code, int) and not isinstance(code, bool):
+        try:
+            return ExitStatus(code)
+        except ValueError:
+            pass
+    return ExitStatus.FAILED
+
+
+def most_important(codes: Iterable[object]) -> ExitStatus:
+    """The status among `codes` that comes first in PRECEDENCE; SUCCESS for none."""
+    statuses = {as_status(c) for c in codes}
+    return next((s for s in PRECEDENCE if s in statuses), ExitStatus.SUCCESS)

@@ -1,0 +1,96 @@
+"""Memory limits that apply to a new tmpfs file: cgroups, available memory, THP policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+from vllm_offload_cli.core.system.procfs import PROC
+
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+CGROUP_ROOT = "/sys/fs/cgroup"
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge number
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _UNLIMITED else value
+
+
+def cgroup_headroom(proc_root: Path = Path(PROC),
+                    cgroup_root: Path = Path(CGROUP_ROOT)) -> tuple[int | None, int | None]:
+    """(limit, free) of the tightest memory cgroup above this process, or (None, None).
+
+    tmpfs pages are charged to the cgroup of the process that faults them, and
+    every ancestor's limit applies (cgroup v2 walks up; v1 has one level).
+    """
+    try:
+        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None, None
+    best: tuple[int, int] | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        rel = rel.lstrip("/")
+        if controllers == "":
+            node = cgroup_root / rel if rel else cgroup_root
+            while True:
+                best = _tighter(best, node / "memory.max", node / "memory.current")
+                if node == cgroup_root or cgroup_root not in node.parents:
+                    break
+                node = node.parent
+        elif "memory" in controllers.split(","):
+            base = cgroup_root / "memory" / rel
+            best = _tighter(best, base / "memory.limit_in_bytes", base / "memory.usage_in_bytes")
+    return best if best is not None else (None, None)
+
+
+def _tighter(best: tuple[int, int] | None, limit_file: Path,
+             usage_file: Path) -> tuple[int, int] | None:
+    """`best` or this cgroup's (limit, free), whichever leaves less free."""
+    limit, used = _read_int(limit_file), _read_int(usage_file)
+    if limit is None or used is None:
+        return best
+    free = max(limit - used, 0)
+    return (limit, free) if best is None or free < best[1] else best
+
+
+def mem_available() -> int | None:
+    """The kernel's estimate of memory available without swapping; None if unknown."""
+    try:
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, ValueError):
+        return None
+
+
+def shmem_thp_setting(path: str = SHMEM_ENABLED) -> str | None:
+    """The selected word of shmem_enabled ('never', 'advise', 'deny', 'force', ...).
+
+    None when the kernel has no transparent huge pages for shmem.
+    """
+    try:
+        with open(path, encoding="ascii") as f:
+            return selected_word(f.read())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def selected_word(text: str) -> str:
+    """'always [never] deny' -> 'never' (the kernel's choice-list format); '' if none."""
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return ""

@@ -1,0 +1,133 @@
+"""Processes through psutil: identity, state, owner, name, environment, affinity.
+
+A pid alone is not an identity (pids are reused); the pair (pid, start time
+in clock ticks since boot) is, and its state is part of it: a zombie has
+exited. It holds no mapping, no descriptor and no lock, and finishes nothing
+it was creating, whatever its /proc/PID/stat still says.
+
+The start time is kept in clock ticks, the unit /proc/PID/stat and the
+manifests written by earlier releases use, converted from psutil's
+create_time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import psutil
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_EXITED = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except (psutil.Error, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    """A process as recorded in a manifest: pid plus start time makes it unique."""
+
+    pid: int
+    start_ticks: int | None
+
+    @classmethod
+    def current(cls) -> ProcessRef:
+        pid = os.getpid()
+        return cls(pid, start_ticks(pid))
+
+    def alive(self) -> bool:
+        """True when this exact process still runs: not gone, not reused, not a zombie."""
+        proc = _process(self.pid)
+        if proc is None:
+            return False
+        try:
+            with proc.oneshot():
+                if self.start_ticks is not None and _ticks(proc) != self.start_ticks:
+                    return False
+                return proc.status() not in _EXITED
+        except psutil.Error:
+            return False
+
+
+def _ticks(proc: psutil.Process) -> int:
+    seconds: float = proc.create_time() - psutil.boot_time()
+    return round(seconds * _CLOCK_TICKS)
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot; None if it is gone."""
+    proc = _process(pid)
+    if proc is None:
+        return None
+    try:
+        return _ticks(proc)
+    except psutil.Error:
+        return None
+
+
+def running(pid: int) -> bool:
+    """The pid names a process that has not exited (zombies have)."""
+    proc = _process(pid)
+    try:
+        return proc is not None and proc.status() not in _EXITED
+    except psutil.Error:
+        return False
+
+
+def comm(pid: int) -> str | None:
+    """The process's name (comm); None if it is gone or hidden."""
+    proc = _process(pid)
+    try:
+        return None if proc is None else proc.name()
+    except psutil.Error:
+        return None
+
+
+def pids() -> list[int]:
+    """Every pid this /proc shows, in ascending order."""
+    return sorted(psutil.pids())
+
+
+def uids(pid: int) -> frozenset[int] | None:
+    """Real, effective and saved uids; None when they cannot be read (or it is gone)."""
+    proc = _process(pid)
+    try:
+        return None if proc is None else frozenset(proc.uids())
+    except psutil.Error:
+        return None
+
+
+def environ_value(pid: int, key: str) -> str | None:
+    """One variable of the environment the process was exec'd with; None if unreadable."""
+    proc = _process(pid)
+    try:
+        return None if proc is None else proc.environ().get(key)
+    except (psutil.Error, OSError):
+        return None
+
+
+def environ_readable(pid: int) -> bool:
+    proc = _process(pid)
+    try:
+        return proc is not None and isinstance(proc.environ(), dict)
+    except (psutil.Error, OSError):
+        return False
+
+
+def allowed_cpus(pid: int) -> frozenset[int] | None:
+    """The CPUs the process may run on; None if it is gone or cannot be asked."""
+    proc = _process(pid)
+    try:
+        return None if proc is None else frozenset(proc.cpu_affinity() or ())
+    except (psutil.Error, OSError):
+        return None
+
+
+def hostname() -> str:
+    return socket.gethostname()

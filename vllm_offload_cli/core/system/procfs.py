@@ -1,0 +1,229 @@
+"""Hand-written /proc readers for what psutil has no reader for.
+
+Mappings and descriptors are matched by (device, inode), which psutil's
+memory_maps() and open_files() cannot do (they give paths, and drop deleted
+or non-regular files); /proc/locks, the PID namespace and capability masks
+have no psutil reader at all.
+
+Error policy: a process that vanished reads as `GONE`, one that refuses us
+as `DENIED`; nothing else escapes from a per-process read.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+from vllm_offload_cli.core.system.files import FileId, open_regular
+
+PROC = "/proc"
+DELETED_SUFFIX = " (deleted)"
+
+
+class Unreadable(enum.Enum):
+    """Why a per-process read gave nothing."""
+
+    GONE = "gone"
+    DENIED = "denied"
+
+
+GONE, DENIED = Unreadable.GONE, Unreadable.DENIED
+
+
+def _why(exc: OSError) -> Unreadable:
+    return DENIED if isinstance(exc, PermissionError) else GONE
+
+
+def strip_deleted(path: str) -> tuple[str, bool]:
+    """'/dev/shm/x (deleted)' -> ('/dev/shm/x', True)."""
+    if path.endswith(DELETED_SUFFIX):
+        return path[: -len(DELETED_SUFFIX)], True
+    return path, False
+
+
+def parse_dev(text: str | bytes) -> int:
+    """'00:1a' (hex major:minor, as maps and locks print it) -> st_dev."""
+    major, minor = (text.decode() if isinstance(text, bytes) else text).split(":")
+    return os.makedev(int(major, 16), int(minor, 16))
+
+
+def maps_dev_token(dev: int) -> bytes:
+    """How /proc/PID/maps prints a device: ' 00:1a ' (hex major:minor)."""
+    return f" {os.major(dev):02x}:{os.minor(dev):02x} ".encode()
+
+
+# -- /proc/PID/maps -------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Mapping:
+    """One line of /proc/PID/maps that maps a file."""
+
+    start: int
+    end: int
+    offset: int
+    file_id: FileId
+    path: str  # as shown, without " (deleted)"
+    deleted: bool
+
+    @property
+    def extent(self) -> int:
+        """Bytes of the file this mapping reaches: its offset plus its length."""
+        return self.offset + self.end - self.start
+
+
+def read_maps(pid: int) -> bytes | Unreadable:
+    """The raw maps text, so a caller can skip a process by a substring test first."""
+    try:
+        with open(f"{PROC}/{pid}/maps", "rb") as f:
+            return f.read()
+    except OSError as exc:
+        return _why(exc)
+
+
+def parse_maps(data: bytes, *, only: bytes | None = None) -> Iterator[Mapping]:
+    """File mappings in maps text; with `only`, just the lines that contain it."""
+    for raw in data.splitlines():
+        if only is not None and only not in raw:
+            continue
+        parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        addr, _perms, offset, dev, inode = parts[:5]
+        try:
+            start, end = (int(x, 16) for x in addr.split("-"))
+            fid = FileId(parse_dev(dev), int(inode))
+            off = int(offset, 16)
+        except ValueError:
+            continue
+        if fid.ino == 0:
+            continue  # anonymous memory
+        path, deleted = strip_deleted(parts[5] if len(parts) > 5 else "")
+        yield Mapping(start=start, end=end, offset=off, file_id=fid, path=path, deleted=deleted)
+
+
+# -- /proc/PID/fd -------------------------------------------------------------------
+
+def _fd_entries(pid: int) -> list[str] | Unreadable:
+    try:
+        return os.listdir(f"{PROC}/{pid}/fd")
+    except OSError as exc:
+        return _why(exc)
+
+
+def fd_stats(pid: int, skip: Collection[int] = ()
+             ) -> list[tuple[int, os.stat_result]] | Unreadable:
+    """(fd, stat of the open file) for every descriptor of a process.
+
+    stat() of /proc/PID/fd/N follows to the open file itself, so its identity
+    holds whatever name it was opened by. A descriptor closed meanwhile is
+    skipped; a directory we may list but not follow (PID 1 in some sandboxes)
+    is DENIED.
+    """
+    entries = _fd_entries(pid)
+    if isinstance(entries, Unreadable):
+        return entries
+    out = []
+    for entry in entries:
+        fd = int(entry)
+        if fd in skip:
+            continue
+        try:
+            out.append((fd, os.stat(f"{PROC}/{pid}/fd/{entry}")))
+        except PermissionError:
+            return DENIED
+        except OSError:
+            continue
+    return out
+
+
+def fd_targets(pid: int) -> list[str] | Unreadable:
+    """What each descriptor of a process shows as its target (readlink)."""
+    entries = _fd_entries(pid)
+    if isinstance(entries, Unreadable):
+        return entries
+    return [t for t in (fd_target(pid, int(e)) for e in entries) if t is not None]
+
+
+def fd_target(pid: int, fd: int) -> str | None:
+    try:
+        return os.readlink(f"{PROC}/{pid}/fd/{fd}")
+    except OSError:
+        return None
+
+
+def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
+    """Our own read-only descriptor of another process's open regular file `expect`.
+
+    The descriptor may have been swapped for a FIFO, a device or a socket since
+    the scan, so the open can neither block nor take a terminal, and it is kept
+    only for a regular file with the identity the scan saw; None otherwise.
+    """
+    return open_regular(f"{PROC}/{pid}/fd/{fd}", expect)
+
+
+# -- /proc/locks ----------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class LockEntry:
+    """One granted lock from /proc/locks (waiters are skipped)."""
+
+    kind: str  # "FLOCK", "POSIX" or "OFDLCK"
+    exclusive: bool
+    pid: int  # 0 for a holder outside our PID namespace
+    file_id: FileId
+
+
+def lock_entries() -> Iterator[LockEntry]:
+    try:
+        with open(f"{PROC}/locks", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return
+    for line in text.splitlines():
+        fields = line.split()
+        if "->" in fields or len(fields) < 8 or fields[1] not in ("FLOCK", "POSIX", "OFDLCK"):
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
+        except ValueError:
+            continue
+        yield LockEntry(kind=fields[1], exclusive=fields[3] == "WRITE", pid=pid, file_id=fid)
+
+
+# -- status, namespaces ---------------------------------------------------------------
+
+def capability_mask(pid: int) -> int | Unreadable:
+    """CapPrm | CapEff of a process (psutil has no reader for capabilities)."""
+    try:
+        with open(f"{PROC}/{pid}/status", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except OSError as exc:
+        return _why(exc)
+    caps = 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("CapPrm", "CapEff"):
+            try:
+                caps |= int(value.strip(), 16)
+            except ValueError:
+                return DENIED
+    return caps
+
+
+def proc_shows_self() -> bool:
+    """/proc/self names this process: /proc belongs to our PID namespace."""
+    try:
+        return os.readlink(f"{PROC}/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def pid_namespace_inode() -> int | None:
+    try:
+        return os.stat(f"{PROC}/self/ns/pid").st_ino
+    except OSError:
+        return None
