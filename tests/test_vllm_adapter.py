@@ -207,11 +207,15 @@ def test_workers_that_each_see_one_device_get_the_slots_vllm_gives(
         _bytes_agree([(first, info), (second, other)])
 
 
-def test_tiering_name_is_released_only_after_the_scheduler_joined(engines: Any,
-                                                                  engine_id: str) -> None:
+def test_tiering_name_is_released_only_after_the_scheduler_joined(
+        engines: Any, engine_id: str, rules: VllmRules) -> None:
     e = engines("HardenedTieringOffloadingSpec")
     workers = e.workers()
     assert all(info["name_linked"] for _, info in workers)  # the scheduler has yet to join
+    manifest = json.loads(Path(f"/dev/shm/vllm_offload_{engine_id}.manifest.json").read_text())
+    assert (manifest["vllm_layout"], manifest["vllm_layout_basis"]) == ("single-file", "vllm")
+    assert {a["rank_source"] for a in manifest["attachments"]} == {
+        rules.tiering_worker.rank_source}  # as this release picks slots
     scheduler = e.spawn("scheduler", 0)
     info = report(scheduler)
     assert info["spec"] == "HardenedTieringOffloadingSpec" and info["same_inode"]

@@ -41,6 +41,7 @@ class RegionRequest:
     min_segment_bytes: int = MIN_SEGMENT_BYTES
     rank_source: str = "logical"  # how vLLM picked `rank` (core.region.ranks' names)
     device_index: int | None = None  # the device the rank was folded from, if it was
+    vllm_layout_basis: str | None = None  # "vllm" where the files follow vLLM's code
 
     @property
     def size_bytes(self) -> int:
@@ -119,7 +120,7 @@ def open_region(
             device_index=request.device_index,
             populate_pages=False, preflight=False, join_timeout=join_timeout,
             num_segments=request.num_segments, min_segment_bytes=request.min_segment_bytes,
-            vllm_layout_basis="vllm", engine_token=token,
+            vllm_layout_basis=request.vllm_layout_basis, engine_token=token,
         )
         try:  # still under the lock: of two workers on one slot, the second is refused
             check_slot(region, token, replicated=request.replicated)

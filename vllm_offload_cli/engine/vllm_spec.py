@@ -94,6 +94,7 @@ def _open(spec: Any, rules: VllmRules, call: RegionCall) -> EngineLease | None:
             replicated=bool(spec.replicated_layout),
             min_segment_bytes=rules.min_segment_bytes,
             rank_source=call.rank_source or LOGICAL, device_index=device,
+            vllm_layout_basis="vllm",
         )
         return open_region(request, token=token)
     except _REFUSALS:
