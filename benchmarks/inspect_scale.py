@@ -7,7 +7,11 @@ same run:
   python-startup   `python -c pass` (the floor for any Python CLI)
   scandir+stat     listing and stat'ing the same directory in-process
   discover()       the core's discovery, in-process
+  in-process       what `inspect --json` runs: discover() and the placement observed
+  imports          `python -c 'import ...'` of what `inspect --json` loads
   inspect --json   the real CLI as a subprocess (what an operator or cron runs)
+and explains the difference between the process and the in-process figure.
+Target: inspect --json <= 250 ms (median).
 Usage: python benchmarks/inspect_scale.py [--regions 200] [--processes 300] [--repeat 5]
 """
 
@@ -20,9 +24,10 @@ import subprocess
 import sys
 import tempfile
 
-from scale_fixtures import HOLDER, median_time  # benchmarks/, beside this script
+from scale_fixtures import HOLDER, explain, median_time  # benchmarks/, beside this script
 
 from vllm_offload_cli.core.host.discovery import discover
+from vllm_offload_cli.core.host.observed_placement import observe_all
 from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 
@@ -62,12 +67,18 @@ def main() -> None:
                     entry.stat(follow_symlinks=False)
 
         cli = [sys.executable, "-m", "vllm_offload_cli", "inspect", "--json", "--shm-dir", shm]
+        imports = [sys.executable, "-c", "import vllm_offload_cli.cli.app, "
+                   "vllm_offload_cli.cli.inspect, vllm_offload_cli.cli.params"]
         rows = [
             ("python-startup", median_time(
                 lambda: subprocess.run([sys.executable, "-c", "pass"], check=True),
                 args.repeat)),
             ("scandir+stat", median_time(scandir_stat, args.repeat)),
             ("discover()", median_time(lambda: discover(shm), args.repeat)),
+            ("in-process", median_time(lambda: observe_all(discover(shm).regions),
+                                       args.repeat)),
+            ("imports", median_time(lambda: subprocess.run(imports, check=True),
+                                    args.repeat)),
             ("inspect --json", median_time(
                 lambda: subprocess.run(cli, check=True, capture_output=True), args.repeat)),
         ]
@@ -84,6 +95,10 @@ def main() -> None:
     base = rows[0][1]
     for name, t in rows:
         print(f"{name:<16} {t * 1000:8.1f} ms   {t / base:5.2f}x python-startup")
+    med = dict(rows)
+    print(explain("inspect --json", med["inspect --json"], med["in-process"],
+                  med["python-startup"], med["imports"], 250))
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -25,3 +25,20 @@ def median_time(fn: Callable[[], object], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def explain(name: str, process: float, in_process: float, python: float, imports: float,
+            target_ms: float) -> str:
+    """Where a command's process time goes beyond its in-process work, and the verdict.
+
+    process = interpreter start (`python -c pass`) + imports of what the command
+    loads (measured as `python -c 'import ...'`, less the interpreter) + the
+    in-process work + the rest (option parsing, JSON encoding, process exit).
+    """
+    imp = imports - python
+    rest = process - python - imp - in_process
+    verdict = "ok" if process * 1000 <= target_ms else "MISSED"
+    return (f"{name}: {process * 1000:.0f} ms as a process (target <= {target_ms:.0f} ms: "
+            f"{verdict}) = {python * 1000:.0f} ms interpreter start + {imp * 1000:.0f} ms "
+            f"imports + {in_process * 1000:.0f} ms the work in-process + {rest * 1000:.0f} ms "
+            "the rest (parsing options, JSON out, exit)")

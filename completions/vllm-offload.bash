@@ -42,11 +42,12 @@ _vllm_offload() {
             --numa-node) COMPREPLY=(); return ;;
             --numa-policy) COMPREPLY=($(compgen -W "bind interleave preferred" -- "$cur")); return ;;
             --huge-pages) COMPREPLY=($(compgen -W "never auto always" -- "$cur")); return ;;
+            --segments) COMPREPLY=(); return ;;
             --vllm-layout) COMPREPLY=($(compgen -W "auto segmented single-file" -- "$cur")); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --numa-node --numa-policy --huge-pages --vllm-layout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --numa-node --numa-policy --huge-pages --segments --vllm-layout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -59,7 +60,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --no-syslog --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -71,7 +72,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --shm-private-to-namespace --no-syslog --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -82,7 +83,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--no-residency --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--no-residency --wide -w --shm-private-to-namespace --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -109,7 +110,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --no-syslog --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -120,7 +121,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--dry-run -n --min-age --include-persistent --all-users --prometheus --shm-private-to-namespace --no-syslog --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -131,7 +132,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --wide -w --shm-private-to-namespace --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -139,10 +140,11 @@ _vllm_offload() {
         case "$prev" in
             --size) COMPREPLY=(); return ;;
             --dp-size) COMPREPLY=(); return ;;
+            --segments) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--size --dp-size --dry-run -n --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--size --dp-size --dry-run -n --segments --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

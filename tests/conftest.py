@@ -1,4 +1,10 @@
-"""Shared fixtures: a private tmpfs directory, the real CLI, real holder processes."""
+"""Shared fixtures: a private tmpfs directory, the real CLI, real holder processes.
+
+Tests that need root or another privilege (another user, a PID or mount
+namespace, a tmpfs mount) call `require_root`: they skip without it, and fail
+with VLLM_OFFLOAD_REQUIRE_ROOT=1 (CI), so that a run without those privileges
+cannot pass by skipping what only they can test.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from typer.testing import CliRunner
@@ -18,7 +24,40 @@ from typer.testing import CliRunner
 from tests.region_files import private_shm_dir
 from vllm_offload_cli.cli.app import app
 
+if TYPE_CHECKING:
+    from helpers.other_user import OtherUser
+
 HELPER = Path(__file__).parent / "helpers" / "holder.py"
+REQUIRE_ROOT = "VLLM_OFFLOAD_REQUIRE_ROOT"
+
+
+def require_root(reason: str, *, granted: bool | None = None) -> None:
+    """Skip the calling test (or fixture) unless it has the privilege it needs.
+
+    `granted` says whether it has it (a probe's answer: unshare permitted, a
+    tool installed, a mount made); None means "runs as root". Without it the
+    test skips with `reason`, or fails when VLLM_OFFLOAD_REQUIRE_ROOT=1.
+    """
+    __tracebackhide__ = True  # reported where the test or fixture called it
+    if (os.geteuid() == 0) if granted is None else granted:
+        return
+    if os.environ.get(REQUIRE_ROOT) == "1":
+        pytest.fail(f"{reason} (and {REQUIRE_ROOT}=1 turns this skip into a failure)",
+                    pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def nobody() -> Iterator[OtherUser]:
+    """Run commands as user nobody, from a copy of the code that user can read
+    (tests/helpers/other_user.py); skips (fails under the switch) where that cannot be."""
+    from helpers import other_user
+
+    require_root("needs root to run commands as another user")
+    with other_user.prepared(other_user.NOBODY) as user:
+        if isinstance(user, str):
+            require_root(user, granted=False)
+        yield user
 
 
 @pytest.fixture

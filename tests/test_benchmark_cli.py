@@ -88,7 +88,7 @@ def test_cuda_without_a_gpu_is_exit_5(cli: Any, shm_dir: Path) -> None:
     (("--size", "64KiB", "--cpu-page-size", "16KiB", "--blocks-per-transfer", "5"),
      "--blocks-per-transfer 5 exceeds the 4 blocks"),
     (("--cpu-page-size", "lots"), "is not a size"),
-    (("--size", "1MB"), "unknown unit"),
+    (("--size", "1mb"), "unknown unit"),
     (("--repeat", "0"), "repeat"),
 ])
 def test_bad_sizes_are_usage_errors(cli: Any, shm_dir: Path, args: tuple[str, ...],

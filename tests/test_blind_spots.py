@@ -3,7 +3,9 @@
 Real processes hide for real here: another PID namespace (`unshare`), a
 hidepid /proc (a private mount namespace), non-dumpable processes of another
 user (`setpriv`), root without CAP_SYS_PTRACE / CAP_LEASE (a container's
-capability set). What needs root or unshare skips where it is not permitted.
+capability set). What needs root or unshare skips where it is not permitted (and
+fails with VLLM_OFFLOAD_REQUIRE_ROOT=1). What runs as nobody runs from a copy of
+the code that nobody can read (the `nobody` fixture): the checkout may be private.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from conftest import require_root, wait_until
+from helpers.other_user import NOBODY, OtherUser
 from region_files import region_file
 
 from vllm_offload_cli.core.host import visibility
@@ -29,27 +32,12 @@ from vllm_offload_cli.core.region import openers
 from vllm_offload_cli.core.system import mounts
 
 SNEAKY = Path(__file__).parent / "helpers" / "sneaky_holder.py"
-NOBODY = 65534
-SYSTEM_PYTHON = "/usr/bin/python3"
-
-
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root (to become another user, or to drop capabilities)")
-
-
-def as_nobody(cmd: list[str]) -> list[str]:
-    need_root()
-    if not shutil.which("setpriv"):
-        pytest.skip("setpriv is not installed")
-    return ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups", *cmd]
 
 
 def without_caps(caps: str, cmd: list[str]) -> list[str]:
     """Root as in a default container: these capabilities dropped for good."""
-    need_root()
-    if not shutil.which("setpriv"):
-        pytest.skip("setpriv is not installed")
+    require_root("needs root to drop capabilities")
+    require_root("setpriv is not installed", granted=shutil.which("setpriv") is not None)
     drop = ",".join(f"-{c}" for c in caps.split(","))
     return ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *cmd]
 
@@ -78,13 +66,17 @@ class Sneaky:
 
 
 @pytest.fixture
-def sneaky() -> Iterator[Any]:
+def sneaky(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Start sneaky holders, as this user or (user="nobody") as nobody; killed at teardown."""
     started: list[Sneaky] = []
 
     def start(path: Path, how: str, *extra: str, user: str = "root") -> Sneaky:
-        cmd = [sys.executable if user == "root" else SYSTEM_PYTHON, str(SNEAKY), str(path),
-               how, *extra]
-        s = Sneaky(as_nobody(cmd) if user == "nobody" else cmd)
+        if user == "nobody":
+            nobody: OtherUser = request.getfixturevalue("nobody")
+            cmd = nobody.python_command(nobody.helper(SNEAKY.name), str(path), how, *extra)
+        else:
+            cmd = [sys.executable, str(SNEAKY), str(path), how, *extra]
+        s = Sneaky(cmd)
         started.append(s)
         return s
 
@@ -114,8 +106,12 @@ def run(cmd: list[str], timeout: float = 90) -> tuple[int, dict[str, Any], str]:
 CLI = [sys.executable, "-m", "vllm_offload_cli"]
 
 
+def gc_args(shm_dir: Path, *args: str) -> list[str]:
+    return ["gc", "--shm-dir", str(shm_dir), "--min-age", "0", "--json", *args]
+
+
 def gc_cmd(shm_dir: Path, *args: str) -> list[str]:
-    return [*CLI, "gc", "--shm-dir", str(shm_dir), "--min-age", "0", "--json", *args]
+    return [*CLI, *gc_args(shm_dir, *args)]
 
 
 def kept(doc: dict[str, Any], engine_id: str) -> dict[str, Any]:
@@ -129,13 +125,17 @@ def nobody_region(shm_dir: Path, engine_id: str) -> Path:
     return path
 
 
-def unreadable_to(cmd_prefix: list[str], pid: int) -> bool:
-    """Whether a process started as cmd_prefix may not read pid's descriptors."""
-    probe = subprocess.run([*cmd_prefix, SYSTEM_PYTHON, "-c", (
+def unreadable_to(python: Callable[..., list[str]], pid: int) -> bool:
+    """Whether a Python started by `python(*args)` may not read pid's descriptors."""
+    probe = subprocess.run(python("-c", (
         f"import os\ntry:\n    [os.stat('/proc/{pid}/fd/' + n) for n in "
-        f"os.listdir('/proc/{pid}/fd')]\nexcept PermissionError:\n    print('denied')")],
+        f"os.listdir('/proc/{pid}/fd')]\nexcept PermissionError:\n    print('denied')")),
         capture_output=True, text=True, timeout=30)
     return "denied" in probe.stdout
+
+
+def weak_root_python(caps: str) -> Callable[..., list[str]]:
+    return lambda *args: without_caps(caps, [sys.executable, *args])
 
 
 # -- /proc mount options: parsed from real mountinfo lines ---------------------------
@@ -176,21 +176,28 @@ def test_the_proc_mount_on_top_is_the_one_that_counts() -> None:
 
 def test_this_host_is_seen_whole() -> None:
     """The suite runs in the host's namespace with a plain /proc (else the rest skips)."""
-    if os.stat("/proc/self/ns/pid").st_ino != visibility.PROC_PID_INIT_INO:
-        pytest.skip("the test suite itself runs in a PID namespace")
+    require_root("the test suite itself runs in a PID namespace",
+                 granted=os.stat("/proc/self/ns/pid").st_ino == visibility.PROC_PID_INIT_INO)
     assert visibility.host_blind_spots() == []
 
 
 # -- another PID namespace: the issue's headline ---------------------------------------
 
 
+def _unshare_refusal(wrap: list[str]) -> str | None:
+    """Why `wrap true` fails here (None: it works)."""
+    if shutil.which("unshare") is None:
+        return "unshare(1) is not installed"
+    probe = subprocess.run([*wrap, "true"], capture_output=True, timeout=30, check=False)
+    return None if probe.returncode == 0 else probe.stderr.decode().strip()
+
+
 def in_new_pid_namespace(cmd: list[str]) -> list[str]:
-    need_root()
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.decode()}")
-    return ["unshare", "--pid", "--fork", "--mount-proc", *cmd]
+    require_root("needs root for a PID namespace of its own")
+    wrap = ["unshare", "--pid", "--fork", "--mount-proc"]
+    refused = _unshare_refusal(wrap)
+    require_root(f"unshare --pid is not permitted here: {refused}", granted=refused is None)
+    return [*wrap, *cmd]
 
 
 def test_gc_in_another_pid_namespace_keeps_a_live_region_and_exits_6(
@@ -254,8 +261,8 @@ def test_inspect_table_in_another_pid_namespace_says_unknown(shm_dir: Path) -> N
 
 def test_the_namespace_waiver_outside_a_namespace_is_pointed_out(cli: Any,
                                                                  shm_dir: Path) -> None:
-    if visibility.namespace_blind_spots():
-        pytest.skip("the test suite itself runs in a PID namespace")
+    require_root("the test suite itself runs in a PID namespace",
+                 granted=not visibility.namespace_blind_spots())
     result = cli("gc", "--shm-dir", str(shm_dir), "--shm-private-to-namespace", "--json")
     assert result.exit_code == 0
     assert "waiver_unused" in [w["code"] for w in result.json["warnings"]]
@@ -276,12 +283,11 @@ def test_a_shm_dir_private_to_the_namespace_can_be_collected_there(shm_dir: Path
 
 def with_hidepid(cmd: list[str]) -> list[str]:
     """cmd in a private mount namespace whose /proc is mounted hidepid=2."""
-    need_root()
+    require_root("needs root to mount a hidepid /proc")
     script = 'mount -t proc -o hidepid=2 proc /proc && exec "$@"'
     wrap = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
-    probe = subprocess.run([*wrap, "true"], capture_output=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a hidepid /proc here: {probe.stderr.decode()}")
+    refused = _unshare_refusal(wrap)
+    require_root(f"cannot mount a hidepid /proc here: {refused}", granted=refused is None)
     return [*wrap, *cmd]
 
 
@@ -301,12 +307,12 @@ def test_hidepid_proc_is_a_blind_spot_no_override_waives(shm_dir: Path) -> None:
 
 
 def test_non_dumpable_holder_of_the_same_user_keeps_the_region(
-        shared_dir: Path, sneaky: Any) -> None:
+        shared_dir: Path, sneaky: Any, nobody: OtherUser) -> None:
     """Row 6: gc as the owner cannot read a non-dumpable holder's /proc entries."""
     path = nobody_region(shared_dir, "nd")
     holder = sneaky(path, "map", "--non-dumpable", user="nobody")
-    gc_as_nobody = as_nobody(gc_cmd(shared_dir))
-    if not unreadable_to(as_nobody([]), holder.pid):
+    gc_as_nobody = nobody.cli(*gc_args(shared_dir))
+    if not unreadable_to(nobody.python_command, holder.pid):
         pytest.skip("this kernel lets the owner read a non-dumpable process")
 
     code, doc, err = run(gc_as_nobody)
@@ -315,7 +321,7 @@ def test_non_dumpable_holder_of_the_same_user_keeps_the_region(
     assert k["code"] == "live" and "cannot be inspected" in k["reason"]
     assert holder.pid in doc["data"]["visibility"]["uninspectable_pids"]
     assert path.exists()
-    code, doc, _ = run(as_nobody([*CLI, "inspect", "--shm-dir", str(shared_dir), "--json"]))
+    code, doc, _ = run(nobody.cli("inspect", "--shm-dir", str(shared_dir), "--json"))
     region = doc["data"]["regions"][0]
     assert region["state"] == "live" and region["holders"] == []
     assert "hidden_holder" in [p["code"] for p in region["problems"]]
@@ -333,8 +339,7 @@ def test_without_a_lease_a_possibly_hidden_holder_means_unknown_and_exit_6(
     non-dumpable holder's descriptors, nor ask the kernel: it must not guess."""
     path = nobody_region(shared_dir, "blind")
     holder = sneaky(path, "fd", "--non-dumpable", user="nobody")
-    weak_root = without_caps("sys_ptrace,lease", [])
-    if not unreadable_to(weak_root, holder.pid):
+    if not unreadable_to(weak_root_python("sys_ptrace,lease"), holder.pid):
         pytest.skip("root without CAP_SYS_PTRACE can still read that process here")
 
     for extra in ((), ("--dry-run",)):
@@ -365,8 +370,7 @@ def test_stale_regions_go_although_some_processes_cannot_be_inspected(
     other = region_file(shm_dir, "other", mode=0o666)
     os.chmod(shm_dir, 0o755)
     idle = sneaky(other, "fd", "--non-dumpable", user="nobody")  # hidden, holds "other"
-    weak_root = without_caps("sys_ptrace", [])
-    if not unreadable_to(weak_root, idle.pid):
+    if not unreadable_to(weak_root_python("sys_ptrace"), idle.pid):
         pytest.skip("root without CAP_SYS_PTRACE can still read that process here")
 
     code, doc, err = run(without_caps("sys_ptrace", gc_cmd(shm_dir)))
@@ -449,14 +453,15 @@ def test_the_lease_sees_descriptors_and_mappings_of_any_process(
     assert probe(scratch_file) is True
 
 
-def test_the_lease_cannot_tell_without_ownership_or_cap_lease(scratch_file: Path) -> None:
+def test_the_lease_cannot_tell_without_ownership_or_cap_lease(scratch_file: Path,
+                                                             nobody: OtherUser) -> None:
     os.chmod(scratch_file, 0o644)
     os.chmod(scratch_file.parent, 0o755)
     code = ("import os; from vllm_offload_cli.core.region import openers; "
             f"fd = os.open({str(scratch_file)!r}, os.O_RDONLY); v = openers.probe(fd); "
             "print(v.sole, v.why)")
-    proc = subprocess.run(as_nobody([sys.executable, "-c", code]), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(nobody.python_command("-c", code), capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("None ") and "CAP_LEASE" in proc.stdout
 

@@ -72,7 +72,7 @@ BAD_INPUTS = [
     (["x", *BASE, "--num-blocks", "-3"], 2, "--num-blocks must be greater than 0"),
     (["x", *BASE, "--size", "0"], 2, "--size must be greater than 0"),
     (["x", *BASE, "--size", "-1GiB"], 2, "is not a size"),
-    (["x", *BASE, "--size", "12MB"], 2, "unknown unit"),
+    (["x", *BASE, "--size", "12mb"], 2, "unknown unit"),
     (["x", *BASE], 2, "exactly one of --num-blocks and --size"),
     (["x", *BASE, "--num-blocks", "1", "--size", "1MiB"], 2, "exactly one"),
     (["x", "--world-size", "0", "--cpu-page-size", "4KiB", "--num-blocks", "1"], 2,
@@ -82,6 +82,9 @@ BAD_INPUTS = [
     (["x", *BASE, "--num-blocks", "1", "--dp-rank", "-1"], 2, "dp rank must be >= 0"),
     (["x", *BASE, "--size", "1TiB"], 5, "free"),
     (["x", *BASE, "--num-blocks", "1", "--frobnicate"], 2, "No such option"),
+    (["x", *BASE, "--size", "3GiB", "--segments", "4", "--no-populate"], 2,
+     "--segments 4 cannot be made for 3.0 GiB (no file may be under 1.0 GiB); possible: 1, 2, 3"),
+    (["x", *BASE, "--size", "64MiB", "--segments", "2"], 2, "possible: 1"),
 ]
 
 
@@ -185,3 +188,19 @@ def test_rows_are_laid_out_for_a_joining_engine(cli: Any, shm_dir: Path) -> None
                              world_size=2) as worker:
         assert not worker.creator
     assert (shm_dir / "vllm_offload_pre.mmap").exists()
+
+
+def test_create_on_a_name_a_live_process_holds_names_the_pid(cli: Any, shm_dir: Path,
+                                                              holders: Any) -> None:
+    h = holders("region", str(shm_dir), "h1", "4", "0", "65536", "65536", "1")
+    r = cli("create", "h1", "--world-size", "1", "--cpu-page-size", "64KiB", "--num-blocks",
+            "4", "--shm-dir", str(shm_dir))
+    assert r.exit_code == 4
+    assert f"is in use by pid {h.pid} (python" in r.stderr and "gc" not in r.stderr
+
+
+def test_decimal_sizes_are_powers_of_1000_and_printed_back(cli: Any, shm_dir: Path) -> None:
+    r = cli("create", "dec", "--world-size", "1", "--cpu-page-size", "4KB", "--num-blocks",
+            "2", "--no-populate", "--shm-dir", str(shm_dir))
+    assert r.exit_code == 0, r.stderr
+    assert "1 slot(s) of 4000 bytes" in r.stdout

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +157,9 @@ def test_human_table(cli: Any, shm_dir: Path, holders: Any) -> None:
     r = cli("inspect", "--shm-dir", str(shm_dir))
     assert r.exit_code == 0
     assert "ENGINE ID" in r.stdout and "tbl" in r.stdout and "live" in r.stdout
-    assert f"{h.pid} python" in r.stdout and "r1" in r.stdout
+    assert f" 1 ({h.pid})" in r.stdout, "narrow: the count and the first pid"
+    wide = cli("inspect", "--wide", "--shm-dir", str(shm_dir))
+    assert f"{h.pid} python r1" in wide.stdout
 
 
 def test_prometheus_textfile_is_written_atomically(cli: Any, shm_dir: Path,
@@ -166,8 +170,9 @@ def test_prometheus_textfile_is_written_atomically(cli: Any, shm_dir: Path,
             str(shm_dir), "--json")
     assert r.exit_code == 0 and r.json["data"]["output"] == str(out)
     text = out.read_text()
-    assert 'vllm_offload_region_state{base_engine_id="p",dp_rank="2",engine_id="p_dp2",' \
+    assert 'vllm_offload_region_state{base_engine_id="p",engine_id="p_dp2",' \
            'state="stale"} 1.0' in text
+    assert 'vllm_offload_region_dp_rank{base_engine_id="p",engine_id="p_dp2"} 2.0' in text
     assert "vllm_offload_shm_free_bytes" in text
     assert sorted(os.listdir(tmp_path)) == ["vllm_offload.prom"], "no temp file left"
     stdout = cli("inspect", "--format", "prometheus", "--shm-dir", str(shm_dir))
@@ -199,3 +204,36 @@ def test_real_subprocess_run(shm_dir: Path) -> None:
     assert r.exit_code == 0
     doc = json.loads(r.stdout)  # exactly one JSON document on stdout
     assert [x["engine_id"] for x in doc["data"]["regions"]] == ["sub"]
+
+
+def test_prometheus_output_follows_the_conventions(cli: Any, shm_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """Parsed by prometheus_client and `promtool check metrics` where installed: unit
+    suffixes, a creation timestamp instead of an age, no empty label values."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _write(shm_dir / "vllm_offload_p_dp2.mmap", ROW)
+    _write(shm_dir / "vllm_offload_plain.mmap", ROW)
+    inspect_text = cli("inspect", "--format", "prometheus", "--shm-dir", str(shm_dir)).stdout
+    gc_file = tmp_path / "gc.prom"
+    assert cli("gc", "--dry-run", "--prometheus", str(gc_file), "--shm-dir",
+               str(shm_dir)).exit_code == 0
+    for text in (inspect_text, gc_file.read_text()):
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        samples = [s for f in families.values() for s in f.samples]
+        assert samples and all(v != "" for s in samples for v in s.labels.values())
+        assert not [n for n in families if n.endswith(("_age_seconds", "_bytes_freed"))]
+        if shutil.which("promtool"):
+            check = subprocess.run(["promtool", "check", "metrics"], input=text,
+                                   capture_output=True, text=True, timeout=60)
+            assert check.returncode == 0, check.stdout + check.stderr
+    families = {f.name: f for f in text_string_to_metric_families(inspect_text)}
+    created = {s.labels["engine_id"]: s.value
+               for s in families["vllm_offload_region_created_timestamp_seconds"].samples}
+    mtime = (shm_dir / "vllm_offload_plain.mmap").stat().st_mtime
+    assert created["plain"] == pytest.approx(mtime)
+    ranks = {s.labels["engine_id"]: s.value
+             for s in families["vllm_offload_region_dp_rank"].samples}
+    assert ranks == {"p_dp2": 2}
+    gc_names = {f.name for f in text_string_to_metric_families(gc_file.read_text())}
+    assert "vllm_offload_gc_freed_bytes" in gc_names

@@ -1,10 +1,11 @@
 """A killed create leaves only what gc reclaims (issue 9, rows 8 and 9).
 
 `create` is a real process, stopped at exact points through the test hook
-(VLLM_OFFLOAD_TEST_PAUSE_AT, which makes it SIGSTOP itself there) or killed
-after growing delays. While its creator lives a region is `creating`; once the
-creator is gone it is `stale`, plain `gc --min-age 0` removes it, and `create`
-over it names a command that clears it. Regions that were finished survive.
+(VLLM_OFFLOAD_TEST_PAUSE_AT, which makes it SIGSTOP itself there) or killed the
+moment a step of it shows from outside (never after a guessed delay). While its
+creator lives a region is `creating`; once the creator is gone it is `stale`,
+plain `gc --min-age 0` removes it, and `create` over it names a command that
+clears it. Regions that were finished survive.
 Each step holds at most one 256 MiB region.
 """
 
@@ -25,6 +26,7 @@ import pytest
 from tests.conftest import wait_until
 from tests.region_files import region_file
 from vllm_offload_cli.core.base.testhook import PAUSE_ENV, POINTS
+from vllm_offload_cli.core.base.units import parse_size
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim.collector import collect
 from vllm_offload_cli.core.region import manifest as manifest_io
@@ -163,42 +165,56 @@ def _complete(shm_dir: Path, engine_id: str) -> bool:
     return m.complete and (m.region_dev, m.region_ino) == (st.st_dev, st.st_ino)
 
 
-def _named_or_exited(shm_dir: Path, engine_id: str, proc: subprocess.Popen[str]
-                     ) -> Callable[[], bool]:
-    return lambda: region_path(shm_dir, engine_id).exists() or proc.poll() is not None
+def _resident(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _moments(shm_dir: Path, engine_id: str) -> dict[str, Callable[[], bool]]:
+    """Points of a create, as seen from outside, in the order a create passes them."""
+    path = region_path(shm_dir, engine_id)
+    size = parse_size(SIZE)
+
+    def sized() -> bool:
+        try:
+            return path.stat().st_size == size
+        except FileNotFoundError:
+            return False
+
+    moments: dict[str, Callable[[], bool]] = {
+        "named": path.exists,  # it won O_EXCL
+        "described": manifest_path(shm_dir, engine_id).exists,
+        "sized": sized,  # ftruncate done
+    }
+    for quarter in (1, 2, 3):  # pre-fault under way
+        moments[f"{quarter}/4 pre-faulted"] = (
+            lambda q=quarter: _resident(path) >= size * q // 4)
+    moments["ready"] = lambda: _complete(shm_dir, engine_id)
+    return moments
+
+
+def _or_exited(reached: Callable[[], bool], proc: subprocess.Popen[str]
+               ) -> Callable[[], bool]:
+    return lambda: reached() or proc.poll() is not None
 
 
 @pytest.mark.slow
-def test_create_killed_after_growing_delays(shm_dir: Path, procs: list[Any],
-                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """Kill real creates of 256 MiB at 24 growing delays; gc leaves only finished ones.
-
-    Delays count from the moment the region's name appears (the creator won
-    O_EXCL) and grow to twice how long O_EXCL-to-`ready` took in a first, timed
-    run, so the kills land before ftruncate, during pre-fault and after it,
-    however fast or loaded the machine is.
-    """
-    proc = _create(shm_dir, "timing")
-    procs.append(proc)
-    assert wait_until(lambda: region_path(shm_dir, "timing").exists(), timeout=120)
-    appeared = time.monotonic()
-    assert wait_until(lambda: _complete(shm_dir, "timing"), timeout=120, interval=0.005)
-    window = time.monotonic() - appeared  # O_EXCL to `ready`: where kills must land
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert [r.engine_id for r in collect(shm_dir, min_age=0, include_persistent=True).removed
-            ] == ["timing"]
-    counts = {"kills": 0, "finished_kept": 0, "unfinished_removed": 0, "no_file_yet": 0,
+def test_create_killed_at_every_moment_it_can_be_seen_at(shm_dir: Path,
+                                                         procs: list[Any]) -> None:
+    """Kill real creates of 256 MiB the moment each step shows from outside (the name,
+    the manifest, the size, a quarter, half and three quarters pre-faulted, ready);
+    gc leaves exactly the finished ones and nothing of the others."""
+    counts = {"finished_kept": 0, "unfinished_removed": 0, "no_file_yet": 0,
               "wrongly_removed": 0, "half_made_left": 0}
-    kills = 24
-    for i in range(kills):
+    for i, name in enumerate(list(_moments(shm_dir, "x")) * 2):
         engine_id = f"k{i}"
         proc = _create(shm_dir, engine_id)
         procs.append(proc)
-        wait_until(_named_or_exited(shm_dir, engine_id, proc), timeout=120, interval=0.002)
-        time.sleep(window * 2 * i / (kills - 1))  # the fault: when the kill lands
-        _kill(proc)
-        counts["kills"] += 1
+        reached = _moments(shm_dir, engine_id)[name]
+        assert wait_until(_or_exited(reached, proc), timeout=120, interval=0.001), name
+        _kill(proc)  # the fault lands where the create was seen to be
         finished = _complete(shm_dir, engine_id)
         existed = region_path(shm_dir, engine_id).exists()
         collect(shm_dir, min_age=0)
@@ -212,12 +228,11 @@ def test_create_killed_after_growing_delays(shm_dir: Path, procs: list[Any],
             counts["half_made_left"] += 1
         else:
             counts["unfinished_removed" if existed else "no_file_yet"] += 1
-        for name in os.listdir(shm_dir):  # whatever was left: never carried into the next
-            os.unlink(shm_dir / name)
-    with capsys.disabled():
-        print(f"\ncreate of {SIZE}, O_EXCL to ready: {window:.2f} s; {counts}")
+        for leftover in os.listdir(shm_dir):  # whatever was left: never carried over
+            os.unlink(shm_dir / leftover)
     assert counts["wrongly_removed"] == 0 and counts["half_made_left"] == 0, counts
-    assert counts["unfinished_removed"] > 0  # the delays did land inside the create
+    assert counts["unfinished_removed"] > 0, counts  # kills did land inside creates
+    assert counts["finished_kept"] > 0, counts  # and after them
 
 
 @pytest.mark.parametrize("leftover", ["persistent", "vllm"])

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import require_root
 from tests.engine_ranks import Engine
 from vllm_offload_cli.core.region.segments import split
 
@@ -291,8 +292,7 @@ def test_a_pre_provisioned_region_is_joined_if_its_geometry_matches(engines: Any
 
 def test_a_leftover_of_another_user_is_refused_not_removed(engines: Any,
                                                           shm_dir: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to plant a file owned by another user")
+    require_root("needs root to plant a file owned by another user")
     leftover = shm_dir / "vllm_offload_prod.mmap"
     leftover.touch(mode=0o600)
     os.truncate(leftover, BLOCKS * STRIDE)
@@ -304,12 +304,12 @@ def test_a_leftover_of_another_user_is_refused_not_removed(engines: Any,
 
 def _blind(cmd: list[str] | None = None) -> list[str]:
     """A new PID namespace with its own /proc: the rank sees only itself (skips if denied)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a PID namespace")
+    require_root("needs root for a PID namespace")
+    require_root("unshare(1) is not installed", granted=shutil.which("unshare") is not None)
     wrap = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
     probe = subprocess.run([*wrap, "true"], capture_output=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.decode()}")
+    require_root(f"unshare --pid is not permitted here: {probe.stderr.decode()}",
+                 granted=probe.returncode == 0)
     return [*wrap, *(cmd or [])]
 
 

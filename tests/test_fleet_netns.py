@@ -30,6 +30,5 @@ def test_ray_tests_pass_in_a_private_network_namespace() -> None:
         env={**os.environ, netns.INSIDE_ENV: "1"}, cwd=FLEET_TESTS.parent.parent,
         capture_output=True, text=True, check=False, timeout=1100)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    print(f"ray tests inside the network namespace: {summary}")
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]
-    assert " passed" in summary and "failed" not in summary
+    assert " passed" in summary and "failed" not in summary, summary

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from conftest import require_root, wait_until
 from region_files import region_file
 
 from vllm_offload_cli.core.base.exit_status import most_important
@@ -250,8 +250,8 @@ def blind_node(fleet: FleetCluster) -> Iterator[Path]:
     """
     probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
                            capture_output=True, check=False) if shutil.which("unshare") else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip("needs unshare --pid (root) for a node in its own PID namespace")
+    require_root("needs unshare --pid (root) for a node in its own PID namespace",
+                 granted=probe is not None and probe.returncode == 0)
     shm = Path(tempfile.mkdtemp(prefix="vllm-offload-fleet-", dir="/dev/shm"))
     ray_cli = Path(sys.executable).parent / "ray"
     ray.init(address=fleet.address, logging_level="ERROR", log_to_driver=False)

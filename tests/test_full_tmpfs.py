@@ -1,6 +1,7 @@
 """A tmpfs that is too small: the failure is clear and leaves nothing behind.
 
-Mounts a real 1 MiB tmpfs (needs root and mount rights; skipped otherwise).
+Mounts a real 1 MiB tmpfs (needs root and mount rights; skipped otherwise, and
+failed with VLLM_OFFLOAD_REQUIRE_ROOT=1).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import require_root
 from vllm_offload_cli.core.base.errors import InsufficientSpaceError
 from vllm_offload_cli.core.region import SharedOffloadRegion
 
@@ -24,8 +26,8 @@ def tiny_tmpfs() -> Iterator[Path]:
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs",
                               str(path)], capture_output=True).returncode == 0
     try:
-        if not mounted:
-            pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
+        require_root("cannot mount a tmpfs here (needs root and mount rights)",
+                     granted=mounted)
         yield path
     finally:
         if mounted:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_cli_subprocess, wait_until
+from conftest import require_root, run_cli_subprocess, wait_until
 from region_files import GEOMETRY, SIZE, SLOT, region_file
 
 from vllm_offload_cli.core.host.discovery import discover
@@ -20,6 +20,8 @@ from vllm_offload_cli.core.reclaim import collector as reclaim
 from vllm_offload_cli.core.reclaim.report import GcOptions
 
 OTHER_UID = 12345
+# the widest gc this user may run: --all-users is root's
+WIDEST = ("--all-users",) if os.geteuid() == 0 else ()
 
 
 def gc_json(cli: Any, shm_dir: Path, *args: str, expect: int = 0) -> dict[str, Any]:
@@ -204,7 +206,7 @@ def test_symlink_named_like_a_region_is_never_followed(cli: Any, shm_dir: Path) 
     manifest_link.symlink_to(target)
     before = identity(target), target.stat().st_mtime_ns
 
-    doc = gc_json(cli, shm_dir, "--min-age", "0", "--include-persistent", "--all-users")
+    doc = gc_json(cli, shm_dir, "--min-age", "0", "--include-persistent", *WIDEST)
 
     assert kept(doc, "trap")["code"] == "symlink"
     assert kept(doc, "dangling")["code"] == "symlink"
@@ -225,8 +227,7 @@ def test_a_symlinked_segment_keeps_the_whole_region(cli: Any, shm_dir: Path) -> 
 
 
 def test_another_users_region_needs_root_and_all_users(cli: Any, shm_dir: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to chown a file to another user")
+    require_root("needs root to chown a file to another user")
     path = region_file(shm_dir, "theirs")
     os.chown(path, OTHER_UID, OTHER_UID)
 
@@ -242,8 +243,7 @@ def test_another_users_region_needs_root_and_all_users(cli: Any, shm_dir: Path) 
 def as_user(uid: int, cli: Any, *args: str) -> tuple[int, dict[str, Any]]:
     """Run the CLI in a forked child that dropped to `uid` (no exec: the interpreter
     may live where that user cannot read)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to become another user")
+    require_root("needs root to become another user")
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -301,7 +301,7 @@ def test_names_that_are_not_regions_are_untouched(cli: Any, shm_dir: Path) -> No
         os.chmod(shm_dir / name, 0o600)
     (shm_dir / "vllm_offload_dir.mmap").mkdir()
 
-    doc = gc_json(cli, shm_dir, "--min-age", "0", "--include-persistent", "--all-users")
+    doc = gc_json(cli, shm_dir, "--min-age", "0", "--include-persistent", *WIDEST)
 
     assert kept(doc, "dir")["code"] == "not_regular_file"
     assert doc["data"]["removed"] == [] and doc["data"]["orphan_manifests_removed"] == []
@@ -446,7 +446,7 @@ def test_prometheus_textfile(cli: Any, shm_dir: Path, tmp_path: Path, holders: A
     values = _metrics(prom.read_text())
     assert values["vllm_offload_gc_regions_seen"] == 2
     assert values["vllm_offload_gc_regions_removed"] == 1
-    assert values["vllm_offload_gc_bytes_freed"] == SIZE
+    assert values["vllm_offload_gc_freed_bytes"] == SIZE
     assert values["vllm_offload_gc_errors"] == 0
     assert values['vllm_offload_gc_regions_kept{reason="live"}'] == 1
     assert values['vllm_offload_gc_regions_kept{reason="too_young"}'] == 0

@@ -81,19 +81,17 @@ def test_gc_never_removes_a_region_in_use(shm_dir: Path, tmp_path: Path) -> None
     final = collect(shm_dir, min_age=0, include_persistent=True)
     leftovers = sorted(os.listdir(shm_dir))
     total_removed = removed + theirs["removed"] + len(final.removed)
-    print(f"\ngc stress: {SECONDS:g} s, {cycles + theirs['cycles']} gc cycles "
-          f"({cycles} + {theirs['cycles']} in two processes), {churned['sessions']} sessions, "
-          f"{created} regions created, {total_removed} removed by gc ({self_removed} more by "
-          f"their own creator), {len(lost)} wrongly removed, {kept_live} in-use regions kept "
-          f"(this process), {checks} liveness checks, "
-          f"{len(failed)} session errors")
+    summary = (f"{cycles} + {theirs['cycles']} gc cycles in two processes, "
+               f"{churned['sessions']} sessions, {created} regions created, {total_removed} "
+               f"removed by gc ({self_removed} more by their own creator), {kept_live} in-use "
+               f"regions kept (this process), {checks} liveness checks")
 
-    assert len(sessions) == churned["sessions"]
-    assert lost == [], f"gc removed regions still in use: {lost}"
-    assert failed == [], f"sessions failed: {failed[:5]}"
+    assert len(sessions) == churned["sessions"], summary
+    assert lost == [], f"gc removed regions still in use: {lost}; {summary}"
+    assert failed == [], f"sessions failed: {failed[:5]}; {summary}"
     assert errors == [] and theirs["errors"] == [] and final.errors == ()
     assert final.kept == (), f"nothing is alive any more: {final.kept}"
     assert leftovers == [], f"left behind: {leftovers}"
-    assert total_removed + self_removed == created
-    assert created > 20 and removed + theirs["removed"] > 5  # the run did exercise gc
+    assert total_removed + self_removed == created, summary
+    assert created > 20 and removed + theirs["removed"] > 5, summary  # gc was exercised
 

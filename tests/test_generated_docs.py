@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,22 +39,46 @@ def test_man_page_exit_status_is_the_enum() -> None:
 
 
 def test_every_command_is_documented() -> None:
-    from vllm_offload_cli.cli.app import app
+    from vllm_offload_cli.cli.app import COMMANDS, root_command
 
-    man = (ROOT / "man" / "vllm-offload.1").read_text()
+    man = (ROOT / "man" / "vllm-offload.1").read_text().replace("\\-", "-")
     bash = (ROOT / "completions" / "vllm-offload.bash").read_text()
-    for command in app.registered_commands:
-        if command.hidden:
-            continue
-        assert f".SS {command.name}" in man.replace("\\-", "-")
-        assert f"    {command.name})" in bash
-    for group in app.registered_groups:  # `fleet` and its own commands
-        assert group.typer_instance is not None
-        for command in group.typer_instance.registered_commands:
-            name = f"{group.name} {command.name}"
-            assert f'    "{name}")' in bash
-            if not command.hidden:
-                assert f".SS {name}" in man.replace("\\-", "-")
+    root = root_command()
+    for name in COMMANDS:
+        command = root.commands[name]  # type: ignore[attr-defined]
+        subs = getattr(command, "commands", {})
+        if not command.hidden:
+            assert f".SS {name}" in man
+        assert f"    {name})" in bash or subs
+        for sub_name, sub in subs.items():  # `fleet` and its own commands
+            assert f'    "{name} {sub_name}")' in bash
+            if not sub.hidden:
+                assert f".SS {name} {sub_name}" in man
+
+
+def test_man_page_has_the_operator_sections() -> None:
+    man = (ROOT / "man" / "vllm-offload.1").read_text().replace("\\-", "-")
+    for section in ("SYNOPSIS", "DEFAULTS", "JSON OUTPUT", "EXIT STATUS", "ENVIRONMENT",
+                    "FILES"):
+        assert f"\n.SH {section}\n" in man
+    assert "Default: 60s." in man, "gc's --min-age default is stated"
+    assert "[ENGINE_ID]" in man and "see the man page" not in man
+    assert ".SS inspect\n.TP\n\\fBshm_dir\\fR" in man, "a JSON data reference per command"
+
+
+def test_man_page_is_clean_for_mandoc() -> None:
+    if shutil.which("mandoc") is None:
+        pytest.skip("mandoc is not installed")
+    lint = subprocess.run(["mandoc", "-T", "lint", "-W", "warning",
+                           str(ROOT / "man" / "vllm-offload.1")], capture_output=True, text=True)
+    assert lint.returncode == 0 and lint.stdout + lint.stderr == "", lint.stdout + lint.stderr
+
+
+def test_fish_offers_only_the_allowed_values() -> None:
+    fish = (ROOT / "completions" / "vllm-offload.fish").read_text()
+    formats = [line for line in fish.splitlines() if "-l format" in line]
+    assert formats and all("-x -a 'table json prometheus'" in line for line in formats)
+    assert not [line for line in fish.splitlines() if " -r -a " in line]
 
 
 @pytest.mark.parametrize(("shell", "rel", "check"), [
@@ -84,3 +109,34 @@ COMP_WORDS=(vllm-offload fleet inspect ""); COMP_CWORD=3; _vllm_offload; echo "$
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out == ["inspect", "--format", "abc_dp1", "inspect", "--address", "abc_dp1"]
+
+
+def _documented(command: str, prefix: str = "") -> set[str]:
+    from vllm_offload_cli.cli.datadoc import DATA
+
+    names = set()
+    for key, _ in DATA[command]:
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix):]
+        if "." in rest.split(",")[0]:
+            continue
+        names |= {n.strip().removesuffix("[]") for n in rest.split(",")}
+    return names
+
+
+def test_json_reference_names_every_data_key(cli: Any, shm_dir: Path) -> None:
+    """The man page's JSON reference covers what the commands really print."""
+    where = ("--shm-dir", str(shm_dir), "--json")
+    made = cli("create", "doc", "--world-size", "1", "--cpu-page-size", "4KiB",
+               "--num-blocks", "2", *where)
+    seen = {"create": made, "inspect": cli("inspect", *where),
+            "verify-rank-layout": cli("verify-rank-layout", "doc", *where),
+            "preflight": cli("preflight", "doc2", "--size", "4KiB", *where)}
+    for command, result in seen.items():
+        assert result.exit_code == 0, result.stdout + result.stderr
+        assert set(result.json["data"]) - {"released_by", "removed"} <= _documented(command)
+    plan = cli("verify-rank-layout", "--world-size", "2", "--json")
+    assert set(plan.json["data"]) <= _documented("verify-rank-layout")
+    region = seen["inspect"].json["data"]["regions"][0]
+    assert set(region) <= _documented("inspect", "regions[].")

@@ -60,13 +60,15 @@ def test_geometry_from_size_keeps_whole_rows() -> None:
 
 @pytest.mark.parametrize(("text", "value"), [
     ("4096", 4096), ("64KiB", 65536), ("2MiB", 2 << 20), ("1GiB", 1 << 30), ("1g", 1 << 30),
-    ("1.5KiB", 1536), (" 7 b ", 7), ("0", 0),
+    ("1.5KiB", 1536), (" 7 B ", 7), ("0", 0), ("64M", 64 << 20), ("64MB", 64_000_000),
+    ("64kB", 64_000), ("64KB", 64_000), ("2k", 2048), ("1t", 1 << 40),
 ])
 def test_sizes_parse(text: str, value: int) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "-1", "1MB", "1kB", "abc", "1.3B", "2 MiB MiB"])
+@pytest.mark.parametrize("text", ["", "-1", "1kb", "1KIB", "1Kib", "7b", "abc", "1.3B",
+                                  "2 MiB MiB"])
 def test_bad_sizes_are_refused(text: str) -> None:
     with pytest.raises(InvalidInputError) as info:
         parse_size(text, what="--size")
@@ -78,3 +80,5 @@ def test_format_bytes() -> None:
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 << 30) == "3.0 GiB"
+    assert [format_bytes(n, compact=True) for n in (512, 1536, 64 << 20, None)] == [
+        "512B", "1.5KiB", "64MiB", "-"]

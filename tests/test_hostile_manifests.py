@@ -16,12 +16,20 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import require_root
 from tests.region_files import SIZE, region_file
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import manifest_path
 
 NOBODY = 65534
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a second user's file needs root")
+
+
+@pytest.fixture
+def root() -> None:
+    require_root("a second user's file needs root")
+
+
+needs_root = pytest.mark.usefixtures("root")
 
 
 def _strict(text: str) -> Any:
@@ -116,7 +124,6 @@ def test_hostile_manifest_is_a_problem_not_a_crash(cli: Any, shm_dir: Path, kind
                                                    tmp_path: Path) -> None:
     region = region_file(shm_dir, "victim")
     _plant(shm_dir, "victim", _payload(kind, region))
-    started = time.monotonic()
     found = _inspect(cli, shm_dir)["victim"]
     assert _codes(found) == ["manifest_invalid"]
     assert found["state"] == "stale" and found["persistent"] is False
@@ -137,7 +144,6 @@ def test_hostile_manifest_is_a_problem_not_a_crash(cli: Any, shm_dir: Path, kind
     assert gc.exit_code == 0, gc.stdout
     assert [r["engine_id"] for r in _strict(gc.stdout)["data"]["removed"]] == ["victim"]
     assert sorted(os.listdir(shm_dir)) == []
-    assert time.monotonic() - started < 60  # no input makes it hang
 
 
 def test_manifest_read_is_bounded_by_what_is_read(shm_dir: Path) -> None:

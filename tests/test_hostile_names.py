@@ -115,7 +115,7 @@ def evil_holder(shm_dir: Path) -> Iterator[subprocess.Popen[str]]:
 def test_process_names_reach_no_terminal_raw(cli: Any, shm_dir: Path,
                                              evil_holder: subprocess.Popen[str]) -> None:
     """Row 5: inspect's table and gc's reasons show the name escaped."""
-    table = cli("inspect", "--shm-dir", str(shm_dir))
+    table = cli("inspect", "--wide", "--shm-dir", str(shm_dir))
     assert table.exit_code == 0
     assert "\x1b" not in table.stdout + table.stderr
     assert "\\x1b[31mevil\\x1b[0m" in table.stdout

@@ -42,7 +42,7 @@ def _script() -> str:
 
 
 def _gc_argv() -> list[str]:
-    [line] = [ln for ln in _script().splitlines() if "vllm-offload " in ln]
+    [line] = [ln for ln in _script().splitlines() if "vllm-offload garbage-collect" in ln]
     words = shlex.split(line.split("||")[0])
     assert words[0] == "vllm-offload"
     return words[1:]
@@ -66,7 +66,7 @@ def test_pod_sees_the_hosts_processes_and_shm() -> None:
     mounts = {m["name"]: m for m in _container()["volumeMounts"]}
     assert volumes["shm"]["hostPath"]["path"] == "/dev/shm"
     assert mounts["shm"]["mountPath"] == "/dev/shm"
-    assert volumes["textfile"]["hostPath"]["path"] == "/var/lib/node_exporter/textfile_collector"
+    assert volumes["textfile"]["hostPath"]["path"] == "/var/lib/prometheus/node-exporter"
     prom = _gc_argv()[_gc_argv().index("--prometheus") + 1]
     assert prom.startswith(mounts["textfile"]["mountPath"] + "/")
     env = {e["name"]: e["value"] for e in _container()["env"]}

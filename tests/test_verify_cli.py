@@ -130,7 +130,7 @@ def test_plan_table_for_people(cli: Any) -> None:
     (["bad/id"], "engine_id 'bad/id' contains '/'"),
     (["some-engine", "--world-size", "0"], "--world-size must be greater than 0, got 0"),
     (["some-engine", "--cpu-page-size", "0"], "--cpu-page-size must be greater than 0"),
-    (["some-engine", "--cpu-page-size", "4kB"], "has unknown unit 'kB'"),
+    (["some-engine", "--cpu-page-size", "4kb"], "has unknown unit 'kb'"),
     (["--world-size", "two"], "Invalid value for '--world-size'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(cli: Any, shm_dir: Path, args: list[str],
@@ -454,3 +454,18 @@ def test_live_symlinked_manifest_is_a_problem_not_followed(cli: Any, shm_dir: Pa
                      str(PAGE))
     assert result.exit_code == 3
     assert _problems(result.json) == ["manifest_symlink"]
+
+
+def test_a_region_nobody_joined_says_so_instead_of_a_population(cli: Any,
+                                                                shm_dir: Path) -> None:
+    """create pre-faults every slot: 100% there would say nothing about any worker."""
+    made = cli("create", "fresh", "--world-size", "2", "--cpu-page-size", str(PAGE),
+               "--num-blocks", "4", "--shm-dir", str(shm_dir))
+    assert made.exit_code == 0, made.stderr
+    doc = _verify(cli, shm_dir, "fresh").json
+    assert doc["data"]["joined"] is False
+    human = cli("verify-rank-layout", "fresh", "--shm-dir", str(shm_dir))
+    rows = [line for line in human.stdout.splitlines() if line.lstrip()[:1].isdigit()]
+    assert len(rows) == 2 and all("not joined yet" in row for row in rows)
+    assert "%" not in "".join(rows)
+    assert not [line for line in human.stdout.splitlines() if line != line.rstrip()]

@@ -1,32 +1,88 @@
 """The `vllm-offload` command tree and its entry point.
 
-Subcommand modules build their commands; this module adds them to the app, so
-imports run one way. None of them imports torch at module level, so `--help`
-stays fast.
+Subcommands are resolved by name, on demand: `vllm-offload inspect --json`
+imports the inspect module and nothing of create, benchmark or the fleet, and
+`--version` imports none of them. `--help` and the generated docs resolve them
+all. Subcommand modules never import this one, so imports run one way.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any
 
 import typer
 
-# typer >= 0.29 vendors click; these are its exception classes
-from typer._click.exceptions import ClickException, UsageError
+# typer >= 0.29 vendors click; these are its classes
+from typer._click import Command, Context
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 from typer.core import TyperGroup, _main
 from typer.exceptions import Abort
 
 from vllm_offload_cli import __version__
-from vllm_offload_cli.cli import benchmark, create, fleet, gc, inspect, preflight, verify
 from vllm_offload_cli.cli.common import envelope, print_json
+from vllm_offload_cli.cli.params import tidy
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 
+# name -> (module under vllm_offload_cli.cli, attribute): a Subcommand or a Typer group
+COMMANDS: dict[str, tuple[str, str]] = {
+    "benchmark": ("benchmark", "benchmark_cmd"),
+    "create": ("create", "create"),
+    "garbage-collect": ("gc", "garbage_collect"),
+    "gc": ("gc", "garbage_collect"),
+    "inspect": ("inspect", "inspect_cmd"),
+    "preflight": ("preflight", "preflight"),
+    "verify-rank-layout": ("verify", "verify_rank_layout"),
+    "fleet": ("fleet", "fleet_app"),
+}
+
+
+def _build(name: str) -> Command:
+    module_name, attribute = COMMANDS[name]
+    module = importlib.import_module(f"vllm_offload_cli.cli.{module_name}")
+    target = getattr(module, attribute)
+    holder = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    if isinstance(target, typer.Typer):
+        holder.add_typer(target, name=name)
+    else:
+        target.register(holder)
+        holder.callback()(lambda: None)  # a group even with one command
+    return tidy(typer.main.get_group(holder).commands[name])
+
+
+class _LazyCommands(Mapping[str, Command]):
+    """Subcommands by name, each imported the first time it is looked up."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, Command] = {}
+
+    def __getitem__(self, name: str) -> Command:
+        if name not in COMMANDS:
+            raise KeyError(name)
+        if name not in self._built:
+            self._built[name] = _build(name)
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COMMANDS)
+
+    def __len__(self) -> int:
+        return len(COMMANDS)
+
 
 class EnvelopeGroup(TyperGroup):
-    """Usage errors honour `--json` too, and print one `Error:` line otherwise."""
+    """Lazy subcommands; usage errors honour `--json` and print one `Error:` line otherwise."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        tidy(self)  # before the subcommands are attached: each is tidied when built
+        self.commands = _LazyCommands()  # type: ignore[assignment]
+
+    def list_commands(self, ctx: Context) -> list[str]:
+        return list(COMMANDS)
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
@@ -36,6 +92,9 @@ class EnvelopeGroup(TyperGroup):
             code = _main(self, args=argv, prog_name=prog_name or "vllm-offload",
                          complete_var=complete_var, standalone_mode=False,
                          rich_markup_mode=self.rich_markup_mode, **extra)
+        except NoArgsIsHelpError as exc:  # bare `vllm-offload`: the help, as a usage error
+            sys.stdout.write(exc.ctx.get_help() if exc.ctx is not None else "")
+            code = ExitStatus.USAGE
         except ClickException as exc:
             code = ExitStatus.USAGE if isinstance(exc, UsageError) else exc.exit_code
             _report_usage_error(exc, argv, code)
@@ -67,32 +126,36 @@ app = typer.Typer(
     help="Inspect, verify, benchmark and safely reclaim vLLM's shared-memory KV-cache "
     "offload regions (/dev/shm/vllm_offload_*.mmap).",
     no_args_is_help=True,
+    invoke_without_command=True,
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 
 
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"vllm-offload {__version__}")
-        raise typer.Exit()
-
-
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")
+                       ] = False,
 ) -> None:
     """Inspect, verify, benchmark and safely reclaim vLLM's KV offload regions."""
+    if not version:
+        if ctx.invoked_subcommand is None:
+            raise UsageError("Missing command.", ctx)
+        return
+    if ctx.invoked_subcommand is not None:
+        raise UsageError("--version takes no command or argument", ctx)
+    sys.stdout.write(f"vllm-offload {__version__}\n")
 
 
-for _command in (benchmark.benchmark_cmd, create.create, gc.garbage_collect,
-                 inspect.inspect_cmd, preflight.preflight, verify.verify_rank_layout):
-    _command.register(app)
-app.add_typer(fleet.fleet_app, name="fleet")
+def root_command() -> Command:
+    """The click command tree (subcommands still resolved on demand)."""
+    return typer.main.get_command(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
     app(args=argv, prog_name="vllm-offload")
+
+

@@ -16,46 +16,80 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TextIO
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 
+if TYPE_CHECKING:  # rich loads only when something is rendered for people
+    from rich.console import Console
+
 SCHEMA_VERSION = 1
 SHM_DIR_ENV = "VLLM_OFFLOAD_SHM_DIR"
 
+def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *,
+               right: Iterable[int] = ()) -> str:
+    """A table as `ps` prints one: one line per row whatever the width, never cut.
+
+    Columns are separated by two spaces, the last one is not padded, no line
+    ends in a space. `right` lists the columns aligned right (numbers). Cells
+    must already be printable (see `printable`): they are written as given.
+    """
+    lines = [list(headers), *(list(r) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
+    aligned = set(right)
+    out = []
+    for line in lines:
+        cells = [c.rjust(w) if i in aligned else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(line, widths, strict=True))]
+        out.append("  ".join(cells).rstrip())
+    return "\n".join(out)
+
+
+def write_text(out: Console, text: str) -> None:
+    """Plain text on `out`'s stream as is: no markup, no wrapping, no emoji codes."""
+    out.file.write("".join(printable(line) + "\n" for line in text.split("\n")))
+    out.file.flush()
+
+
 def _pipe_width() -> int | None:
-    """Tables piped to grep or a file are not cut to 80 columns; a terminal sets its own."""
+    """Rich output piped to grep or a file is not cut to 80 columns; a terminal sets its own."""
     if sys.stdout.isatty() or "COLUMNS" in os.environ:
         return None
     return 200
 
 
-class SafeConsole(Console):
-    """A Console that shows control characters in printed strings as `\\xNN`.
+@functools.cache
+def _safe_console_class() -> type[Console]:
+    from rich.console import Console
 
-    File names, process names and manifest fields come from other users; an
-    ESC sequence among them must not reach the operator's terminal. Rich
-    escapes markup but passes ESC and C1 bytes through, so every string given
-    to print() is escaped here; table cells go through `cell()`.
-    """
+    class SafeConsole(Console):
+        """A Console that shows control characters in printed strings as `\\xNN`.
 
-    def print(self, *objects: Any, **kwargs: Any) -> None:
-        super().print(*(printable(o) if isinstance(o, str) else o for o in objects), **kwargs)
+        File names, process names and manifest fields come from other users; an
+        ESC sequence among them must not reach the operator's terminal. Rich
+        escapes markup but passes ESC and C1 bytes through, so every string given
+        to print() is escaped here; plain tables go through `write_text`.
+        """
+
+        def print(self, *objects: Any, **kwargs: Any) -> None:
+            super().print(*(printable(o) if isinstance(o, str) else o for o in objects),
+                          **kwargs)
+
+    return SafeConsole
 
 
-def cell(text: str) -> str:
-    """An outside string as a table cell: control characters escaped, no markup."""
-    return escape(printable(text))
+def safe_console(file: TextIO, **kwargs: Any) -> Console:
+    """A rich Console on `file` that escapes control characters (rich is imported here)."""
+    return _safe_console_class()(file=file, highlight=False, **kwargs)
 
 
 class _PrintableFormatter(logging.Formatter):
@@ -98,24 +132,37 @@ class Invocation:
     shm_dir: Path
     json_output: bool
     verbosity: int
-    out: Console
-    err: Console
+    out_file: TextIO = field(default_factory=lambda: sys.stdout)
     warnings: list[dict[str, str]] = field(default_factory=list)
+
+    @cached_property
+    def out(self) -> Console:
+        """stdout for people: created (and rich imported) only when something is rendered."""
+        return safe_console(self.out_file, soft_wrap=False, width=_pipe_width())
+
+    @cached_property
+    def err(self) -> Console:
+        return safe_console(sys.stderr, stderr=True)
 
     def warn(self, code: str, message: str) -> None:
         self.warnings.append({"code": code, "message": message})
-        if self.verbosity >= 0:
-            self.err.print(f"[yellow]Warning:[/] {escape(message)}", highlight=False,
-                           soft_wrap=True)
+        if self.verbosity < 0:
+            return
+        if sys.stderr.isatty():
+            from rich.markup import escape
+
+            self.err.print(f"[yellow]Warning:[/] {escape(message)}", soft_wrap=True)
+        else:
+            sys.stderr.write(f"Warning: {printable(message)}\n")
 
     def info(self, message: str) -> None:
         if self.verbosity >= 1:
-            self.err.print(message, highlight=False, markup=False)
+            sys.stderr.write(f"{printable(message)}\n")
 
     @property
     def show_progress(self) -> bool:
         # --json promises one document and nothing else: no bar either
-        return self.verbosity >= 0 and not self.json_output and self.err.is_terminal
+        return self.verbosity >= 0 and not self.json_output and sys.stderr.isatty()
 
     @contextmanager
     def progress(self, description: str, total: int) -> Iterator[Callable[[int, int], None]]:
@@ -145,8 +192,13 @@ def envelope(command: str, *, ok: bool, exit_code: int, data: dict[str, Any],
 
 
 def print_json(doc: dict[str, Any]) -> None:
-    """Strict JSON: strings raw (the encoder escapes control characters), never NaN."""
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, allow_nan=False) + "\n")
+    """Strict JSON: strings raw (the encoder escapes control characters), never NaN.
+
+    Indented for a person at a terminal; one line into a pipe, where the C encoder
+    (which indentation would turn off) writes it several times faster.
+    """
+    indent = 2 if sys.stdout.isatty() else None
+    sys.stdout.write(json.dumps(doc, indent=indent, sort_keys=False, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 
@@ -209,8 +261,7 @@ def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
         if inv.json_output:
             print_json(doc)
         elif outcome is None and bug is None:
-            inv.err.print(f"Error: {doc['errors'][0]['message']}", highlight=False,
-                          markup=False, soft_wrap=True)
+            sys.stderr.write(f"Error: {printable(doc['errors'][0]['message'])}\n")
         elif outcome is not None and outcome.render is not None:
             outcome.render(inv.out)
         if bug is not None:
@@ -224,11 +275,11 @@ def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
 # -- common options -------------------------------------------------------------
 
 ShmDirOpt = Annotated[Path, typer.Option(
-    "--shm-dir", envvar=SHM_DIR_ENV, show_envvar=True, file_okay=False,
+    "--shm-dir", envvar=SHM_DIR_ENV, show_envvar=True, file_okay=False, metavar="DIR",
     help="Directory that holds the regions.", show_default=True)]
 JsonOpt = Annotated[bool, typer.Option(
-    "--json", help="Print exactly one JSON document on stdout (see the man page for its "
-    "schema).")]
+    "--json", help="Print exactly one JSON document on stdout, nothing else: the envelope "
+    "with this command's data (JSON OUTPUT in vllm-offload(1)).")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
                                          help="More diagnostics on stderr (repeatable).")]
 QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True,
@@ -252,12 +303,8 @@ _COMMON = [
 
 def make_invocation(command: str, *, shm_dir: Path, json_output: bool, verbose: int,
                     quiet: int) -> Invocation:
-    return Invocation(
-        command=command, shm_dir=shm_dir, json_output=json_output, verbosity=verbose - quiet,
-        out=SafeConsole(file=sys.stdout, soft_wrap=False, highlight=False,
-                        width=_pipe_width()),
-        err=SafeConsole(file=sys.stderr, stderr=True, highlight=False),
-    )
+    return Invocation(command=command, shm_dir=shm_dir, json_output=json_output,
+                      verbosity=verbose - quiet)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,8 +386,7 @@ def envelope_of(sub: Subcommand, options: Mapping[str, Any], *, shm_dir: Path,
         raise TypeError(f"{sub.name} was not built by subcommand()")
     body = sub.body
     inv = Invocation(command=sub.name, shm_dir=shm_dir, json_output=True, verbosity=verbosity,
-                     out=Console(file=io.StringIO()),
-                     err=Console(file=sys.stderr, stderr=True, highlight=False))
+                     out_file=io.StringIO())
     undo = _configure_logging(inv)
     try:
         doc, _, bug = evaluate(inv, lambda: body(inv, **options))

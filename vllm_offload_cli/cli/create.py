@@ -6,17 +6,19 @@ import enum
 import os
 import signal
 from types import FrameType
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.errors import InvalidInputError, RegionBusyError
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
 from vllm_offload_cli.core.system.numa import parse_cpulist
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class _Released(Exception):  # noqa: N818 - a signal, not an error
@@ -95,6 +97,47 @@ def _nodes(spec: str | None) -> tuple[int, ...] | None:
     return tuple(sorted(nodes))
 
 
+def _segments(requested: int, geometry: Geometry) -> int:
+    """Exactly the file count asked for, never less.
+
+    vLLM makes no file under 1 GiB and gives each `cdiv(num_blocks, n)` rows, so
+    some counts cannot be made at some sizes; those are refused with the ones
+    that can, rather than quietly lowered.
+    """
+    from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, split
+
+    def files(n: int) -> int:
+        return len(split(geometry.num_blocks, geometry.row_stride, n))
+
+    cap = max(1, geometry.size_bytes // MIN_SEGMENT_BYTES)
+    if requested <= cap and files(requested) == requested:
+        return requested
+    possible = [n for n in range(1, min(cap, 64) + 1) if files(n) == n]
+    shown = ", ".join(map(str, possible[:8])) + (", ..." if len(possible) > 8 else "")
+    why = (f"no file may be under {format_bytes(MIN_SEGMENT_BYTES)}" if requested > cap else
+           f"{geometry.num_blocks} rows split {requested} ways as vLLM splits them make "
+           f"{files(requested)} files")
+    raise InvalidInputError(
+        f"--segments {requested} cannot be made for {format_bytes(geometry.size_bytes)} "
+        f"({why}); possible: {shown}", code="invalid_segments")
+
+
+def _busy_with_holders(exc: RegionBusyError, shm_dir: str, engine_id: str) -> RegionBusyError:
+    """A taken name that a live process holds: say which, not only how to remove it."""
+    from vllm_offload_cli.core.host.discovery import discover
+
+    found = discover(shm_dir, engine_ids=[engine_id], measure_residency=False).find(engine_id)
+    holders = [h for r in found for h in r.holders]
+    if not holders or any(r.state == "creating" for r in found):
+        return exc  # nobody, or its creator, which the core's message names already
+    first = holders[0]
+    more = f" and {len(holders) - 1} other process(es)" if len(holders) > 1 else ""
+    return RegionBusyError(
+        f"{exc.path or engine_id} already exists and is in use by pid {first.pid} "
+        f"({first.name or '?'}){more}; pick another engine_id, or stop what holds it",
+        path=exc.path, engine_id=engine_id, pid=first.pid, code=exc.code)
+
+
 def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
@@ -135,20 +178,22 @@ def create(
                                              show_default=False)],
     world_size: Annotated[int, typer.Option("--world-size", help="Workers per replica "
                                             "(one slot each in every row).")],
-    cpu_page_size: Annotated[str, typer.Option("--cpu-page-size", help="Bytes per worker "
-                                               "slot, e.g. 64KiB.")],
+    cpu_page_size: Annotated[str, typer.Option(
+        "--cpu-page-size", metavar="SIZE", help="Bytes per worker slot, e.g. 64KiB (K, M, G "
+        "and KiB, MiB, GiB are powers of 1024; KB, MB, GB powers of 1000).")],
     dp_rank: Annotated[int | None, typer.Option("--dp-rank", help="Append _dp{N} to "
                                                 "the engine id, as vLLM does.")] = None,
     num_blocks: Annotated[int | None, typer.Option("--num-blocks", help="Rows (KV blocks).")
                           ] = None,
-    size: Annotated[str | None, typer.Option("--size", help="Total size, e.g. 4GiB; "
-                                             "rounded down to whole rows.")] = None,
+    size: Annotated[str | None, typer.Option(
+        "--size", metavar="SIZE", help="Total size, e.g. 4GiB or 4G; rounded down to whole "
+        "rows (the size made is printed).")] = None,
     no_populate: Annotated[bool, typer.Option("--no-populate", help="Do not pre-fault; "
                                               "memory is then allocated on first use.")] = False,
     hold: Annotated[bool, typer.Option("--hold", help="Hold the region until SIGINT/SIGTERM, "
                                        "then remove it.")] = False,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Pre-fault "
-                                                "threads (default: min(8, CPUs)).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, show_default="min(8, CPUs)",
+                                                help="Pre-fault threads.")] = None,
     numa_node: Annotated[str | None, typer.Option(
         "--numa-node", metavar="NODES", show_default=False,
         help="Place the region's pages on this NUMA node (or list, e.g. 0-1 for "
@@ -160,6 +205,11 @@ def create(
     huge_pages: Annotated[HugePages, typer.Option(
         "--huge-pages", help="Transparent huge pages: always (error, exit 5, where the "
         "kernel refuses), auto (warn and continue), never.")] = HugePages.never,
+    segments: Annotated[int | None, typer.Option(
+        "--segments", min=1, show_default="as --vllm-layout makes them",
+        help="Split into exactly this many files .mmap, .mmap.1, ... as vLLM does (1 for "
+        "the tiering spec); a count vLLM could not make at this size (a file under 1 GiB) "
+        "is refused.")] = None,
     vllm_layout: Annotated[VllmLayout, typer.Option(
         "--vllm-layout", help="Files as the joining vLLM makes them: segmented (.mmap, "
         ".mmap.1, ...: min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file "
@@ -171,7 +221,7 @@ def create(
     Without --hold the region stays and is marked persistent, pre-provisioned for
     an engine to join; `gc` keeps it unless given --include-persistent.
     """
-    from vllm_offload_cli.core.region.segments import layout_of
+    from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, layout_of
     from vllm_offload_cli.core.region.shared_region import (
         SharedOffloadRegion,  # not needed by --help
     )
@@ -180,19 +230,30 @@ def create(
     geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)
     shm_dir = shm_dir_checked(inv)
     nodes = _nodes(numa_node)
-    segments, min_segment_bytes, basis, version, layout_warning = _vllm_layout(
-        vllm_layout, geometry.size_bytes)
+    if segments is not None and vllm_layout is not VllmLayout.auto:
+        raise InvalidInputError("give one of --segments and --vllm-layout", code="usage")
+    if segments is not None:
+        files, min_segment_bytes, basis, version, layout_warning = (
+            _segments(segments, geometry), MIN_SEGMENT_BYTES, "requested", None, None)
+    else:
+        files, min_segment_bytes, basis, version, layout_warning = _vllm_layout(
+            vllm_layout, geometry.size_bytes)
     with inv.progress("pre-faulting", geometry.size_bytes) as progress:
-        region = SharedOffloadRegion(
-            full_id, geometry.num_blocks, None, geometry.row_stride, geometry.cpu_page_size,
-            shm_dir=shm_dir, world_size=geometry.world_size, create_only=True,
-            persistent=not hold, populate_pages=not no_populate,
-            populate_threads=threads or default_threads(), progress=progress,
-            numa_node=nodes, numa_policy=None if numa_policy is None else numa_policy.value,
-            huge_pages=huge_pages.value,
-            num_segments=segments, min_segment_bytes=min_segment_bytes,
-            vllm_layout_basis=basis,
-        )
+        try:
+            region = SharedOffloadRegion(
+                full_id, geometry.num_blocks, None, geometry.row_stride,
+                geometry.cpu_page_size, shm_dir=shm_dir, world_size=geometry.world_size,
+                create_only=True, persistent=not hold, populate_pages=not no_populate,
+                populate_threads=threads or default_threads(), progress=progress,
+                numa_node=nodes,
+                numa_policy=None if numa_policy is None else numa_policy.value,
+                huge_pages=huge_pages.value, num_segments=files,
+                min_segment_bytes=min_segment_bytes, vllm_layout_basis=basis,
+            )
+        except RegionBusyError as exc:
+            if exc.code != "name_taken":
+                raise
+            raise _busy_with_holders(exc, shm_dir, full_id) from exc
     stats = region.populate_stats
     if layout_warning is not None:  # said once the region exists, not before a refusal
         inv.warn("vllm_not_found", layout_warning)

@@ -37,6 +37,7 @@ from vllm_offload_cli.cli.common import (
     run_boundary,
 )
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.units import parse_duration
 from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
 from vllm_offload_cli.fleet.result import FleetResult
 
@@ -68,16 +69,16 @@ AddressOpt = Annotated[str | None, typer.Option(
     "--address", metavar="ADDR", show_default=False,
     help="Ray cluster to use, as for ray.init (e.g. head:6379 or ray://head:10001); default "
     "$RAY_ADDRESS, else 'auto' (the cluster this host belongs to).")]
-TimeoutOpt = Annotated[float, typer.Option(
-    "--timeout", metavar="SECONDS", min=0.001,
+TimeoutOpt = Annotated[str, typer.Option(
+    "--timeout", metavar="DURATION",
     help="Report a node that has not answered by then as timed out; the others' "
-    "results are still shown (exit 7).")]
+    "results are still shown (exit 7). Seconds, or 90s, 5m, 1h.")]
 
 _FLEET_PARAMS = [
     inspect.Parameter("address", inspect.Parameter.KEYWORD_ONLY, annotation=AddressOpt,
                       default=None),
     inspect.Parameter("timeout", inspect.Parameter.KEYWORD_ONLY, annotation=TimeoutOpt,
-                      default=DEFAULT_TIMEOUT),
+                      default=f"{DEFAULT_TIMEOUT:g}s"),
     inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=FleetShmDirOpt,
                       default=None),
     *OUTPUT_PARAMS,
@@ -118,8 +119,11 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
             if shm_dir is not None and not shm_dir.is_absolute():
                 raise InvalidInputError(f"--shm-dir {shm_dir} must be an absolute path: it "
                                         "is used on every node", code="usage")
+            seconds = parse_duration(str(timeout), what="--timeout")
+            if seconds <= 0:
+                raise InvalidInputError("--timeout must be more than 0", code="usage")
             result = run_fleet(local.name, {**kwargs, **fixed}, shm_dir=shm_dir,
-                               address=address, timeout=timeout)
+                               address=address, timeout=seconds)
             for w in result.warnings(__version__):
                 inv.warn(w["code"], w["message"])
             return Outcome(data=result.data(), exit_code=result.exit_code,

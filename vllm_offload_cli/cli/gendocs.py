@@ -12,7 +12,6 @@ ids from the region files in $VLLM_OFFLOAD_SHM_DIR (default /dev/shm).
 
 from __future__ import annotations
 
-import datetime as _dt
 import enum
 import sys
 import textwrap
@@ -20,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from vllm_offload_cli import __version__
+from vllm_offload_cli.cli import datadoc
 from vllm_offload_cli.core.base.exit_status import PRECEDENCE, ExitStatus
 
 README = "README.md"
@@ -38,6 +36,7 @@ class Opt:
     metavar: str
     choices: tuple[str, ...]
     kind: str  # "dir", "file" or ""
+    default: str | None = None  # as --help shows it; None for flags and no default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,9 +57,9 @@ class Cmd:
 
 def command_tree() -> list[Cmd]:
     """The subcommands as the CLI parser sees them; a group's own come after it."""
-    from vllm_offload_cli.cli.app import app
+    from vllm_offload_cli.cli.app import root_command
 
-    return _commands(typer.main.get_command(app), "")
+    return _commands(root_command(), "")
 
 
 def _commands(group: Any, prefix: str) -> list[Cmd]:
@@ -79,7 +78,9 @@ def _commands(group: Any, prefix: str) -> list[Cmd]:
         opts, args = [], []
         for p in cmd.params:
             if p.param_type_name == "argument":
-                args.append(p.metavar or p.name.upper())
+                arg = (p.metavar or p.name).upper()
+                arg = arg if p.required else f"[{arg}]"
+                args.append(f"{arg}..." if p.nargs == -1 else arg)
                 continue
             opts.append(_option(p))
         cmds.append(Cmd(name=prefix + name, help=help_text, short=short,
@@ -98,29 +99,44 @@ def _option(p: Any) -> Opt:
         kind = "dir" if getattr(info, "file_okay", True) is False else "file"
     takes_value = not (p.is_flag or p.count)
     long = next((o for o in p.opts if o.startswith("--")), p.opts[0])
+    default = None
+    if takes_value and isinstance(p.show_default, str):
+        default = p.show_default
+    elif takes_value and p.show_default and p.default is not None:
+        default = str(p.default.value if isinstance(p.default, enum.Enum) else p.default)
+    metavar = p.metavar or long.lstrip("-").upper().replace("-", "_")
     return Opt(names=tuple(p.opts) + tuple(p.secondary_opts), help=(p.help or "").strip(),
-               takes_value=takes_value, metavar=long.lstrip("-").upper().replace("-", "_"),
-               choices=choices, kind=kind)
+               takes_value=takes_value, metavar=metavar, choices=choices, kind=kind,
+               default=default)
 
 
 # -- man page ------------------------------------------------------------------
 
 
-def _roff(text: str) -> str:
-    text = text.replace("\\", "\\e").replace("-", "\\-")
-    return "\n".join(("\\&" + line) if line.startswith((".", "'")) else line
-                     for line in text.splitlines())
+def _roff(text: str, *, fill: bool = True) -> str:
+    """Text as roff input: escaped, and filled to lines under 80 bytes unless `fill` is off."""
+    lines = text.splitlines()
+    if fill:
+        lines = [w for line in lines for w in (textwrap.wrap(
+            line, 72, break_long_words=False, break_on_hyphens=False) or [""])]
+    out = []
+    for line in lines:
+        line = line.replace("\\", "\\e").replace("-", "\\-")
+        out.append(("\\&" + line) if line.startswith((".", "'")) else line)
+    return "\n".join(out)
 
 
 def man_page(cmds: list[Cmd]) -> str:
-    date = _dt.date(2026, 1, 1).strftime("%Y")  # fixed: output must not depend on today
+    date = "2026-01-01"  # fixed, and in a form mandoc parses: output must not depend on today
     out = [
-        f'.TH VLLM\\-OFFLOAD 1 "{date}" "vllm-offload {__version__}" "User Commands"',
+        f'.TH VLLM\\-OFFLOAD 1 {date} "vllm\\-offload {__version__}" "User Commands"',
         ".SH NAME",
         "vllm\\-offload \\- operate vLLM's shared\\-memory KV\\-cache offload regions",
         ".SH SYNOPSIS",
         ".B vllm\\-offload",
-        "[\\fB\\-\\-version\\fR] \\fICOMMAND\\fR [\\fIOPTIONS\\fR] [\\fIARGS\\fR]",
+        "\\fICOMMAND\\fR [\\fIOPTIONS\\fR] [\\fIARGS\\fR]",
+        ".br",
+        ".B vllm\\-offload \\-\\-version",
         ".SH DESCRIPTION",
         _roff("vLLM offloads KV-cache blocks into one shared-memory file per engine, "
               "/dev/shm/vllm_offload_{engine_id}.mmap, where engine_id carries a _dp{rank} "
@@ -155,31 +171,37 @@ def man_page(cmds: list[Cmd]) -> str:
     aliases = [c.name for c in cmds if c.hidden]
     if aliases:
         out += [".PP", _roff("Aliases: " + ", ".join(aliases) + ".")]
-    out += [".SH JSON OUTPUT",
-            _roff('With --json a command prints exactly one JSON document on stdout: '
-                  '{"schema_version": 1, "command": NAME, "ok": BOOL, "exit_code": INT, '
-                  '"data": {...}, "errors": [{"code", "message"}], "warnings": [{"code", '
-                  '"message"}]}. Diagnostics and progress go to stderr. A fleet command\'s '
-                  'data has "nodes": one entry per node with "node_id", "label", "status" '
-                  '(ok, error, refused, absent, failed, timed_out), "exit_code", "reason", '
-                  'and that node\'s own "data", "errors" and "warnings"; "partial" is true '
-                  'when a node did not answer or its command was interrupted there.'),
-            ".SH EXIT STATUS"]
+    out += _defaults(cmds)
+    out += _json_reference()
+    out += [".SH EXIT STATUS"]
     for status in ExitStatus:
-        out += [".TP", f".B {status.value}", _roff(status.meaning)]
+        out += [".TP", f".B {status.value}", _roff(status.meaning, fill=False)]
     out += [".PP", _roff(precedence_text())]
     out += [".SH ENVIRONMENT", ".TP", ".B VLLM_OFFLOAD_SHM_DIR",
             _roff("Default for --shm-dir (otherwise /dev/shm)."),
-            ".SH FILES", ".TP", ".I /dev/shm/vllm_offload_{engine_id}.mmap[.N]",
-            _roff("A region (and its segments)."), ".TP",
+            ".TP", ".B RAY_ADDRESS",
+            _roff("fleet commands: the Ray cluster when --address is not given (otherwise "
+                  "auto, the cluster this host belongs to)."),
+            ".TP", ".B CUDA_VISIBLE_DEVICES",
+            _roff("verify-rank-layout --devices env: the devices split into replicas."),
+            ".TP", ".B COLUMNS",
+            _roff("Width of help and of benchmark tables; the inspect, gc and "
+                  "verify-rank-layout tables keep one line per item at any width."),
+            ".SH FILES", ".TP", ".I /dev/shm/vllm_offload_{engine_id}.mmap",
+            _roff("A region: num_blocks rows of row_stride bytes, one slot per worker in "
+                  "each row."), ".TP",
+            ".I /dev/shm/vllm_offload_{engine_id}.mmap.N",
+            _roff("Its further segment files, as vLLM's CPU spec splits a region of a GiB "
+                  "or more."), ".TP",
             ".I /dev/shm/vllm_offload_{engine_id}.manifest.json",
-            _roff("Sidecar manifest: geometry and attached workers (mode 0600)."),
+            _roff("Sidecar manifest: geometry, creator and attached workers (mode 0600), "
+                  "removed with the region."),
             ".SH EXAMPLES", ".nf",
             _roff("vllm-offload inspect\n"
                   "vllm-offload create my-engine --dp-rank 0 --world-size 2 "
                   "--cpu-page-size 64KiB --size 1GiB\n"
                   "vllm-offload inspect --format prometheus --output "
-                  "/var/lib/node_exporter/vllm_offload.prom"),
+                  "/var/lib/prometheus/node-exporter/vllm_offload_regions.prom"),
             ".fi", ".SH SEE ALSO", "\\fBtmpfiles.d\\fR(5), \\fBflock\\fR(2), \\fBmincore\\fR(2)"]
     return "\n".join(out) + "\n"
 
@@ -212,11 +234,37 @@ def readme_with_exit_status(text: str) -> str:
 
 
 def _man_opt(o: Opt) -> list[str]:
-    names = ", ".join(f"\\fB{_roff(n)}\\fR" for n in o.names)
+    names = ", ".join(f"\\fB{_roff(n, fill=False)}\\fR" for n in o.names)
     if o.takes_value:
         value = "|".join(o.choices) if o.choices else o.metavar
-        names += f" \\fI{_roff(value)}\\fR"
-    return [".TP", names, _roff(o.help or "")]
+        names += f" \\fI{_roff(value, fill=False)}\\fR"
+    text = o.help or ""
+    if o.default is not None:
+        text += f" Default: {o.default}."
+    return [".TP", names, _roff(text)]
+
+
+def _defaults(cmds: list[Cmd]) -> list[str]:
+    """Every option's default in one place: what a cron line gets when it says nothing."""
+    out = [".SH DEFAULTS", _roff("What each command assumes when an option is not given:")]
+    for c in cmds:
+        rows = [(o, o.default) for o in c.options if o.default is not None]
+        if c.hidden or not rows:
+            continue
+        out += [".SS " + _roff(c.name, fill=False)]
+        for o, default in rows:
+            out += [".TP", f"\\fB{_roff(o.names[0], fill=False)}\\fR", _roff(default)]
+    return out
+
+
+def _json_reference() -> list[str]:
+    out = [".SH JSON OUTPUT", _roff(datadoc.ENVELOPE), ".PP",
+           _roff("The data object of each command:")]
+    for name, fields in datadoc.DATA.items():
+        out += [".SS " + _roff(name, fill=False)]
+        for key, meaning in fields:
+            out += [".TP", f"\\fB{_roff(key, fill=False)}\\fR", _roff(meaning)]
+    return out
 
 
 # -- completions ---------------------------------------------------------------
@@ -403,12 +451,12 @@ def fish_completion(cmds: list[Cmd]) -> str:
                 flags.append(f"-l {n[2:]}" if n.startswith("--") else f"-s {n[1:]}")
             extra = ""
             if o.takes_value:
-                if o.choices:
-                    extra = f" -r -a '{' '.join(o.choices)}'"
+                if o.choices:  # only these: -x (a value, and no file names)
+                    extra = f" -x -a '{' '.join(o.choices)}'"
                 elif o.kind in ("dir", "file"):
                     extra = " -r -F"
                 else:
-                    extra = " -r"
+                    extra = " -x"
             desc = _fish_escape(o.help.splitlines()[0] if o.help else "")
             lines.append(f"complete -c vllm-offload -n {cond} {' '.join(flags)}{extra} "
                          f"-d '{desc}'")

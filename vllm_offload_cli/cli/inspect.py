@@ -5,27 +5,30 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
     Invocation,
     Outcome,
-    cell,
     shm_dir_checked,
     subcommand,
+    text_table,
     warn_useless_waiver,
+    write_text,
 )
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus
+from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class Format(str, enum.Enum):
@@ -62,7 +65,10 @@ def vllm_layout(r: RegionInfo) -> str | None:
 def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None) -> dict[str, Any]:
     doc = r.to_dict()
     doc["vllm_layout"] = vllm_layout(r)
-    p = None if placed is None else placed.get(r.paths[0])
+    if placed is None:  # --no-residency: placement was not observed
+        doc.update(numa_nodes=None, huge_page_bytes=None, placement=None)
+        return doc
+    p = placed.get(r.paths[0])
     if p is not None:
         pd = p.to_dict()
         doc["numa_nodes"] = pd.pop("numa_nodes")
@@ -76,7 +82,7 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None) -> dict[str
 def inspect_cmd(
     inv: Invocation,
     engine_ids: Annotated[list[str] | None, typer.Argument(
-        metavar="[ENGINE_ID]...", help="Only these regions.", show_default=False)] = None,
+        metavar="ENGINE_ID", help="Only these regions (default: all).", show_default=False)] = None,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")
                    ] = Format.table,
     output: Annotated[Path | None, typer.Option(
@@ -84,7 +90,12 @@ def inspect_cmd(
         help="With --format prometheus: write this node_exporter textfile atomically.")
     ] = None,
     no_residency: Annotated[bool, typer.Option(
-        "--no-residency", help="Skip the mincore residency scan of each region.")] = False,
+        "--no-residency", help="Skip what costs time per region: the mincore residency "
+        "scan and the holders' NUMA and huge-page placement (RESIDENT, NUMA and their JSON "
+        "fields are then null).")] = False,
+    wide: Annotated[bool, typer.Option(
+        "--wide", "-w", help="Table: every holder (pid, name, rank) instead of the count "
+        "and the first pid.")] = False,
     shm_private_to_namespace: Annotated[bool, typer.Option(
         "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
         "namespace: trust this namespace's /proc (regions are not shown `unknown` for it).")
@@ -122,7 +133,7 @@ def inspect_cmd(
         inv.warn("uninspectable_processes",
                  f"{found.uninspectable_processes} process(es) could not be inspected "
                  "(permission denied); regions they use may show fewer holders")
-    placed = observe_all(found.regions, measure=not no_residency)
+    placed = None if no_residency else observe_all(found.regions)
     data = inventory_data(found, placed)
     data["not_found"] = missing
     shown: Callable[[Console], None] | None = None
@@ -135,7 +146,7 @@ def inspect_cmd(
         if fmt is Format.json:
             inv.json_output = True
         if found.regions or not missing:
-            shown = lambda out: render_table(out, found, placed)  # noqa: E731
+            shown = lambda out: render_table(out, found, placed, wide=wide)  # noqa: E731
 
     def render(out: Console) -> None:
         if shown is not None:
@@ -148,12 +159,18 @@ def inspect_cmd(
                    errors=not_found, render=render)
 
 
-def _holders_text(r: RegionInfo) -> str:
+def _holders_text(r: RegionInfo, wide: bool) -> str:
+    """Narrow: the count and the first pid ('3 (4242,...)'); wide: every holder."""
+    if not r.holders:
+        return "-"
+    if not wide:
+        first = r.holders[0].pid
+        return f"{len(r.holders)} ({first}{',...' if len(r.holders) > 1 else ''})"
     parts = []
     for h in r.holders:
         rank = "" if h.rank is None else f" r{h.rank}"
-        parts.append(f"{h.pid} {cell(h.name or '?')}{rank}")
-    return ", ".join(parts) or "-"
+        parts.append(f"{h.pid} {printable(h.name or '?')}{rank}")
+    return ", ".join(parts)
 
 
 def _age(seconds: float | None) -> str:
@@ -165,8 +182,18 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-_STATE_STYLE = {"live": "green", "persistent": "cyan", "stale": "bold red",
-                "creating": "yellow", "unknown": "yellow"}
+def owner_name(uid: int | None) -> str:
+    """The user name of `uid` as `ls -l` shows it; the number when it has none."""
+    if uid is None:
+        return "-"
+    import pwd
+
+    try:
+        return printable(pwd.getpwuid(uid).pw_name)
+    except KeyError:
+        return str(uid)
+
+
 STATES = ("live", "creating", "persistent", "stale", "unknown")
 
 
@@ -180,55 +207,65 @@ def _layout_text(r: RegionInfo) -> str:
 
 
 def _numa_text(p: Placement | None) -> str:
-    """Resident share per node, then the huge-page share if any: 'n0:62% n1:38% thp:100%'."""
+    """Resident share per node, then the huge-page share if any: 'n0:62%,n1:38%,thp:100%'."""
     if p is None or not p.numa_nodes:
         return "-"
     total = sum(p.numa_nodes.values())
     parts = [f"n{n}:{b * 100 / total:.0f}%" for n, b in sorted(p.numa_nodes.items())]
     if p.huge_page_bytes:
         parts.append(f"thp:{min(100.0, p.huge_page_bytes * 100 / total):.0f}%")
-    return " ".join(parts)
+    return ",".join(parts)
 
 
 def render_table(out: Console, found: Inventory,
-                 placed: dict[str, Placement] | None = None) -> None:
+                 placed: dict[str, Placement] | None = None, *, wide: bool = False) -> None:
+    """One line per region at any width; problem codes in the row, sentences below."""
+    lines = []
     if not found.regions:
-        out.print(f"No offload regions in {found.shm_dir}.")
+        lines.append(f"No offload regions in {found.shm_dir}.")
     else:
-        table = Table(box=None, header_style="bold", pad_edge=False)
-        for col in ("ENGINE ID", "DP", "STATE", "SIZE", "RESIDENT", "LAYOUT", "NUMA", "AGE",
-                    "HOLDERS", "PROBLEMS"):
-            table.add_column(col, no_wrap=col in ("ENGINE ID", "SIZE", "RESIDENT", "LAYOUT",
-                                                  "NUMA", "AGE", "STATE"))
+        headers = ["ENGINE ID", "DP", "STATE", "OWNER", "SIZE", "RESIDENT", "LAYOUT", "NUMA",
+                   "AGE", "HOLDERS", "PROBLEMS"]
+        rows = []
         for r in found.regions:
             name = r.engine_id if r.linked else f"{r.engine_id} (unlinked)"
-            state = f"[{_STATE_STYLE.get(r.state, '')}]{r.state}[/]"
-            problems = "; ".join(p.code for p in r.problems) or "-"
             where = None if placed is None else placed.get(r.paths[0])
-            table.add_row(cell(name), "-" if r.dp_rank is None else str(r.dp_rank), state,
-                          format_bytes(r.size_bytes), format_bytes(r.resident_bytes),
-                          _layout_text(r), _numa_text(where), _age(r.age_seconds), _holders_text(r),
-                          problems)
-        out.print(table)
+            rows.append([printable(name), "-" if r.dp_rank is None else str(r.dp_rank),
+                         r.state, owner_name(r.uid), format_bytes(r.size_bytes, compact=True),
+                         format_bytes(r.resident_bytes, compact=True), _layout_text(r),
+                         _numa_text(where),
+                         _age(r.age_seconds), _holders_text(r, wide),
+                         ",".join(p.code for p in r.problems) or "-"])
+        lines.append(text_table(headers, rows, right=(4, 5, 8)))
         for r in found.regions:
             for p in r.problems:
-                out.print(f"  {r.engine_id}: {p.message}", highlight=False, markup=False)
+                lines.append(f"  {printable(r.engine_id)}: {printable(p.message)}")
     shm = found.shm
     unknown = sum(r.state == "unknown" for r in found.regions)
-    out.print(f"{found.shm_dir}: {format_bytes(shm.free_bytes)} free of "
-              f"{format_bytes(shm.total_bytes)}; {len(found.regions)} region(s), "
-              f"{sum(r.state == 'stale' for r in found.regions)} stale"
-              f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}",
-              highlight=False)
+    lines.append(f"{found.shm_dir}: {format_bytes(shm.free_bytes)} free of "
+                 f"{format_bytes(shm.total_bytes)}; {len(found.regions)} region(s), "
+                 f"{sum(r.state == 'stale' for r in found.regions)} stale"
+                 f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}")
     for o in found.orphan_manifests:
-        out.print(f"  orphaned manifest: {o.path}", highlight=False, markup=False)
+        lines.append(f"  orphaned manifest: {printable(o.path)}")
+    write_text(out, "\n".join(lines))
+
+
+def _created_at(r: RegionInfo) -> float | None:
+    """When the region was made: its manifest says; else its oldest segment's mtime."""
+    if r.manifest is not None:
+        return r.manifest.created_at
+    mtimes = [s.mtime for s in r.segments if s.mtime is not None]
+    return min(mtimes) if mtimes else None
 
 
 def _registry(found: Inventory, placed: dict[str, Placement] | None = None) -> Any:
+    """Gauges by region; a textfile written once a minute stays true (no ages, no empty
+    labels: a region without a DP rank has no `vllm_offload_region_dp_rank` sample)."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
-    labels = ["engine_id", "base_engine_id", "dp_rank"]
+    labels = ["engine_id", "base_engine_id"]
 
     def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
         return Gauge(name, doc, [*labels, *extra], registry=registry)
@@ -236,7 +273,11 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None) -> A
     size = gauge("vllm_offload_region_size_bytes", "Bytes of the region's files.")
     resident = gauge("vllm_offload_region_resident_bytes", "Resident bytes (mincore).")
     holders = gauge("vllm_offload_region_holders", "Processes mapping or holding the region.")
-    age = gauge("vllm_offload_region_age_seconds", "Seconds since creation or last change.")
+    created = gauge("vllm_offload_region_created_timestamp_seconds",
+                    "When the region was created (Unix time; its manifest's, else the oldest "
+                    "file modification time).")
+    dp_rank = gauge("vllm_offload_region_dp_rank", "The region's data-parallel rank (the "
+                    "_dpN suffix of its engine_id); absent for a region without one.")
     state = gauge("vllm_offload_region_state", "1 for the region's current state.", ("state",))
     problems = gauge("vllm_offload_region_problems", "Problems found in the region.")
     linked = gauge("vllm_offload_region_linked", "1 if the region still has a name.")
@@ -244,13 +285,16 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None) -> A
                        ("node",))
     huge = gauge("vllm_offload_region_huge_page_bytes", "Bytes mapped with huge pages.")
     for r in found.regions:
-        key = (r.engine_id, r.base_engine_id, "" if r.dp_rank is None else str(r.dp_rank))
+        key = (r.engine_id, r.base_engine_id)
         size.labels(*key).set(r.size_bytes)
         if r.resident_bytes is not None:
             resident.labels(*key).set(r.resident_bytes)
         holders.labels(*key).set(len(r.holders))
-        if r.age_seconds is not None:
-            age.labels(*key).set(r.age_seconds)
+        when = _created_at(r)
+        if when is not None:
+            created.labels(*key).set(when)
+        if r.dp_rank is not None:
+            dp_rank.labels(*key).set(r.dp_rank)
         for s in STATES:
             state.labels(*key, s).set(1 if r.state == s else 0)
         problems.labels(*key).set(len(r.problems))

@@ -1,11 +1,18 @@
 """node_exporter textfile output, shared by `inspect` and `gc`.
 
-prometheus_client does the exposition format and the atomic write (temp file
-and rename in the target directory); it is imported only when asked for.
+prometheus_client does the exposition format; the file is written here:
+a temporary file created `O_EXCL|O_NOFOLLOW` beside the target, then renamed
+over it, so node_exporter never reads half a file and no planted name is
+followed. `check_writable` proves the directory takes a new file before a
+command changes anything (gc removes nothing it could not then report).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+import stat
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +22,8 @@ from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailed
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 def new_registry() -> CollectorRegistry:
     from prometheus_client import CollectorRegistry
@@ -22,19 +31,68 @@ def new_registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
+def _temp_name(output: Path) -> Path:
+    # node_exporter reads only *.prom: a leftover of a killed writer is never scraped
+    return output.parent / f".{output.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def check_writable(output: Path) -> None:
+    """Refuse (exit 2) unless `output` can be written: its directory exists and takes a
+    new file (not read-only, permitted), and the name is not a directory or a link."""
+    if not output.parent.is_dir():
+        raise InvalidInputError(f"cannot write {output}: directory {output.parent} does not "
+                                "exist", path=str(output), code="bad_output")
+    try:
+        st = os.lstat(output)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write {output}: {exc.strerror}", path=str(output),
+                                code="bad_output") from exc
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInputError(f"cannot write {output}: it exists and is not a regular "
+                                    "file", path=str(output), code="bad_output")
+    probe = _temp_name(output)
+    try:
+        os.close(os.open(probe, _CREATE, 0o600))
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write {output}: {exc.strerror} (creating a file in "
+                                f"{output.parent})", path=str(output),
+                                code="bad_output") from exc
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+
+
 def emit(registry: CollectorRegistry, output: Path | None) -> None:
     """Write atomically to `output`, or print to stdout when it is None."""
-    from prometheus_client import generate_latest, write_to_textfile
+    from prometheus_client import generate_latest
 
+    text = generate_latest(registry)
     if output is None:
-        sys.stdout.write(generate_latest(registry).decode())
+        sys.stdout.write(text.decode())
         sys.stdout.flush()
         return
     if not output.parent.is_dir():
         raise InvalidInputError(f"cannot write {output}: directory {output.parent} does not "
                                 "exist", path=str(output), code="bad_output")
+    temp = _temp_name(output)
     try:
-        write_to_textfile(str(output), registry)
+        fd = os.open(temp, _CREATE, 0o644)
     except OSError as exc:
+        raise OperationFailedError(f"cannot write {output}: {exc.strerror}",
+                                   path=str(output)) from exc
+    try:
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as f:
+                f.write(text)
+            os.fchmod(fd, 0o644)  # node_exporter runs as its own user: it must read it
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, output)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)  # ours: created O_EXCL above
         raise OperationFailedError(f"cannot write {output}: {exc.strerror}",
                                    path=str(output)) from exc

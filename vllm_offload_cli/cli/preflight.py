@@ -8,16 +8,18 @@ bytes the engine will map fit (exit 5).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region import capacity
 from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @subcommand("preflight", help="Check (and clear) what an engine's start-up needs: a free "
@@ -33,16 +35,24 @@ def preflight(
                                          "checks ENGINE_ID_dp0 .. _dp{N-1}.")] = 1,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Say what would be "
                                           "reclaimed; remove nothing.")] = False,
+    segments: Annotated[int | None, typer.Option(
+        "--segments", min=1, help="Segment files per region the engine expects (vLLM's CPU "
+        "spec: min(32, size // 1GiB); tiering: 1). Default: not compared.")] = None,
 ) -> Outcome:
     """Refuse an engine_id held by a live process (exit 4), reclaim a provably stale
     leftover region of it, and check that the regions fit in the shm directory, the
     memory cgroup and available memory (exit 5). Run it before `vllm serve`.
 
+    An existing region is "ready" only with the size (and, with --segments, the
+    segment count) the engine will map: a stale one of another shape is reclaimed,
+    a pre-provisioned one is exit 6 with the command that removes it.
     With --dp-size N the replicas' ids ENGINE_ID_dp0 .. _dp{N-1} are checked and the
     room for all of them at once. Exit status: 0 ready; 2 bad input; 4 in use; 5 too
-    little room; 6 a leftover that is not safe to touch.
+    little room; 6 a leftover that is not safe to touch, or a pre-provisioned region
+    of another shape.
     """
     from vllm_offload_cli.engine.claim import claim, startup_lock  # not needed by --help
+    from vllm_offload_cli.engine.shape import RegionShape
 
     validate_engine_id(engine_id)
     per_replica = parse_size(size, what="--size")
@@ -54,7 +64,9 @@ def preflight(
     with startup_lock(shm_dir, timeout=30.0):
         for eid in ids:
             # capacity for all replicas together is checked below, once
-            results.append(claim(eid, shm_dir=shm_dir, token=None, dry_run=dry_run))
+            results.append(claim(eid, shm_dir=shm_dir, token=None, dry_run=dry_run,
+                                 shape=RegionShape(size_bytes=per_replica,
+                                                   num_segments=segments)))
         needed = per_replica * sum(1 for r in results if r.action != "join")
         cap = capacity.measure(shm_dir)
         # a dry run has not freed the leftovers yet: count them as room
@@ -86,6 +98,8 @@ def _render(out: Console, data: dict[str, Any]) -> None:
         line = f"{r['engine_id']}: {_SAYS.get(r['action'], r['action'])}"
         if r["reclaimed_bytes"]:
             line += f" ({format_bytes(r['reclaimed_bytes'])})"
+        if r["notes"]:
+            line += f"; {'; '.join(r['notes'])}"
         out.print(line, markup=False)
     out.print(f"Ready: {format_bytes(data['needed_bytes'])} needed, "
               f"{format_bytes(data['free_bytes'])} free in the shm directory.", markup=False)

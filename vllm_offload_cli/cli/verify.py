@@ -12,23 +12,24 @@ import os
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from vllm_offload_cli.cli.common import (
     Invocation,
     Outcome,
-    cell,
     shm_dir_checked,
     subcommand,
+    text_table,
+    write_text,
 )
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.exit_status import ExitStatus
+from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
 
 if TYPE_CHECKING:  # the planner and checker load only when the command runs
+    from rich.console import Console
+
     from vllm_offload_cli.core.layout.check import LiveCheck
     from vllm_offload_cli.core.layout.plan import LayoutPlan, WorkerPlan
 
@@ -47,18 +48,18 @@ def verify_rank_layout(
         help="Workers per replica (required to plan; for a region without a manifest, with "
         "--cpu-page-size).")] = None,
     dp_size: Annotated[int | None, typer.Option(
-        "--dp-size", show_default=False,
+        "--dp-size", show_default="1, or the number of --devices groups",
         help="Plan: data-parallel replicas (default 1, or the number of --devices groups).")
     ] = None,
     devices: Annotated[str | None, typer.Option(
-        "--devices", metavar="SPEC", show_default=False,
+        "--devices", metavar="SPEC", show_default="contiguous",
         help="Plan: device index each worker's process sees, e.g. '0,2;1,3' (';' between "
         "replicas, ',' between workers); or 'contiguous' (default: replica k on k*W..k*W+W-1), "
         "'env' (split CUDA_VISIBLE_DEVICES into replicas; each worker sees its position in "
         "the list), 'per-process' (each worker process sees only its own GPU, index 0).")
     ] = None,
     rank_source: Annotated[str | None, typer.Option(
-        "--rank-source", metavar="NAME", show_default=False,
+        "--rank-source", metavar="NAME", show_default=DEVICE_MODULO.name,
         help=f"Plan: how a worker picks its slot (default {DEVICE_MODULO.name}). "
         f"{_SOURCES_HELP}.")] = None,
     no_dp_suffix: Annotated[bool, typer.Option(
@@ -135,33 +136,28 @@ def _device_text(plan: LayoutPlan, w: WorkerPlan) -> str:
 
 
 def _status(codes: tuple[str, ...]) -> str:
-    return "[green]ok[/]" if not codes else f"[bold red]{escape(', '.join(codes))}[/]"
+    return ",".join(codes) or "ok"
 
 
 def _render_plan(out: Console, plan: LayoutPlan) -> None:
     suffix = "" if plan.dp_suffix else ", no _dp suffix"
-    out.print(f"Plan: {plan.dp_size} replica(s) x {plan.world_size} worker(s); rank source "
-              f"{plan.rank_source.name} ({plan.rank_source.description}); devices "
-              f"{plan.devices.kind}{suffix}", highlight=False, markup=False)
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    for col in ("REPLICA", "ENGINE ID", "WORKER", "DEVICE", "SLOT", "STATUS"):
-        table.add_column(col)
-    for r in plan.replicas:
-        for w in r.workers:
-            table.add_row(str(r.replica), cell(r.engine_id), str(w.worker),
-                          cell(_device_text(plan, w)), str(w.slot), _status(w.problems))
-    out.print(table)
-    _render_verdict(out, [p.message for p in plan.problems],
-                    "every worker has its own slot in its replica's region")
+    lines = [f"Plan: {plan.dp_size} replica(s) x {plan.world_size} worker(s); rank source "
+             f"{plan.rank_source.name} ({plan.rank_source.description}); devices "
+             f"{plan.devices.kind}{suffix}"]
+    rows = [[str(r.replica), printable(r.engine_id), str(w.worker),
+             printable(_device_text(plan, w)), str(w.slot), _status(w.problems)]
+            for r in plan.replicas for w in r.workers]
+    lines.append(text_table(["REPLICA", "ENGINE ID", "WORKER", "DEVICE", "SLOT", "STATUS"],
+                            rows, right=(0, 2, 4)))
+    lines += _verdict([p.message for p in plan.problems],
+                      "every worker has its own slot in its replica's region")
+    write_text(out, "\n".join(lines))
 
 
-def _render_verdict(out: Console, messages: list[str], good: str) -> None:
-    for message in messages:
-        out.print(f"  - {message}", highlight=False, markup=False)
-    if messages:
-        out.print(f"[bold red]FAIL[/]: {len(messages)} problem(s)")
-    else:
-        out.print(f"[green]OK[/]: {good}")
+def _verdict(messages: list[str], good: str) -> list[str]:
+    lines = [f"  - {m}" for m in messages]
+    lines.append(f"FAIL: {len(messages)} problem(s)" if messages else f"OK: {good}")
+    return lines
 
 
 # -- live mode ---------------------------------------------------------------------
@@ -175,40 +171,50 @@ def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | N
     for note in check.notes:
         inv.warn(note.code, note.message)
     problems = [p.to_dict() for p in check.problems]
-    data = {"mode": "live", "ok": check.ok, "problems": problems, **check.to_dict()}
+    data = {"mode": "live", "ok": check.ok, "problems": problems, **check.to_dict(),
+            "joined": _joined(check)}
     return _outcome(data, problems, lambda out: _render_live(out, check))
 
 
 def _render_live(out: Console, check: LiveCheck) -> None:
-    out.print(f"Region {check.path} ({format_bytes(check.size_bytes)})", highlight=False,
-              markup=False)
+    lines = [f"Region {check.path} ({format_bytes(check.size_bytes)})"]
     g = check.geometry
     if g is not None:
         origin = ("manifest" if check.geometry_source == "manifest"
                   else "--world-size/--cpu-page-size")
-        out.print(f"  geometry  {g.num_blocks} rows x {g.row_stride} bytes; {g.world_size} "
-                  f"slot(s) of {g.cpu_page_size} bytes (from the {origin})", highlight=False,
-                  markup=False)
+        lines.append(f"  geometry  {g.num_blocks} rows x {g.row_stride} bytes; "
+                     f"{g.world_size} slot(s) of {g.cpu_page_size} bytes (from the {origin})")
     if check.rank_source is not None:
-        out.print(f"  rank source {check.rank_source}", highlight=False, markup=False)
+        lines.append(f"  rank source {check.rank_source}")
+    joined = _joined(check)
+    if joined is False:
+        lines.append("  no worker has joined yet: which slots are populated says nothing "
+                     "until one does (create pre-faults every slot)")
     if check.slots:
-        table = Table(box=None, header_style="bold", pad_edge=False)
-        for col in ("SLOT", "BYTES", "WORKERS", "POPULATED", "STATUS"):
-            table.add_column(col)
+        rows = []
         for s in check.slots:
             fraction = s.populated_fraction
-            table.add_row(str(s.slot), f"{s.start}..{s.end}", cell(_workers_text(s.workers)),
-                          "-" if fraction is None else f"{fraction:.0%}", _status(
-                              tuple(c for c in s.status if c != "unmeasurable"))
-                          if s.status != ("unmeasurable",) else "[yellow]unmeasurable[/]")
+            populated = ("not joined yet" if joined is False else
+                         "-" if fraction is None else f"{fraction:.0%}")
+            status = ("unmeasurable" if s.status == ("unmeasurable",) else
+                      _status(tuple(c for c in s.status if c != "unmeasurable")))
+            rows.append([str(s.slot), f"{s.start}..{s.end}", _workers_text(s.workers),
+                         populated, status])
         width = g.world_size if g is not None and g.world_size is not None else 0
         for w in check.workers:
             if not 0 <= w.rank < width:
-                table.add_row(str(w.rank), "outside the row", cell(_workers_text((w,))), "-",
-                              _status(("rank_out_of_range",)))
-        out.print(table)
-    _render_verdict(out, [p.message for p in check.problems],
-                    "sizes, ranks and slots are consistent")
+                rows.append([str(w.rank), "outside the row", _workers_text((w,)), "-",
+                             _status(("rank_out_of_range",))])
+        lines.append(text_table(["SLOT", "BYTES", "WORKERS", "POPULATED", "STATUS"], rows,
+                                right=(0,)))
+    lines += _verdict([p.message for p in check.problems],
+                      "sizes, ranks and slots are consistent")
+    write_text(out, "\n".join(lines))
+
+
+def _joined(check: LiveCheck) -> bool | None:
+    """Whether any worker attached; None for a region whose manifest cannot tell."""
+    return None if check.manifest_path is None else bool(check.workers)
 
 
 def _workers_text(workers: Any) -> str:

@@ -31,6 +31,7 @@ from vllm_offload_cli.core.base.errors import (
 )
 from vllm_offload_cli.core.host.discovery import PERSISTENT, STALE, RegionInfo, discover
 from vllm_offload_cli.core.host.procscan import flock_holders
+from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
 from vllm_offload_cli.core.region import capacity
@@ -42,6 +43,12 @@ from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
     environ_readable,
     process_token,
+)
+from vllm_offload_cli.engine.shape import (
+    RegionShape,
+    mismatch,
+    refuse_held_other_shape,
+    refuse_persistent_other_shape,
 )
 
 # What a claim did, or (dry run) would do.
@@ -167,13 +174,19 @@ def claim(
     dry_run: bool = False,
     identity: bool = True,
     grace: float = 5.0,
+    shape: RegionShape | None = None,
 ) -> ClaimResult:
     """Make the name `engine_id` safe to create or join; call under `startup_lock`.
 
     `identity=False` (no shared token could be established) joins any live
     region as vLLM would, but still reclaims only what is provably stale.
+    A region to join must have the requested `shape` (default: `size_bytes`):
+    held, another shape is exit 4 naming the holder; persistent, exit 6 with the
+    command that removes it; stale, it is reclaimed like any leftover.
     """
     validate_engine_id(engine_id)
+    want = shape if shape is not None or size_bytes is None else RegionShape(
+        size_bytes=size_bytes)
     path = str(region_path(shm_dir, engine_id))
     deadline = time.monotonic() + grace
     reclaimed_paths: list[str] = []
@@ -206,9 +219,11 @@ def claim(
                 raise EngineIdCollisionError(
                     f"{path} stays locked by a process this user cannot see (another pid "
                     "namespace?); refusing to share it", path=path, engine_id=engine_id)
+            refuse_held_other_shape(r, want, path, who.ours)
             return ClaimResult(engine_id, path, JOIN, first_state, who.ours,
                                tuple(reclaimed_paths), reclaimed_bytes, 0)
         if r.state == PERSISTENT:
+            refuse_persistent_other_shape(r, want, path, shm_dir)
             return ClaimResult(engine_id, path, JOIN, first_state, (), tuple(reclaimed_paths),
                                reclaimed_bytes, 0, notes=("pre-provisioned by "
                                                           "`vllm-offload create`",))
@@ -219,11 +234,13 @@ def claim(
                 "nor removed; `vllm-offload inspect` shows why", path=path,
                 engine_id=engine_id, code="region_not_stale")
         if dry_run:
+            other = None if want is None else mismatch(r, want)
             return ClaimResult(engine_id, path, WOULD_RECLAIM, first_state, (), tuple(r.paths),
-                               sum(s.size_bytes for s in r.segments), 0,
-                               free_bytes=None)
+                               sum(s.size_bytes for s in r.segments), 0, free_bytes=None,
+                               notes=() if other is None else (f"another shape: {other}",))
         report = reclaim(inv, gc_report.GcOptions(dry_run=False, min_age=0.0),
                          engine_ids=[engine_id])
+        audit.record_removals(report.removed)  # "what deleted my region?": this start-up
         for removed in report.removed:
             reclaimed_paths += removed.paths
             reclaimed_bytes += removed.freed_bytes

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from vllm_offload_cli.core.base.errors import RegionNotFoundError, UnsafeRegionError
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
-from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES
+from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, effective_segments, split
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 from vllm_offload_cli.core.system.processes import ProcessRef
 from vllm_offload_cli.engine.claim import ClaimResult, claim, startup_lock
+from vllm_offload_cli.engine.shape import RegionShape
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,17 @@ class RegionRequest:
     @property
     def size_bytes(self) -> int:
         return self.num_blocks * self.row_stride
+
+    @property
+    def shape(self) -> RegionShape:
+        """What an existing region must be for this process to join it."""
+        files = len(split(self.num_blocks, self.row_stride,
+                          effective_segments(self.num_segments, self.size_bytes,
+                                             min_bytes=self.min_segment_bytes)))
+        return RegionShape(size_bytes=self.size_bytes, num_segments=files,
+                           num_blocks=self.num_blocks, row_stride=self.row_stride,
+                           cpu_page_size=self.cpu_page_size,
+                           world_size=None if self.replicated else self.world_size)
 
 
 class EngineLease:
@@ -110,7 +122,8 @@ def open_region(
     """Claim the name, create or join the region through the core, check the slot."""
     with startup_lock(shm_dir, timeout=lock_timeout):
         claimed = claim(request.engine_id, shm_dir=shm_dir, token=token,
-                        size_bytes=request.size_bytes, identity=token is not None)
+                        size_bytes=request.size_bytes, identity=token is not None,
+                        shape=request.shape)
         region = SharedOffloadRegion(
             request.engine_id, request.num_blocks, request.rank, request.row_stride,
             request.cpu_page_size, shm_dir=shm_dir,

@@ -41,8 +41,9 @@ _MEANING: dict[ExitStatus, str] = {
     "for --device cuda)",
     ExitStatus.UNSAFE: "refused as unsafe (ownership, mode, symlink, link count, wrong size, "
     "corrupt manifest, a holder that could be hidden)",
-    ExitStatus.PARTIAL: "fleet: partial answer, a node failed, was interrupted or did not "
-    "answer in time (the others are shown)",
+    ExitStatus.PARTIAL: "partial: fleet, a node failed, was interrupted or did not answer in "
+    "time (the others are shown); garbage-collect, regions were removed (all reported) but "
+    "--prometheus could not be written",
     ExitStatus.INTERRUPTED: "interrupted",
 }
 

@@ -1,4 +1,12 @@
-"""Byte sizes with IEC suffixes, parsed strictly and printed readably."""
+"""Sizes and durations read the way Linux tools read them, and printed back readably.
+
+Sizes follow coreutils (`head -c`, `truncate -s`): `K`, `M`, `G`, `T` and
+`KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; `KB`, `MB`, `GB`, `TB` powers
+of 1000. The letter may be lower case (`k`, `m`, `g`, `t`), `iB` and `B` may
+not; a lone `b`, 512-byte blocks to coreutils, is refused rather than guessed.
+Durations are seconds, or a number with `ms`, `s`, `m`, `h`, `d` or `w`,
+also in sequence (`1h30m`), as systemd reads them.
+"""
 
 from __future__ import annotations
 
@@ -7,54 +15,99 @@ from fractions import Fraction
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kib": 1024,
-    "m": 1024**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gib": 1024**3,
-    "t": 1024**4,
-    "tib": 1024**4,
-}
+_POWERS: dict[str, int] = {"k": 1, "m": 2, "g": 3, "t": 4}
 _SIZE_RE = re.compile(r"\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[A-Za-z]*)\s*")
 _MAX_DIGITS = 30  # more than any real size; bounds the arithmetic on what we are given
+SIZE_HELP = ("bytes, or a suffix: K, M, G, T and KiB, MiB, GiB, TiB (powers of 1024); KB, MB, "
+             "GB, TB (powers of 1000)")
+
+
+def _multiple(unit: str) -> int | None:
+    """Bytes per `unit` as coreutils reads it, or None when it is not a size suffix."""
+    if unit in ("", "B"):
+        return 1
+    letter, rest = unit[0], unit[1:]
+    if letter.lower() not in _POWERS or (letter.islower() and letter not in "kmgt"):
+        return None
+    power = _POWERS[letter.lower()]
+    if rest in ("", "iB"):
+        return 1 << (10 * power)
+    if rest == "B":
+        return int(1000**power)
+    return None
 
 
 def parse_size(text: str, *, what: str = "size") -> int:
-    """Parse `4096`, `64KiB`, `2MiB`, `1GiB` (also `1G`); reject SI `kB`/`MB`.
+    """`4096`, `64K`, `64KiB`, `2MiB`, `1GiB`, `1G` (1024s); `64KB`, `1GB` (1000s).
 
-    SI suffixes are refused rather than guessed: a region sized 10**9 instead
-    of 2**30 would silently differ from what the engine computes.
+    A fraction is accepted when it comes to whole bytes (`1.5KiB`). The result
+    is exact (no float rounding) and bounded by what the text can say.
     """
     match = _SIZE_RE.fullmatch(text)
     if match is None or len(match["num"]) > _MAX_DIGITS:
+        raise InvalidInputError(f"{what} {text!r} is not a size; use {SIZE_HELP}",
+                                code="invalid_size")
+    unit = match["unit"]
+    multiple = _multiple(unit)
+    if multiple is None:
+        hint = ("; 'b' means 512-byte blocks to coreutils, write B for bytes"
+                if unit == "b" else "")
         raise InvalidInputError(
-            f"{what} {text!r} is not a size; use bytes or an IEC suffix such as 64KiB, 2MiB, 1GiB",
+            f"{what} {text!r} has unknown unit {unit!r}; use {SIZE_HELP}{hint}",
             code="invalid_size",
         )
-    unit = match["unit"].lower()
-    if unit not in _UNITS:
-        raise InvalidInputError(
-            f"{what} {text!r} has unknown unit {match['unit']!r}; use B, KiB, MiB, GiB or TiB",
-            code="invalid_size",
-        )
-    value = Fraction(match["num"]) * _UNITS[unit]  # exact: no float rounding or overflow
+    value = Fraction(match["num"]) * multiple  # exact: no float rounding or overflow
     if value.denominator != 1:
         raise InvalidInputError(f"{what} {text!r} is not a whole number of bytes",
                                 code="invalid_size")
     return int(value)
 
 
-def format_bytes(n: int | float | None) -> str:
-    """1536 -> '1.5 KiB'; None -> '-'."""
+_DURATION_UNITS = {"ms": Fraction(1, 1000), "s": Fraction(1), "m": Fraction(60),
+                   "h": Fraction(3600), "d": Fraction(86400), "w": Fraction(7 * 86400)}
+_PART_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)?")
+_DURATION_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]+)?\s*(?:ms|s|m|h|d|w)?\s*)+")
+DURATION_HELP = "seconds, or a number with ms, s, m, h, d or w (90, 90s, 5m, 2h, 1d, 1h30m)"
+
+
+def parse_duration(text: str, *, what: str = "duration") -> float:
+    """Seconds from `90`, `90s`, `5m`, `2h`, `1d`, `1h30m`, `1.5h`, `250ms`."""
+    text = text.strip()
+    if not text or len(text) > 64 or _DURATION_RE.fullmatch(text) is None:
+        raise InvalidInputError(f"{what} {text!r} is not a duration; use {DURATION_HELP}",
+                                code="invalid_duration")
+    total = Fraction(0)
+    for number, unit in _PART_RE.findall(text):
+        total += Fraction(number) * _DURATION_UNITS[unit or "s"]
+    return float(total)
+
+
+def format_duration(seconds: float) -> str:
+    """90 -> '90s', 300 -> '5m', 5400 -> '1h30m': what parse_duration reads back."""
+    whole = round(seconds)
+    if whole != seconds or whole < 60:
+        return f"{seconds:g}s"
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if whole >= size:
+            parts.append(f"{whole // size}{unit}")
+            whole %= size
+    return "".join(parts)
+
+
+def format_bytes(n: int | float | None, *, compact: bool = False) -> str:
+    """1536 -> '1.5 KiB'; None -> '-'. `compact`: no space and no '.0' ('1.5KiB', '64MiB'),
+    one field for awk, in a form parse_size reads back when it is whole."""
     if n is None:
         return "-"
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+            if unit == "B":
+                return f"{int(value)}B" if compact else f"{int(value)} B"
+            text = f"{value:.1f}"
+            if compact:
+                return f"{text.removesuffix('.0')}{unit}"
+            return f"{text} {unit}"
         value /= 1024
     raise AssertionError("unreachable")

@@ -242,9 +242,9 @@ class _Run:
     def _precheck(self, r: RegionInfo) -> KeptRegion | None:
         """What discovery already proves: cheap reasons to keep, before any lock."""
         if not r.linked:
-            return self._kept(r, LIVE, "its name was unlinked while "
-                              f"{_holders_text(r.holders) or 'a process still maps it'}; "
-                              "it vanishes with its last user", _first_pid(r.holders))
+            users = _holders_text(r.holders) or "a process this run cannot name"
+            return self._kept(r, LIVE, f"unlinked, still in use by {users}; its memory is "
+                              "freed when the last of them exits", _first_pid(r.holders))
         for seg in r.segments:
             name = os.path.basename(seg.path)
             codes = {p.code for p in seg.problems}
@@ -410,7 +410,23 @@ class _Run:
                     f"({verdict.why}); run gc as root with CAP_SYS_PTRACE and CAP_LEASE"),
                     blind_spot=visibility.HIDDEN_HOLDERS))
             else:
-                self._remove(held, max(age, 0.0), leased=verdict.sole is True)
+                leased = verdict.sole is True
+                self._remove(held, max(age, 0.0), leased=leased,
+                             why=self._stale_text(m, max(age, 0.0), leased),
+                             hidden=tuple(suspects) if leased else ())
+
+    def _stale_text(self, m: Manifest | None, age: float, leased: bool) -> str:
+        """Why a region about to go was judged stale: the system log records it."""
+        why = ["no process maps it or has it open (/proc, scanned again after locking)",
+               "its exclusive lock was free"]
+        if leased:
+            why.append("the kernel granted a write lease (no open file anywhere)")
+        if m is not None and not m.complete:
+            why.append(f"its creator pid {m.creator_pid} died before finishing")
+        if m is not None and m.persistent and m.complete:
+            why.append("persistent, removed with --include-persistent")
+        why.append(f"unchanged for {age:.0f} s (--min-age {self.options.min_age:g} s)")
+        return "; ".join(why)
 
     def _opened_elsewhere(self, r: RegionInfo, suspects: list[int]) -> KeptRegion:
         if suspects:
@@ -424,8 +440,10 @@ class _Run:
         return self._kept(r, UNKNOWN, f"not proven unused: {spots[0].message}; "
                           f"{visibility.advice(spots)}", blind_spot=spots[0].code)
 
-    def _remove(self, held: _Locked, age: float, *, leased: bool = False) -> None:
+    def _remove(self, held: _Locked, age: float, *, leased: bool = False, why: str = "",
+                hidden: tuple[int, ...] = ()) -> None:
         r = held.region
+        uid = held.files[0][2].st_uid if held.files else None
         if leased and not all(openers.still_sole(fd) for _, fd, _ in held.files):
             self._keep(self._opened_elsewhere(r, []))  # an open() is waiting on our lease
             return
@@ -433,10 +451,10 @@ class _Run:
         freed = sum(st.st_blocks * 512 for _, _, st in held.files)
         if self.options.dry_run:
             self.removed.append(RemovedRegion(
-                engine_id=r.engine_id, paths=tuple(seg.path for seg, _,
-                                                   _ in held.files), bytes=size, freed_bytes=freed,
+                engine_id=r.engine_id, paths=tuple(seg.path for seg, _, _ in held.files),
+                bytes=size, freed_bytes=freed,
                 manifest=held.manifest_path if held.manifest_fd is not None else None,
-                age_seconds=age))
+                age_seconds=age, uid=uid, reason=why, hidden_pids=hidden))
             return
         manifest_removed = None
         if held.manifest_fd is not None:
@@ -465,7 +483,8 @@ class _Run:
             paths.reverse()
             self.removed.append(RemovedRegion(engine_id=r.engine_id, paths=tuple(paths),
                                               bytes=size, freed_bytes=freed,
-                                              manifest=manifest_removed, age_seconds=age))
+                                              manifest=manifest_removed, age_seconds=age,
+                                              uid=uid, reason=why, hidden_pids=hidden))
             logger.info("removed %s (%d bytes)", ", ".join(paths), size)
 
     # -- manifests and temporary files --------------------------------------------

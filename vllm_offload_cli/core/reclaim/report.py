@@ -50,11 +50,17 @@ class RemovedRegion:
     freed_bytes: int  # tmpfs memory its files held (st_blocks): what removal gives back
     manifest: str | None
     age_seconds: float
+    uid: int | None = None  # the owner of its files
+    reason: str = ""  # why it was judged stale: the system log's record says it
+    # processes that could not be inspected and could have opened it: the kernel's
+    # lease alone proved that none of them had (the run warns, naming them)
+    hidden_pids: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {"engine_id": self.engine_id, "paths": list(self.paths), "bytes": self.bytes,
                 "freed_bytes": self.freed_bytes, "manifest": self.manifest,
-                "age_seconds": round(self.age_seconds, 3)}
+                "age_seconds": round(self.age_seconds, 3), "uid": self.uid,
+                "reason": self.reason, "hidden_pids": list(self.hidden_pids)}
 
 
 @dataclass(frozen=True, kw_only=True)

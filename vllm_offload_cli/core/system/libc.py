@@ -7,7 +7,6 @@ threads; `mincore` and a read-only mapping are not in the mmap module at all.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 from functools import cache
@@ -24,7 +23,8 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 
 @cache
 def _libc() -> ctypes.CDLL:
-    lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    # the process's own symbols include libc; find_library("c") would run ldconfig -p
+    lib = ctypes.CDLL(None, use_errno=True)
     lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.madvise.restype = ctypes.c_int
     lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]

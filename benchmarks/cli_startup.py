@@ -1,0 +1,101 @@
+"""Does `vllm-offload` start like a system tool? Process start-up, measured in one run.
+
+Sets up N regions held by real processes (through the core) in a private
+directory on /dev/shm and times, as processes, in the same run (median of
+--repeat runs each, interleaved so that load on a shared host hits every row
+alike):
+  python -c pass            the floor for any Python CLI
+  python -c "import typer"  the floor for a typer CLI
+  vllm-offload --version    target: within 1.5x of import typer
+  inspect --json            on the N held regions; target: within 2.5x of lsof +D
+  inspect --json --no-residency
+  lsof +D DIR               what an operator would otherwise run on the same directory
+The console script's own wrapper is used when it is beside the interpreter,
+else `python -m vllm_offload_cli`.
+Usage: python benchmarks/cli_startup.py [--regions 50] [--repeat 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scale_fixtures import HOLDER  # benchmarks/, beside this script
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("vllm-offload")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vllm_offload_cli"]
+
+
+def _time(argv: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(argv, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--regions", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=15)
+    args = ap.parse_args()
+    if args.repeat < 11:
+        ap.error("--repeat must be at least 11 (medians of at least 11 runs)")
+    lsof = shutil.which("lsof")
+    shm = tempfile.mkdtemp(prefix="vllm-offload-bench-", dir="/dev/shm")
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        ids = [f"startup{i:04d}" for i in range(args.regions)]
+        for i in range(0, len(ids), 10):  # ten regions per holder process
+            p = subprocess.Popen([sys.executable, "-c", HOLDER, shm, *ids[i:i + 10]],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            procs.append(p)
+        cli = _cli()
+        rows: list[tuple[str, list[str], str | None, float]] = [
+            ("python -c pass", [sys.executable, "-c", "pass"], None, 0),
+            ("python -c 'import typer'", [sys.executable, "-c", "import typer"], None, 0),
+            ("vllm-offload --version", [*cli, "--version"], "python -c 'import typer'", 1.5),
+            ("inspect --json", [*cli, "inspect", "--json", "--shm-dir", shm], "lsof +D DIR",
+             2.5),
+            ("inspect --json --no-residency",
+             [*cli, "inspect", "--json", "--no-residency", "--shm-dir", shm], None, 0),
+        ]
+        if lsof is not None:
+            rows.append(("lsof +D DIR", [lsof, "-n", "-P", "+D", shm], None, 0))
+        times: dict[str, list[float]] = {name: [] for name, *_ in rows}
+        for _ in range(args.repeat):  # interleaved: a load spike costs every row alike
+            for name, argv, _, _ in rows:
+                times[name].append(_time(argv))
+        load = os.getloadavg()
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+        shutil.rmtree(shm, ignore_errors=True)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(f"{args.regions} held regions, {os.cpu_count()} CPUs, load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; median of {args.repeat} runs each"
+          f"{'' if lsof else '; lsof not installed'}")
+    print(f"{'command':<32} {'median':>9} {'min':>9}  target")
+    for name, _, against, factor in rows:
+        target = ""
+        if against is not None and against in med:
+            ratio = med[name] / med[against]
+            verdict = "ok" if ratio <= factor else "MISSED"
+            target = f"{ratio:.2f}x {against} (<= {factor}x: {verdict})"
+        print(f"{name:<32} {med[name] * 1000:6.1f} ms {min(times[name]) * 1000:6.1f} ms  "
+              f"{target}".rstrip())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Does the region under a name have the shape an engine is about to ask for?
+
+A joiner of another size waits for bytes that never come (vLLM: 30 s, then a
+failure far from the cause), a joiner of another geometry reads its neighbours'
+KV bytes, and one of another segment count looks for files that are not there.
+So the claim compares before it says "join": size always, segment count and
+geometry where both sides know them (a region vLLM made has no manifest).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+
+from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
+from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.host.discovery import RegionInfo
+from vllm_offload_cli.core.system.processes import comm
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionShape:
+    """What the engine will map; None fields are not compared."""
+
+    size_bytes: int
+    num_segments: int | None = None
+    num_blocks: int | None = None
+    row_stride: int | None = None
+    cpu_page_size: int | None = None
+    world_size: int | None = None
+
+    def describe(self) -> str:
+        parts = [format_bytes(self.size_bytes)]
+        if self.num_segments is not None:
+            parts.append(f"{self.num_segments} segment file(s)")
+        if self.num_blocks is not None:
+            parts.append(f"{self.num_blocks} blocks of {self.row_stride} bytes")
+        return ", ".join(parts)
+
+
+def mismatch(r: RegionInfo, want: RegionShape) -> str | None:
+    """How the region `r` differs from `want`, in words; None when it fits."""
+    why = []
+    if r.size_bytes != want.size_bytes:
+        why.append(f"it is {format_bytes(r.size_bytes)} ({r.size_bytes} bytes), the engine "
+                   f"maps {format_bytes(want.size_bytes)} ({want.size_bytes} bytes)")
+    segments = len(r.segments)
+    if want.num_segments is not None and segments != want.num_segments:
+        why.append(f"it has {segments} segment file(s), the engine expects "
+                   f"{want.num_segments}")
+    g = r.geometry
+    if g is not None:
+        for name, have, wanted in (("num_blocks", g.num_blocks, want.num_blocks),
+                                   ("row_stride", g.row_stride, want.row_stride),
+                                   ("cpu_page_size", g.cpu_page_size, want.cpu_page_size),
+                                   ("world_size", g.world_size, want.world_size)):
+            if have is not None and wanted is not None and have != wanted:
+                why.append(f"its {name} is {have}, the engine's is {wanted}")
+    return "; ".join(why) or None
+
+
+def _code(r: RegionInfo, want: RegionShape | None) -> str:
+    """The codes the core's own joiner uses for the same conditions."""
+    return "size_mismatch" if want is None or r.size_bytes != want.size_bytes \
+        else "geometry_mismatch"
+
+
+def refuse_held_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
+                             ours: tuple[int, ...]) -> None:
+    """Joining a live region of another shape would hang (size) or corrupt (geometry)."""
+    why = None if want is None else mismatch(r, want)
+    if why is None:
+        return
+    pids = ours or tuple(h.pid for h in r.holders)
+    who = ", ".join(f"pid {p} ({comm(p) or '?'})" for p in pids[:3]) or "a process"
+    raise RegionBusyError(
+        f"{path} is in use by {who} with another shape than this engine asks for ({why}); "
+        "it cannot be joined. Start every rank with the same configuration, or stop "
+        f"{'that process' if len(pids) == 1 else 'those processes'} first",
+        path=path, engine_id=r.engine_id, pid=pids[0] if pids else None,
+        code=_code(r, want))
+
+
+def refuse_persistent_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
+                                   shm_dir: str | os.PathLike[str]) -> None:
+    """A pre-provisioned region is never removed for an engine: say how to remove it."""
+    why = None if want is None else mismatch(r, want)
+    if why is None:
+        return
+    command = ["vllm-offload", "gc", r.engine_id, "--include-persistent", "--min-age", "0"]
+    if os.fspath(shm_dir) != "/dev/shm":
+        command += ["--shm-dir", os.fspath(shm_dir)]
+    if r.uid is not None and r.uid != os.geteuid():
+        command.append("--all-users")  # root removing a service user's region
+    raise UnsafeRegionError(
+        f"{path} was pre-provisioned (`vllm-offload create`) with another shape than this "
+        f"engine asks for ({why}); it is neither joined nor removed. Remove it with "
+        f"`{shlex.join(command)}`, or pre-provision it again with the engine's shape",
+        path=path, engine_id=r.engine_id, code=_code(r, want))
