@@ -116,3 +116,16 @@ def test_a_region_vllm_made_shows_its_layout_by_its_files(cli: Any, shm_dir: Pat
     seen = cli("inspect", "--shm-dir", str(shm_dir), "--json").json["data"]["regions"]
     assert sorted((r["engine_id"], r["vllm_layout"]) for r in seen) == [
         ("a", "segmented"), ("b", "single-file")]
+
+
+def test_an_exact_segment_count_is_a_request_and_excludes_a_layout(cli: Any,
+                                                                  shm_dir: Path) -> None:
+    args = ("create", "n", "--world-size", "2", "--cpu-page-size", "1MiB", "--size", "3GiB",
+            "--no-populate", "--shm-dir", str(shm_dir), "--json")
+    both = cli(*args, "--segments", "1", "--vllm-layout", "segmented")
+    assert both.exit_code == 2 and "one of --segments and --vllm-layout" in both.stderr + str(
+        both.json["errors"])
+    one = cli(*args, "--segments", "1")
+    assert one.exit_code == 0, one.stderr
+    assert one.json["data"]["vllm_layout"] == {"name": "single-file", "basis": "requested",
+                                               "vllm_version": None}
