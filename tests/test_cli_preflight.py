@@ -9,6 +9,13 @@ import pytest
 from conftest import run_cli_subprocess
 from region_files import GEOMETRY, SIZE, region_file
 
+from vllm_offload_cli.core.region import fsguard
+
+
+def _left(shm_dir: Path) -> list[str]:
+    """What is in shm_dir besides this user's private directory (the start-up lock)."""
+    return [p.name for p in shm_dir.iterdir() if p.name != fsguard.private_dir_name()]
+
 
 def preflight(cli: Any, shm_dir: Path, *args: str, expect: int) -> dict[str, Any]:
     result = cli("preflight", *args, "--shm-dir", str(shm_dir), "--json")
@@ -22,7 +29,7 @@ def test_a_free_engine_id_is_ready(cli: Any, shm_dir: Path) -> None:
     doc = preflight(cli, shm_dir, "prod", "--size", "4MiB", expect=0)
     assert doc["data"]["needed_bytes"] == 4 << 20
     assert [r["action"] for r in doc["data"]["replicas"]] == ["create"]
-    assert list(shm_dir.iterdir()) == []  # checks create nothing
+    assert _left(shm_dir) == []  # checks create nothing
 
 
 def test_a_stale_leftover_is_reclaimed_and_a_dry_run_only_says_so(cli: Any,
@@ -34,7 +41,7 @@ def test_a_stale_leftover_is_reclaimed_and_a_dry_run_only_says_so(cli: Any,
     doc = preflight(cli, shm_dir, "prod", "--size", "4MiB", expect=0)
     replica = doc["data"]["replicas"][0]
     assert replica["action"] == "reclaimed" and replica["reclaimed_bytes"] == SIZE
-    assert list(shm_dir.iterdir()) == []
+    assert _left(shm_dir) == []
 
 
 def test_an_engine_id_held_by_a_live_process_exits_4_naming_it(cli: Any, shm_dir: Path,

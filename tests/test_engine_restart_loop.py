@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import wait_until
 from tests.engine_ranks import Engine, Rank
+from vllm_offload_cli.core.region import fsguard
 
 PAGE = 64 * 1024
 WORLD = 3
@@ -30,7 +31,8 @@ MOMENTS = ("at once", "new region file", *range(1, WORLD + 1))  # ints: ranks re
 
 
 def _dir_usage(shm_dir: Path) -> tuple[list[str], int]:
-    names = sorted(os.listdir(shm_dir))
+    """Region files and their bytes (the start-up lock's private directory aside)."""
+    names = sorted(n for n in os.listdir(shm_dir) if n != fsguard.private_dir_name())
     return names, sum(os.stat(shm_dir / n).st_blocks * 512 for n in names)
 
 

@@ -12,6 +12,7 @@ import pytest
 from region_files import GEOMETRY, SIZE, region_file
 
 from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
+from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.engine.claim import claim, startup_lock
 from vllm_offload_cli.engine.lease import RegionRequest, open_region
 from vllm_offload_cli.engine.shape import RegionShape
@@ -83,7 +84,8 @@ def test_a_stale_region_of_another_size_is_reclaimed_and_a_dry_run_says_so(
 
     doc = preflight(cli, shm_dir, "u1", "--size", "1MiB", expect=0)
     assert doc["data"]["replicas"][0]["action"] == "reclaimed"
-    assert list(shm_dir.iterdir()) == []
+    # only the start-up lock's private directory is left, no region file
+    assert [p.name for p in shm_dir.iterdir()] == [fsguard.private_dir_name()]
 
 
 def test_a_live_region_of_another_size_is_exit_4_naming_the_holder(cli: Any, shm_dir: Path,

@@ -1,6 +1,23 @@
-"""`python -m vllm_offload_cli` runs the same entry point as the console script."""
+"""`python -m vllm_offload_cli` and the console script: the CLI, interruptible at any moment.
 
-from vllm_offload_cli.cli.app import main
+The command tree is imported inside `main`, so a SIGINT that lands while
+modules load is one line and exit 130, like one that lands later.
+"""
+
+import sys
+
+EXIT_INTERRUPTED = 130  # cli.common.EXIT_INTERRUPTED; not imported: it may be mid-import
+
+
+def main() -> None:
+    try:
+        from vllm_offload_cli.cli.app import main as run
+
+        run()
+    except KeyboardInterrupt:  # the command's own boundary turns later ones into 130 too
+        sys.stderr.write("Error: interrupted\n")
+        sys.exit(EXIT_INTERRUPTED)
+
 
 if __name__ == "__main__":
     main()

@@ -36,6 +36,7 @@ from vllm_offload_cli.cli.common import (
     make_invocation,
     run_boundary,
 )
+from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.units import parse_duration
 from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
@@ -147,7 +148,8 @@ fleet_app = typer.Typer(
     "(needs the ray extra).")
 
 fleet_app.command("inspect", short_help="inspect on every node: one table with a NODE column.")(
-    _fleet_command(inspect_cli.inspect_cmd, {"fmt": inspect_cli.Format.table, "output": None},
+    _fleet_command(inspect_cli.inspect_cmd, {"fmt": inspect_cli.Format.table, "output": None,
+                                               "timeout": NODE_TIMEOUT},
                    """inspect on every node: one table with a NODE column.
 
     Runs `vllm-offload inspect --json` on each alive node of the Ray cluster
@@ -158,7 +160,8 @@ fleet_app.command("inspect", short_help="inspect on every node: one table with a
     skipped (exit 2 only when no node has it).
     """, lambda out, result, _: render_inspect(out, result)))
 
-_gc = _fleet_command(gc.garbage_collect, {"prometheus": None}, """garbage-collect on every node.
+_gc = _fleet_command(gc.garbage_collect, {"prometheus": None, "timeout": NODE_TIMEOUT},
+                     """garbage-collect on every node.
 
     It is node-local garbage-collect, run on each node: every safety rule
     holds there, and a node that refuses (exit 6, e.g. it cannot see all of

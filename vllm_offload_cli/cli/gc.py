@@ -15,6 +15,8 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     warn_useless_waiver,
 )
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.testhook import pause_at
@@ -85,6 +87,10 @@ def garbage_collect(
         "--no-syslog", help="Do not record removals in the system log (by default one line "
         "per removed region, identifier vllm-offload; socket /dev/log, env "
         "VLLM_OFFLOAD_SYSLOG_SOCKET).")] = False,
+    timeout: Annotated[str, typer.Option(
+        "--timeout", metavar="DURATION",
+        help="Stop after this long, report what was removed, exit 1: seconds, or 90s, 5m, "
+        "2h.")] = f"{DEFAULT_TIMEOUT:g}s",
 ) -> Outcome:
     """Remove provably stale regions and orphaned manifests; safe to run from cron.
 
@@ -101,9 +107,11 @@ def garbage_collect(
     that matches no region or manifest (the others are still collected), 6 when
     it refused to judge because a holder could be hidden, 7 (partial) when it
     removed regions but could not write --prometheus afterwards (the removals
-    are still reported in full).
+    are still reported in full). After --timeout it stops between regions,
+    reports what it removed, and exits 1.
     """
     min_age_s = parse_duration(str(min_age), what="--min-age")  # the fleet may pass 0.0
+    timeout_s = parse_duration(str(timeout), what="--timeout")
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run
         check_options,
@@ -113,9 +121,11 @@ def garbage_collect(
     check_options(GcOptions(min_age=min_age_s, all_users=all_users))
     if prometheus is not None:  # before anything is removed: every removal gets reported
         metrics.check_writable(prometheus)
-    report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
-                     min_age=min_age_s, include_persistent=include_persistent,
-                     all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
+    with deadline.within(timeout_s):
+        report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
+                         min_age=min_age_s, include_persistent=include_persistent,
+                         all_users=all_users,
+                         shm_private_to_namespace=shm_private_to_namespace)
     data = report_data(report)
     if not (dry_run or no_syslog) and report.removed:
         from vllm_offload_cli.core.reclaim import audit
@@ -136,17 +146,19 @@ def garbage_collect(
     output: list[dict[str, str]] = []
     changed = not dry_run and bool(report.removed or report.orphan_manifests_removed
                                    or report.temp_files_removed)
+    code = most_important(status for status, present in (
+        (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing))
+        if present)
     if prometheus is not None:
         pause_at("gc_before_outputs")  # tests break the output here, after the removals
         try:
-            metrics.emit(_registry(report), prometheus)
+            metrics.emit(_registry(report, code), prometheus)
             data["prometheus"] = str(prometheus)
         except OffloadError as exc:  # after removals: report them all, and say so
             output.append({"code": OUTPUT_FAILED, "message": exc.message + (
                 "; the removals above were made" if changed else "")})
-    code = most_important(status for status, present in (
-        (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing),
-        (ExitStatus.PARTIAL if changed else ExitStatus.FAILED, output)) if present)
+    if output:  # the textfile is not written then: it cannot carry this status
+        code = most_important((code, ExitStatus.PARTIAL if changed else ExitStatus.FAILED))
     return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
                    render=lambda out: _render(inv, out, report, output + refusals + missing))
 
@@ -227,8 +239,11 @@ def _render(inv: Invocation, out: Console, report: GcReport,
         f"{len(report.kept)} of {report.regions_seen} seen{failed}{dry}.")
 
 
-def _registry(report: GcReport) -> Any:
-    """Gauges describing this run: node_exporter's textfile collector keeps the last one."""
+def _registry(report: GcReport, code: ExitStatus) -> Any:
+    """Gauges describing this run: node_exporter's textfile collector keeps the last one.
+
+    `code` is the run's exit status (an unwritable textfile cannot report itself: it
+    leaves the previous file, whose timestamp then ages)."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
@@ -238,6 +253,8 @@ def _registry(report: GcReport) -> Any:
 
     gauge("vllm_offload_gc_last_run_timestamp_seconds",
           "When the last garbage collection started (Unix time).", report.started_at)
+    gauge("vllm_offload_gc_exit_code", "Exit status of the last run (0 ok, 1 a removal "
+          "failed, 2 bad usage, 6 refused: a holder could be hidden).", int(code))
     gauge("vllm_offload_gc_duration_seconds", "How long the last run took.",
           report.duration_seconds)
     gauge("vllm_offload_gc_dry_run", "1 if the last run was a dry run (nothing removed).",
@@ -260,6 +277,6 @@ def _registry(report: GcReport) -> Any:
           report.uninspectable_processes)
     kept = Gauge("vllm_offload_gc_regions_kept", "Regions the last run kept, by reason.",
                  ["reason"], registry=registry)
-    for code, count in report.kept_by_code().items():
-        kept.labels(code).set(count)
+    for reason, count in report.kept_by_code().items():
+        kept.labels(reason).set(count)
     return registry

@@ -19,10 +19,12 @@ from vllm_offload_cli.cli.common import (
     warn_useless_waiver,
     write_text,
 )
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
-from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.base.units import format_bytes, parse_duration
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
@@ -100,6 +102,10 @@ def inspect_cmd(
         "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
         "namespace: trust this namespace's /proc (regions are not shown `unknown` for it).")
     ] = False,
+    timeout: Annotated[str, typer.Option(
+        "--timeout", metavar="DURATION",
+        help="Give up after this long (exit 1): seconds, or 90s, 5m, 2h.")
+    ] = f"{DEFAULT_TIMEOUT:g}s",
 ) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
@@ -111,6 +117,7 @@ def inspect_cmd(
     Names, process names and manifest fields are shown with control characters
     escaped (\\xNN); --json keeps them raw (JSON escapes them). A named ENGINE_ID
     that matches no region is an error (exit 2), the others are still shown.
+    Exit status 1 when --timeout passes first.
     """
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")
@@ -118,9 +125,11 @@ def inspect_cmd(
         raise InvalidInputError("--json with --format prometheus needs --output FILE",
                                 code="usage")
     shm_dir = shm_dir_checked(inv)
-    found = discover(shm_dir, engine_ids=engine_ids or None,
-                     measure_residency=not no_residency,
-                     shm_private_to_namespace=shm_private_to_namespace)
+    with deadline.within(parse_duration(str(timeout), what="--timeout")):
+        found = discover(shm_dir, engine_ids=engine_ids or None,
+                         measure_residency=not no_residency,
+                         shm_private_to_namespace=shm_private_to_namespace)
+        placed = None if no_residency else observe_all(found.regions)
     missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
                   f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
@@ -133,7 +142,6 @@ def inspect_cmd(
         inv.warn("uninspectable_processes",
                  f"{found.uninspectable_processes} process(es) could not be inspected "
                  "(permission denied); regions they use may show fewer holders")
-    placed = None if no_residency else observe_all(found.regions)
     data = inventory_data(found, placed)
     data["not_found"] = missing
     shown: Callable[[Console], None] | None = None

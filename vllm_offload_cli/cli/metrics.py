@@ -1,10 +1,12 @@
 """node_exporter textfile output, shared by `inspect` and `gc`.
 
-prometheus_client does the exposition format; the file is written here:
-a temporary file created `O_EXCL|O_NOFOLLOW` beside the target, then renamed
-over it, so node_exporter never reads half a file and no planted name is
-followed. `check_writable` proves the directory takes a new file before a
-command changes anything (gc removes nothing it could not then report).
+prometheus_client does the exposition format (imported only when asked for);
+the write is ours, because its `write_to_textfile` opens a predictable
+`PATH.PID.TID` with plain open(), which follows a symlink planted there: a
+temporary file with an unguessable name is created `O_EXCL|O_NOFOLLOW` beside
+the target, then renamed over it, so node_exporter never reads half a file.
+`check_writable` proves the directory takes a new file before a command
+changes anything (gc removes nothing it could not then report).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def new_registry() -> CollectorRegistry:
 
 def _temp_name(output: Path) -> Path:
     # node_exporter reads only *.prom: a leftover of a killed writer is never scraped
-    return output.parent / f".{output.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    return output.parent / f".{output.name}.{secrets.token_hex(8)}.tmp"
 
 
 def check_writable(output: Path) -> None:
@@ -76,23 +78,29 @@ def emit(registry: CollectorRegistry, output: Path | None) -> None:
     if not output.parent.is_dir():
         raise InvalidInputError(f"cannot write {output}: directory {output.parent} does not "
                                 "exist", path=str(output), code="bad_output")
-    temp = _temp_name(output)
     try:
-        fd = os.open(temp, _CREATE, 0o644)
+        write_atomically(output, text)
     except OSError as exc:
         raise OperationFailedError(f"cannot write {output}: {exc.strerror}",
                                    path=str(output)) from exc
+
+
+def write_atomically(output: Path, data: bytes) -> None:
+    """A fresh file with an unguessable name beside `output` (O_EXCL|O_NOFOLLOW: nothing
+    planted there is followed or reused), written, flushed, then renamed over it."""
+    tmp = _temp_name(output)
+    fd = os.open(tmp, _CREATE, 0o644)
     try:
-        try:
-            with os.fdopen(fd, "wb", closefd=False) as f:
-                f.write(text)
-            os.fchmod(fd, 0o644)  # node_exporter runs as its own user: it must read it
-            os.fsync(fd)
-        finally:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            f.write(data)
+        os.fchmod(fd, 0o644)  # node_exporter runs as its own user: it must read it
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, output)
+    except BaseException:
+        if fd >= 0:
             os.close(fd)
-        os.rename(temp, output)
-    except OSError as exc:
         with contextlib.suppress(OSError):
-            os.unlink(temp)  # ours: created O_EXCL above
-        raise OperationFailedError(f"cannot write {output}: {exc.strerror}",
-                                   path=str(output)) from exc
+            os.unlink(tmp)  # ours: created O_EXCL above
+        raise

@@ -17,8 +17,10 @@ see the name gone or freshly made by their own engine:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from vllm_offload_cli.core.base.errors import (
     OperationFailedError,
-    RegionTimeoutError,
+    RegionBusyError,
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.host.discovery import PERSISTENT, STALE, RegionInfo, discover
@@ -34,10 +36,10 @@ from vllm_offload_cli.core.host.procscan import flock_holders
 from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
-from vllm_offload_cli.core.region import capacity
+from vllm_offload_cli.core.region import capacity, fsguard
 from vllm_offload_cli.core.region.locking import lock_waiting
-from vllm_offload_cli.core.region.naming import region_path, validate_engine_id
-from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
+from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 from vllm_offload_cli.core.system.processes import ProcessRef, comm
 from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
@@ -83,26 +85,55 @@ class ClaimResult:
                 "free_bytes": self.free_bytes, "notes": list(self.notes)}
 
 
+STARTUP_LOCK_NAME = "startup.lock"
+
+
 @contextlib.contextmanager
 def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> Iterator[None]:
-    """Serialise engine start-ups on this shm directory (flock on the directory itself).
+    """Serialise this user's engine start-ups on this shm directory.
 
-    Nothing is created for it, so nothing can leak; the kernel drops it when
-    its holder dies, even by SIGKILL.
+    The lock is a file in this user's private directory
+    (`{shm_dir}/.vllm-offload-{uid}/`, mode 0700, judged on its descriptor),
+    so nobody but this user and root can open it, let alone hold it: another
+    user can neither stall nor time out our start-up. Another user's engines
+    need no serialising against ours: they can neither join nor remove our
+    files. The kernel drops the lock when its holder dies, even by SIGKILL.
+    Not had within `timeout`: RegionBusyError (a refusal) naming the holder.
     """
-    fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    for attempt in range(3):
+        dfd = fsguard.private_dir(shm_dir)
+        try:
+            fd = os.open(STARTUP_LOCK_NAME, os.O_RDWR | os.O_CREAT | UNTRUSTED_OPEN_FLAGS,
+                         0o600, dir_fd=dfd)
+            break
+        except FileNotFoundError:  # a gc removed the (then empty) directory just now
+            if attempt == 2:
+                raise
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise fsguard.no_space(os.path.join(os.fspath(shm_dir),
+                                                    fsguard.private_dir_name(),
+                                                    STARTUP_LOCK_NAME), exc) from None
+            raise
+        finally:
+            os.close(dfd)
+    path = os.path.join(os.fspath(shm_dir), fsguard.private_dir_name(), STARTUP_LOCK_NAME)
     try:
-        lock_waiting(fd, fcntl.LOCK_EX, timeout=timeout, timed_out=lambda: RegionTimeoutError(
-            f"waited {timeout:.0f} s for the start-up lock on {shm_dir}, held by "
-            f"{_lock_holder_text(os.fstat(fd))}", path=os.fspath(shm_dir)))
+        lock_waiting(fd, fcntl.LOCK_EX, timeout=timeout,
+                     timed_out=lambda: _lock_busy(path, fd, timeout))
         yield
     finally:
         os.close(fd)
 
 
-def _lock_holder_text(st: os.stat_result) -> str:
-    pids = [pid for pid, _ in flock_holders(FileId.of(st)) if pid > 0 and pid != os.getpid()]
-    return ", ".join(f"pid {p} ({comm(p) or '?'})" for p in pids[:3]) or "an unseen process"
+def _lock_busy(path: str, fd: int, timeout: float) -> RegionBusyError:
+    pids = [pid for pid, _ in flock_holders(FileId.of(os.fstat(fd)))
+            if pid > 0 and pid != os.getpid()]
+    who = ", ".join(f"pid {p} ({comm(p) or '?'})" for p in pids[:3]) or "an unseen process"
+    return RegionBusyError(
+        f"the start-up lock {path} is still held after {timeout:.0f} s by {who}: another "
+        "start-up of this user is stuck or slow; refusing to start without it",
+        path=path, pid=pids[0] if pids else None, code="startup_lock_busy")
 
 
 @dataclass(frozen=True)
@@ -194,8 +225,9 @@ def claim(
     first_state: str | None = None
     for _ in range(100):
         inv = discover(shm_dir, engine_ids=[engine_id], measure_residency=False)
+        _refuse_squatters(inv.regions, str(manifest_path(shm_dir, engine_id)), engine_id)
         if identity:
-            _refuse_released_by_another_engine(inv.regions, token, engine_id)
+            _refuse_released_by_another_engine(_own(inv.regions), token, engine_id)
         named = [r for r in inv.regions if r.linked]
         if not named:
             return _fits(engine_id, path, CREATE if not reclaimed_paths else RECLAIMED,
@@ -251,8 +283,62 @@ def claim(
         if report.errors:
             raise OperationFailedError(report.errors[0].message, path=path,
                                        engine_id=engine_id)
+        if report.removed and not report.kept and not os.path.lexists(path):
+            # the name is free again: no second /proc pass (the next creator's O_EXCL
+            # settles any race, as it would after a second look)
+            return _fits(engine_id, path, RECLAIMED, first_state, tuple(reclaimed_paths),
+                         reclaimed_bytes, size_bytes, shm_dir, dry_run)
     raise OperationFailedError(f"{path} kept changing while starting; is something "
                                "recreating it?", path=path, engine_id=engine_id)
+
+
+def _own(regions: Iterable[RegionInfo]) -> list[RegionInfo]:
+    """Regions that can be this user's: another user's file, linked or not, never
+    makes a name in use for us (an owner we could not read still counts)."""
+    me = os.geteuid()
+    return [r for r in regions if r.uid is None or r.uid == me]
+
+
+def _refuse_squatters(regions: Iterable[RegionInfo], mpath: str, engine_id: str) -> None:
+    """A name of this engine_id taken by another user, or by anything but a regular
+    file (segments, manifest), is refused naming the squatter: it can be neither
+    created, nor joined, nor removed by us."""
+    me = os.geteuid()
+    for r in regions:
+        if not r.linked:
+            continue
+        for seg in r.segments:
+            if seg.file_id is not None and seg.uid == me:
+                continue
+            codes = {p.code for p in seg.problems}
+            what, code = (("a symbolic link", "symlink") if "symlink" in codes else
+                          ("not a regular file", "not_regular_file") if seg.file_id is None
+                          else ("a regular file", "foreign_owner"))
+            holders = ", ".join(f"pid {h.pid} ({h.name or '?'})" for h in r.holders[:3])
+            raise _squat_error(seg.path, engine_id, seg.uid, what, code, holders,
+                               r.holders[0].pid if r.holders else None)
+    try:
+        st = os.stat(mpath, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_uid == me:
+        return
+    what, code = (("a symbolic link", "symlink") if stat.S_ISLNK(st.st_mode) else
+                  ("a directory", "not_regular_file") if stat.S_ISDIR(st.st_mode) else
+                  ("a regular file", "foreign_owner") if stat.S_ISREG(st.st_mode) else
+                  ("not a regular file", "not_regular_file"))
+    raise _squat_error(mpath, engine_id, st.st_uid, what, code, "", None)
+
+
+def _squat_error(path: str, engine_id: str, uid: int | None, what: str, code: str,
+                 holders: str, pid: int | None) -> UnsafeRegionError:
+    owner = "an unknown user" if uid is None else fsguard.user_text(uid)
+    held = f", held by {holders}" if holders else ""
+    return UnsafeRegionError(
+        f"{path} is {what} owned by {owner}{held}: the name engine_id {engine_id!r} needs is "
+        "squatted, so the engine can neither create nor join it; remove it as root after "
+        "checking, or pick another engine_id", path=path, engine_id=engine_id, pid=pid,
+        code=code)
 
 
 def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str | None,

@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 
+from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     RegionBusyError,
@@ -305,14 +306,17 @@ def discover(
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
     allowed_uids = fsguard.inspection_uids(allowed_uids)
     now = time.time()
-    scan = scan_processes(shm)  # before we open anything ourselves
+    listing = _list_dir(shm)
+    # before we open anything ourselves; region names found by lstat
+    scan = scan_processes(shm, {fid for entries in listing.segments.values()
+                                for fid in _ids_of(entries)})
     vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace)
     probe_if = _needs_lease_probe(vis, scan)
-    listing = _list_dir(shm)
     regions: list[RegionInfo] = []
     linked_ids: set[FileId] = set()
 
     for engine_id, entries in sorted(listing.segments.items()):
+        deadline.check("looking at regions")
         if wanted is not None and engine_id not in wanted:
             linked_ids.update(_ids_of(entries))
             continue
@@ -419,14 +423,15 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: Proc
     path = next(u.path for u in uses if u.path)
     size = max((u.size_hint or 0) for u in uses)
     resident, uid, mode = None, None, None
+    st = _deleted_stat(fid, uses)
+    if st is not None:
+        size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
     fd_use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
-    if fd_use is not None and fd_use.fd is not None:
+    if measure and fd_use is not None and fd_use.fd is not None:
         fd = procfs.open_fd(fd_use.pid, fd_use.fd, fid)
         if fd is not None:
             try:
-                st = os.fstat(fd)
-                size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
-                resident = _resident(fd) if measure else None
+                resident = _resident(fd)
             finally:
                 os.close(fd)
     parsed = parse_region_filename(os.path.basename(path))
@@ -439,6 +444,20 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: Proc
         mode=mode, age_seconds=None, geometry=None, manifest=None, manifest_path=None,
         holders=holders_of(uses), locked=False, state=LIVE, problems=(),
     )
+
+
+def _deleted_stat(fid: FileId, uses: list[FileUse]) -> os.stat_result | None:
+    """The unlinked file's own stat (its owner above all), through a descriptor or a
+    mapping of one of its users; identity only, nothing is opened for reading."""
+    for u in uses:
+        st = None
+        if u.kind == "fd" and u.fd is not None:
+            st = procfs.stat_fd(u.pid, u.fd, fid)
+        elif u.kind == "map" and u.span is not None:
+            st = procfs.stat_mapping(u.pid, *u.span, fid)
+        if st is not None:
+            return st
+    return None
 
 
 def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:

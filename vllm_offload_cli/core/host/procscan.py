@@ -21,6 +21,8 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.region.naming import PREFIX
 from vllm_offload_cli.core.system import processes, procfs
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.procfs import DENIED, GONE
@@ -36,6 +38,7 @@ class FileUse:
     deleted: bool = False
     size_hint: int | None = None  # bytes mapped (maps) or st_size (fd)
     fd: int | None = None
+    span: tuple[int, int] | None = None  # one mapping's (start, end), for map_files
 
 
 @dataclass
@@ -53,40 +56,66 @@ class ProcessScan:
 
 
 class _Filter:
-    """Which files a scan keeps: every file on one device, or exact identities."""
+    """Which files a scan keeps: exact identities, and (with `name`) any file on the
+    devices whose path contains `name`; with neither, every file on the devices.
 
-    def __init__(self, dev: int | None = None, ids: Collection[FileId] = ()) -> None:
+    What another user adds costs little: their maps text is tested as a whole
+    (and line by line) with substring and regex searches before any line is
+    parsed, and each distinct file of a process is looked up once, however many
+    descriptors point at it.
+    """
+
+    def __init__(self, dev: int | None = None, ids: Collection[FileId] = (),
+                 name: bytes | None = None) -> None:
         self.ids = set(ids)
-        self.devs = {dev} if dev is not None else {f.dev for f in self.ids}
+        self.devs = {f.dev for f in self.ids} | ({dev} if dev is not None else set())
+        self.name = name
+        self.every = not self.ids and name is None
         self.tokens = [procfs.maps_dev_token(d) for d in self.devs]
-        # a cheap pre-test on the raw maps text before any line is parsed
         self.inodes = re.compile(rb" (?:" + b"|".join(
             str(i).encode() for i in sorted({f.ino for f in self.ids})) + rb") ") \
             if self.ids else None
 
-    def keeps(self, fid: FileId) -> bool:
-        return fid in self.ids if self.ids else fid.dev in self.devs
+    def keeps(self, fid: FileId, path: str | None) -> bool:
+        if fid in self.ids or (self.every and fid.dev in self.devs):
+            return True
+        return (self.name is not None and path is not None and fid.dev in self.devs
+                and self.name.decode("utf-8", "surrogateescape") in path)
+
+    def _named(self, text: bytes) -> bool:
+        return (self.every or (self.inodes is not None and self.inodes.search(text) is not None)
+                or (self.name is not None and self.name in text))
 
     def may_hold(self, maps: bytes) -> bool:
-        return any(t in maps for t in self.tokens) and (
-            self.inodes is None or self.inodes.search(maps) is not None)
+        return any(t in maps for t in self.tokens) and self._named(maps)
+
+    def lines(self, maps: bytes) -> bytes:
+        """Only the lines that may be kept, for parsing."""
+        return b"\n".join(line for line in maps.splitlines()
+                          if any(t in line for t in self.tokens) and self._named(line))
 
 
 def _scan_fds(pid: int, want: _Filter, skip: Collection[int],
               uses: dict[FileId, list[FileUse]]) -> bool | None:
-    """Matching descriptors of `pid` into `uses`; True denied, None gone."""
+    """Matching descriptors of `pid` into `uses` (one per file); True denied, None gone."""
     stats = procfs.fd_stats(pid, skip)
     if stats is GONE:
         return None
     if stats is DENIED:
         return True
     assert not isinstance(stats, procfs.Unreadable)
-    for fd, st in stats:
+    for fd, st in stats:  # one per distinct file
         fid = FileId.of(st)
-        if want.keeps(fid) and stat.S_ISREG(st.st_mode):
-            path, deleted = procfs.strip_deleted(procfs.fd_target(pid, fd) or "")
-            uses[fid].append(FileUse(pid=pid, kind="fd", path=path, deleted=deleted,
-                                     size_hint=st.st_size, fd=fd))
+        if fid.dev not in want.devs or not stat.S_ISREG(st.st_mode):
+            continue
+        target = None if fid in want.ids else procfs.fd_target(pid, fd)
+        if not want.keeps(fid, target):
+            continue
+        if target is None:
+            target = procfs.fd_target(pid, fd)
+        path, deleted = procfs.strip_deleted(target or "")
+        uses[fid].append(FileUse(pid=pid, kind="fd", path=path, deleted=deleted,
+                                 size_hint=st.st_size, fd=fd))
     return False
 
 
@@ -100,15 +129,16 @@ def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bo
     assert isinstance(data, bytes)
     if not want.may_hold(data):
         return False
-    extents: dict[tuple[FileId, str, bool], int] = {}
-    for token in want.tokens:
-        for m in procfs.parse_maps(data, only=token):
-            if want.keeps(m.file_id):
-                key = (m.file_id, m.path, m.deleted)
-                extents[key] = max(extents.get(key, 0), m.extent)
-    for (fid, path, deleted), extent in extents.items():
+    extents: dict[tuple[FileId, str, bool], tuple[int, tuple[int, int]]] = {}
+    for m in procfs.parse_maps(want.lines(data)):
+        if want.keeps(m.file_id, m.path):
+            key = (m.file_id, m.path, m.deleted)
+            old = extents.get(key)
+            extents[key] = (max(old[0] if old else 0, m.extent),
+                            old[1] if old else (m.start, m.end))
+    for (fid, path, deleted), (extent, span) in extents.items():
         uses[fid].append(FileUse(pid=pid, kind="map", path=path, deleted=deleted,
-                                 size_hint=extent))
+                                 size_hint=extent, span=span))
     return False
 
 
@@ -116,6 +146,7 @@ def _scan(want: _Filter, own_fds: Collection[int]) -> ProcessScan:
     scan = ProcessScan()
     me = os.getpid()
     for pid in processes.pids():
+        deadline.check("scanning processes")
         denied = False
         gone = False
         for step in ("fd", "map"):
@@ -133,10 +164,12 @@ def _scan(want: _Filter, own_fds: Collection[int]) -> ProcessScan:
     return scan
 
 
-def scan_processes(shm_dir: str | os.PathLike[str]) -> ProcessScan:
-    """Every use of a file on shm_dir's filesystem, by any process, locks included."""
+def scan_processes(shm_dir: str | os.PathLike[str], ids: Collection[FileId] = ()
+                   ) -> ProcessScan:
+    """Every use of the files `ids`, and of any file on shm_dir's filesystem whose
+    name is a region's (unlinked ones included), by any process; locks included."""
     shm_dev = os.stat(os.path.realpath(shm_dir)).st_dev
-    scan = _scan(_Filter(dev=shm_dev), ())
+    scan = _scan(_Filter(dev=shm_dev, ids=ids, name=b"/" + PREFIX.encode()), ())
     for lock in procfs.lock_entries():
         if lock.file_id.dev == shm_dev:
             scan.uses[lock.file_id].append(FileUse(pid=lock.pid, kind="lock"))

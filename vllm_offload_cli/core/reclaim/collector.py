@@ -12,9 +12,12 @@ while we hold the region's exclusive lock:
    judged by `fstat` of that descriptor (same inode discovery saw, regular,
    allowed owner, one link, same filesystem) and locked with LOCK_EX|LOCK_NB:
    a failure means a process still holds our shared lock;
-3. with the locks held, /proc is scanned again for users of those exact inodes:
-   vLLM's processes never lock, so the lock alone cannot prove them gone, and
-   the re-scan after locking leaves them only the instant before the unlink;
+3. with the locks held, the kernel is asked whether anyone else has the files
+   open or mapped (a write lease, region.openers): vLLM's processes never lock,
+   so the lock alone cannot prove them gone. Only regions the lease cannot
+   answer for (leases disabled, a file we neither own nor have CAP_LEASE for)
+   or finds in use are looked up in /proc again, by their exact inodes: so a
+   run walks /proc once, however many regions there are;
 4. age (newest of mtime, ctime and the manifest's creation time) and the
    persistent flag are re-read under the lock;
 5. the blind spots are read again (visibility.py): in a PID namespace that is
@@ -25,8 +28,13 @@ while we hold the region's exclusive lock:
    and where such processes could open it but no lease can be taken, the
    region is kept `unknown`. The lease is held until the unlink;
 6. the manifest goes first (no new creator can write one while the region's
-   name is still taken), then the segments `.mmap.N`, the bare name last, each
-   only if its name still names the inode we locked; the locks drop after.
+   name is still taken), and only if it describes the inode we locked; then the
+   segments `.mmap.N`, the bare name last. Each name is renamed into this
+   user's private directory, checked there against the locked descriptor and
+   only then unlinked (fsguard.unlink_if_same), so a rename by someone else
+   between check and unlink cannot make us remove another file; the locks
+   drop after. An overall deadline (base.deadline) stops the run between
+   batches, never inside one region's removal.
 
 Our own processes (SharedOffloadRegion) wait out the exclusive lock and then
 see the name gone, so for them the protocol is race-free. Files that vanish
@@ -45,7 +53,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.errors import InvalidInputError, OffloadError
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
@@ -80,7 +89,7 @@ from vllm_offload_cli.core.reclaim.report import (
     KeptRegion,
     RemovedRegion,
 )
-from vllm_offload_cli.core.region import fsguard, locking, openers
+from vllm_offload_cli.core.region import fsguard, locking, openers, untrusted_json
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
@@ -151,12 +160,19 @@ def reclaim(
     so an inventory that aged (files replaced, new users) is still safe to pass."""
     check_options(options)
     run = _Run(inventory=inventory, options=options)
-    run.blind = _effective(visibility.host_blind_spots(), options)
-    run.regions(inventory.regions)
-    if not run.blind:  # pid-based judgements (is the writer alive?) need the whole host
-        run.orphan_manifests(inventory.orphan_manifests)
-        run.temp_files(None if engine_ids is None else set(engine_ids))
-    run.settle()
+    try:
+        run.blind = _effective(visibility.host_blind_spots(), options)
+        run.regions(inventory.regions)
+        if not run.blind and not run.expired:  # pid-based judgements need the whole host
+            try:
+                run.orphan_manifests(inventory.orphan_manifests)
+                run.temp_files(None if engine_ids is None else set(engine_ids))
+            except deadline.DeadlineExpiredError as exc:
+                run.errors.append(GcFailure(path="", message=f"{exc.message} before every "
+                                            "orphaned manifest was looked at", code=exc.code))
+        run.settle()
+    finally:
+        run.close()
     wanted = list(dict.fromkeys(engine_ids or ()))
     known = {r.engine_id for r in inventory.regions} | {
         o.engine_id for o in inventory.orphan_manifests}
@@ -216,6 +232,7 @@ class _Run:
     errors: list[GcFailure] = field(default_factory=list)
     denied: set[int] = field(default_factory=set)
     blind: tuple[BlindSpot, ...] = ()
+    expired: bool = False
 
     def __post_init__(self) -> None:
         self.shm_dir = self.inventory.shm_dir
@@ -223,6 +240,36 @@ class _Run:
         self.root = os.geteuid() == 0
         self.owners: Collection[int] = (fsguard.EVERY_UID if self.options.all_users
                                         else frozenset({os.geteuid()}))
+        self.private_fd: int | None = None
+        self.private_tried = self.private_made = False
+        self.known_inodes = {seg.file_id for r in self.inventory.regions
+                             for seg in r.segments if seg.file_id is not None}
+
+    def _private(self) -> int | None:
+        """This user's private directory, where removals are checked without a race
+        (fsguard.unlink_if_same); made on the first removal, removed after if we made it."""
+        if self.private_fd is None and not self.private_tried:
+            self.private_tried = True
+            existed = os.path.lexists(os.path.join(self.shm_dir, fsguard.private_dir_name()))
+            try:
+                self.private_fd = fsguard.private_dir(self.shm_dir)
+            except (OSError, OffloadError) as exc:  # unwritable directory, squatted name
+                logger.warning("removals are checked by name only: %s", exc)
+                return None
+            self.private_made = not existed
+        return self.private_fd
+
+    def close(self) -> None:
+        if self.private_fd is None:
+            return
+        os.close(self.private_fd)
+        self.private_fd = None
+        if self.private_made:  # not when an engine's start-up lock lives there
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.shm_dir, fsguard.private_dir_name()))
+
+    def _unlink(self, path: str, fd: int) -> bool:
+        return fsguard.unlink_if_same(path, fd, private_fd=self._private())
 
     # -- regions ---------------------------------------------------------------
 
@@ -237,7 +284,16 @@ class _Run:
             else:
                 self._keep(verdict)
         for start in range(0, len(candidates), _BATCH):
-            self._batch(candidates[start:start + _BATCH])
+            try:
+                deadline.check("removing stale regions")
+                self._batch(candidates[start:start + _BATCH])
+            except deadline.DeadlineExpiredError as exc:
+                left = len(candidates) - start
+                self.errors.append(GcFailure(path="", message=f"{exc.message}; {left} "
+                                             "candidate region(s) were not examined",
+                                             code=exc.code))
+                self.expired = True
+                return
 
     def _precheck(self, r: RegionInfo) -> KeptRegion | None:
         """What discovery already proves: cheap reasons to keep, before any lock."""
@@ -278,13 +334,21 @@ class _Run:
                     locked.append(held)
             if not locked:
                 return
-            own = [fd for h in locked for fd in h.fds]
-            fids = [FileId.of(st) for h in locked for _, _, st in h.files]
-            uses, denied = users_of(fids, own_fds=own)
-            self.denied.update(denied)
-            vis = visibility.assess(denied, namespace_waived=self.options.shm_private_to_namespace)
-            if vis.blind:  # appeared since the run started: judge nothing more
-                self.blind = self.blind or vis.effective
+            # The kernel's lease answers "used anywhere?" for a region at once; /proc is
+            # walked again only for regions it cannot answer for (leases disabled, not
+            # the owner and no CAP_LEASE) or that it says are in use (to name the user).
+            rescan = [h for h in locked if not _sole_now(h)]
+            uses: dict[FileId, list[FileUse]] = {}
+            vis = self.inventory.visibility
+            if rescan:
+                own = [fd for h in locked for fd in h.fds]
+                fids = [FileId.of(st) for h in rescan for _, _, st in h.files]
+                uses, denied = users_of(fids, own_fds=own)
+                self.denied.update(denied)
+                vis = visibility.assess(denied,
+                                        namespace_waived=self.options.shm_private_to_namespace)
+                if vis.blind:  # appeared since the run started: judge nothing more
+                    self.blind = self.blind or vis.effective
             for h in locked:
                 if self.blind:
                     self._keep(self._blind_kept(h.region, self.blind))
@@ -364,17 +428,23 @@ class _Run:
                 or not locking.try_lock_exclusive(fd)):
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
-        held.manifest_fd = fd
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
-        if bare is None:
-            return
         try:
             m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners,
-                                    owner_uid=bare.st_uid)
+                                    owner_uid=None if bare is None else bare.st_uid)
         except (manifest_io.ManifestError, OSError):
-            return  # invalid or not the region owner's: goes with the region, tells nothing
-        if (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
-            held.manifest = m  # otherwise it describes an earlier file of that name
+            if bare is not None and _names_another_inode(fd, bare):
+                os.close(fd)  # e.g. another region's manifest renamed onto this name
+            else:
+                held.manifest_fd = fd  # invalid: tells nothing, goes with the region
+            return
+        if bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
+            held.manifest_fd, held.manifest = fd, m
+            return
+        # It describes another inode (an earlier file of that name, or a live region's
+        # manifest renamed onto this name): not removed with this region; once the
+        # region is gone it is judged as an orphan manifest.
+        os.close(fd)
 
     def _decide(self, held: _Locked, uses: list[FileUse], vis: Visibility) -> None:
         r = held.region
@@ -417,10 +487,10 @@ class _Run:
 
     def _stale_text(self, m: Manifest | None, age: float, leased: bool) -> str:
         """Why a region about to go was judged stale: the system log records it."""
-        why = ["no process maps it or has it open (/proc, scanned again after locking)",
+        why = [("the kernel granted a write lease: no process anywhere has it open or mapped"
+                if leased else
+                "no process maps it or has it open (/proc, scanned again after locking)"),
                "its exclusive lock was free"]
-        if leased:
-            why.append("the kernel granted a write lease (no open file anywhere)")
         if m is not None and not m.complete:
             why.append(f"its creator pid {m.creator_pid} died before finishing")
         if m is not None and m.persistent and m.complete:
@@ -456,11 +526,17 @@ class _Run:
                 manifest=held.manifest_path if held.manifest_fd is not None else None,
                 age_seconds=age, uid=uid, reason=why, hidden_pids=hidden))
             return
+        with deadline.shielded():
+            self._unlink_region(held, age, uid=uid, why=why, hidden=hidden)
+
+    def _unlink_region(self, held: _Locked, age: float, *, uid: int | None, why: str,
+                       hidden: tuple[int, ...]) -> None:
+        r = held.region
         manifest_removed = None
         if held.manifest_fd is not None:
             # first: while the region's name is taken, no creator can write a new manifest
             try:
-                if fsguard.unlink_if_same(held.manifest_path, held.manifest_fd):
+                if self._unlink(held.manifest_path, held.manifest_fd):
                     manifest_removed = held.manifest_path
             except OSError as exc:
                 self._fail(held.manifest_path, exc, r.engine_id)
@@ -469,7 +545,7 @@ class _Run:
         # segments before the bare name: a new creator starts from the bare name
         for seg, fd, st in sorted(held.files, key=lambda f: -f[0].segment):
             try:
-                gone = fsguard.unlink_if_same(seg.path, fd)
+                gone = self._unlink(seg.path, fd)
             except OSError as exc:
                 self._fail(seg.path, exc, r.engine_id)
                 continue
@@ -491,12 +567,16 @@ class _Run:
 
     def orphan_manifests(self, orphans: Iterable[OrphanManifest]) -> None:
         for o in orphans:
+            deadline.check("removing orphaned manifests")
             if o.uid not in self.owners:
                 continue
             region = str(region_path(self.shm_dir, o.engine_id))
 
-            def still_orphan(region: str = region) -> bool:
-                return not os.path.lexists(region)  # a region came (back) since discovery
+            def still_orphan(fd: int, region: str = region) -> bool:
+                if os.path.lexists(region):
+                    return False  # a region came (back) since discovery
+                # a live region's manifest renamed onto this name stays with its region
+                return _recorded_region(fd) not in self.known_inodes
 
             if self._unlink_old(o.path, o.engine_id, expect=o.file_id, lock=True,
                                 still_wanted=still_orphan):
@@ -520,7 +600,8 @@ class _Run:
                 self.temps.append(entry.path)
 
     def _unlink_old(self, path: str, engine_id: str | None, *, expect: FileId | None = None,
-                    lock: bool = False, still_wanted: Callable[[], bool] | None = None) -> bool:
+                    lock: bool = False, still_wanted: Callable[[int], bool] | None = None
+                    ) -> bool:
         """Unlink a small file of ours older than --min-age, judged on its descriptor.
 
         Never follows a link; `expect` pins the inode discovery saw; `lock` takes
@@ -537,9 +618,9 @@ class _Run:
                     or not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
                     or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age
                     or (lock and not locking.try_lock_exclusive(fd))
-                    or (still_wanted is not None and not still_wanted())):
+                    or (still_wanted is not None and not still_wanted(fd))):
                 return False
-            return self.options.dry_run or fsguard.unlink_if_same(path, fd)
+            return self.options.dry_run or self._unlink(path, fd)
         except OSError as exc:
             self._fail(path, exc, engine_id)
             return False
@@ -609,6 +690,41 @@ class _Run:
 
 _PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-persistent to "
                     "remove it")
+
+
+def _recorded_region(fd: int) -> FileId | None:
+    """The region inode a manifest records, read leniently (it may name another
+    engine_id, or fail other checks); None when it records none."""
+    try:
+        doc = untrusted_json.loads(os.pread(fd, manifest_io.MAX_BYTES + 1, 0),
+                                   max_bytes=manifest_io.MAX_BYTES)
+    except (OSError, ValueError):
+        return None
+    region = doc.get("region") if isinstance(doc, dict) else None
+    if not isinstance(region, dict):
+        return None
+    dev, ino = region.get("dev"), region.get("ino")
+    if type(dev) is not int or type(ino) is not int:
+        return None
+    return FileId(dev, ino)
+
+
+def _names_another_inode(fd: int, bare: os.stat_result) -> bool:
+    """A manifest refused as invalid that still records a region inode other than
+    `bare` (it names another engine_id, say): it may be a live region's."""
+    recorded = _recorded_region(fd)
+    return recorded is not None and recorded != FileId.of(bare)
+
+
+# A probe refused this long sends the region to the /proc re-scan, which names its user.
+_PROBE_RETRY = 0.02
+
+
+def _sole_now(held: _Locked) -> bool:
+    """The kernel granted a lease on every file: nobody else has any of them open or
+    mapped right now (the lease in `_decide` asks again before anything is removed)."""
+    with openers.sole_opener([fd for _, fd, _ in held.files], retry=_PROBE_RETRY) as verdict:
+        return verdict.sole is True
 
 
 def _holders_text(holders: Sequence[Holder]) -> str:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import errno
 import os
+import pwd
+import secrets
 import stat
 import time
 from collections.abc import Collection
 
 from vllm_offload_cli.core.base.errors import (
+    InsufficientSpaceError,
     OperationFailedError,
     RegionBusyError,
     RegionNotFoundError,
@@ -152,6 +155,36 @@ def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None 
                                    engine_id=engine_id) from exc
 
 
+def create_exclusive(path: str, flags: int = os.O_RDWR, *, engine_id: str | None = None
+                     ) -> int:
+    """open(O_CREAT|O_EXCL|O_NOFOLLOW, 0600): FileExistsError when the name is taken;
+    a filesystem out of space or inodes is InsufficientSpaceError saying which."""
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise no_space(path, exc, engine_id=engine_id) from None
+
+
+def no_space(path: str, exc: OSError, *, engine_id: str | None = None
+             ) -> InsufficientSpaceError:
+    """ENOSPC/EDQUOT as a refusal that says whether bytes or inodes ran out."""
+    directory = os.path.dirname(path) or "."
+    why = exc.strerror or "no space left"
+    try:
+        vfs = os.statvfs(directory)
+        if vfs.f_files and vfs.f_ffree == 0:
+            why = (f"{directory} has no free inodes left ({vfs.f_files} in all; the tmpfs "
+                   "nr_inodes limit): remove leftovers with `vllm-offload gc`, or remount it "
+                   "with a larger nr_inodes")
+    except OSError:
+        pass
+    return InsufficientSpaceError(f"cannot create {path}: {why}", path=path,
+                                  engine_id=engine_id, code="no_space")
+
+
 def same_file_at(path: str, fd: int) -> bool:
     """True when `path` still names the inode open as `fd` (no link followed)."""
     try:
@@ -161,12 +194,122 @@ def same_file_at(path: str, fd: int) -> bool:
     return FileId.of(st) == FileId.of(os.fstat(fd))
 
 
-def unlink_if_same(path: str, fd: int) -> bool:
-    """Unlink `path` only if it still names the inode open as `fd`."""
+def unlink_if_same(path: str, fd: int, *, private_fd: int | None = None) -> bool:
+    """Unlink `path` only if it names the inode open as `fd`; True when it did.
+
+    With `private_fd` (this user's private directory, see `private_dir`) the
+    check cannot be raced: the name is first renamed into that directory (one
+    atomic step on one filesystem), the moved inode is compared with `fd`
+    there, where nobody but this user and root can rename it again, and only
+    then unlinked; anything else caught by the rename is linked back under its
+    old name without replacing whatever took that name meanwhile. Without it
+    (no private directory could be had) the check and the unlink are two
+    steps, so a user who owns both files could swap them in between.
+    """
     if not same_file_at(path, fd):
         return False
+    if private_fd is None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+    want = FileId.of(os.fstat(fd))
+    moved = f"unlink.{os.getpid()}.{secrets.token_hex(8)}"
     try:
-        os.unlink(path)
+        os.rename(path, moved, dst_dir_fd=private_fd)
     except FileNotFoundError:
-        return False
-    return True
+        return False  # the name went (or the private directory did: judged next run)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        return False  # a mount over the name: not ours to judge
+    st = os.stat(moved, dir_fd=private_fd, follow_symlinks=False)
+    if FileId.of(st) == want:
+        os.unlink(moved, dir_fd=private_fd)
+        return True
+    _put_back(moved, path, private_fd, st)
+    return False
+
+
+def _put_back(moved: str, path: str, private_fd: int, st: os.stat_result) -> None:
+    """Return a file the rename caught by mistake, never over a newer one."""
+    try:
+        if stat.S_ISDIR(st.st_mode):  # no hard links to directories
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, "name taken")
+            os.rename(moved, path, src_dir_fd=private_fd)
+            return
+        os.link(moved, path, src_dir_fd=private_fd, follow_symlinks=False)
+        os.unlink(moved, dir_fd=private_fd)
+    except FileExistsError:
+        raise OSError(errno.EEXIST, f"{path} was renamed while it was being removed and its "
+                      f"name was taken again; the file caught is kept in this user's "
+                      f"private directory as {moved}") from None
+
+
+# {shm_dir}/.vllm-offload-{uid}: this user's start-up lock and the place where
+# removals are checked; 0700, so only this user and root can use it.
+PRIVATE_DIR_PREFIX = ".vllm-offload-"
+_PRIVATE_OPEN = os.O_RDONLY | os.O_DIRECTORY | UNTRUSTED_OPEN_FLAGS
+
+
+def private_dir_name(uid: int | None = None) -> str:
+    return f"{PRIVATE_DIR_PREFIX}{os.geteuid() if uid is None else uid}"
+
+
+def user_text(uid: int) -> str:
+    """'uid 65534 (nobody)'."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def private_dir(shm_dir: str | os.PathLike[str]) -> int:
+    """A descriptor of this user's private directory in `shm_dir`, made if needed.
+
+    Judged on the descriptor: a directory owned by this user, mode 0700, on
+    the shm directory's filesystem. Anything else at the name (another user's
+    directory, a symlink, a file) is a squatted name: UnsafeRegionError
+    naming the squatter.
+    """
+    shm = os.fspath(shm_dir)
+    name = private_dir_name()
+    path = os.path.join(shm, name)
+    dfd = os.open(shm, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            os.mkdir(name, 0o700, dir_fd=dfd)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(path, exc) from None
+            raise OperationFailedError(f"cannot make {path}: {exc.strerror}",
+                                       path=path) from None
+        try:
+            fd = os.open(name, _PRIVATE_OPEN, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise _squatted(path, os.stat(name, dir_fd=dfd, follow_symlinks=False)) from None
+        st = os.fstat(fd)
+        if (st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077
+                or st.st_dev != os.fstat(dfd).st_dev):
+            os.close(fd)
+            raise _squatted(path, st)
+        return fd
+    finally:
+        os.close(dfd)
+
+
+def _squatted(path: str, st: os.stat_result) -> UnsafeRegionError:
+    what = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else
+            "not a directory" if not stat.S_ISDIR(st.st_mode) else
+            f"mode {stat.S_IMODE(st.st_mode):04o}, not 0700" if st.st_uid == os.geteuid()
+            else "a directory")
+    return UnsafeRegionError(
+        f"{path} is {what} owned by {user_text(st.st_uid)}; this user's private directory "
+        "(start-up lock, checked removals) must be its own, mode 0700: another user squats "
+        "the name. Check and remove it as root", path=path, code="squatted")

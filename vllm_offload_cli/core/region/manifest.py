@@ -12,6 +12,7 @@ by rename meanwhile), then write a new file and rename it into place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -43,7 +44,7 @@ MANIFEST_VERSION = 1
 # How a region's vLLM layout was decided: read from the vLLM in use; the newest
 # release's, as no vLLM was found; or asked for by the operator.
 LAYOUT_BASES = ("vllm", "newest", "requested")
-_MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
+MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
 # Two-phase creation: `creating` until the region is sized and pre-faulted.
 CREATING, READY = "creating", "ready"
 
@@ -251,9 +252,9 @@ def _parse(fd: int, path: str, allowed_uids: Collection[int] | None,
     if problems:
         raise ManifestError(f"manifest {path} {problems[0].message}", path=path,
                             code=f"manifest_{problems[0].code}")
-    data = os.pread(fd, _MAX_BYTES + 1, 0)  # never more, whatever the size says
+    data = os.pread(fd, MAX_BYTES + 1, 0)  # never more, whatever the size says
     try:
-        m = Manifest.from_json(uj.loads(data, max_bytes=_MAX_BYTES))
+        m = Manifest.from_json(uj.loads(data, max_bytes=MAX_BYTES))
         named = parse_manifest_filename(os.path.basename(path))
         if named is not None and m.engine_id != named:
             raise uj.UntrustedJsonError(f"it records engine_id {m.engine_id!r}, not {named!r}")
@@ -323,8 +324,9 @@ def write(path: str, manifest: Manifest) -> None:
     payload = json.dumps(manifest.to_json(), indent=1, sort_keys=True,
                          allow_nan=False).encode() + b"\n"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        fd = fsguard.create_exclusive(tmp, os.O_WRONLY)
+    except OffloadError:
+        raise
     except OSError as exc:
         raise OperationFailedError(f"cannot write manifest beside {path}: {exc.strerror}",
                                    path=path) from exc
@@ -334,8 +336,10 @@ def write(path: str, manifest: Manifest) -> None:
         finally:
             os.close(fd)
         os.rename(tmp, path)  # replaces a link itself, never its target
-    except BaseException:
+    except BaseException as exc:
         _silent_unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise fsguard.no_space(path, exc) from None
         raise
 
 

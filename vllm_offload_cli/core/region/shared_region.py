@@ -220,10 +220,7 @@ class SharedOffloadRegion:
     def _open(self, *, create_only: bool, join_timeout: float, preflight: bool) -> int:
         for _ in range(_RETRIES):
             try:
-                self.fd = os.open(
-                    self.mmap_path,
-                    os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                )
+                self.fd = fsguard.create_exclusive(self.mmap_path, engine_id=self.engine_id)
             except FileExistsError:
                 if create_only:
                     raise self._name_taken() from None
@@ -270,8 +267,7 @@ class SharedOffloadRegion:
 
     def _create_segment(self, seg: Segment, path: str) -> None:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
+            fd = fsguard.create_exclusive(path, engine_id=self.engine_id)
         except FileExistsError:
             raise RegionBusyError(
                 f"{path} already exists without its region; a leftover of an earlier region? "

@@ -45,3 +45,57 @@ def open_regular(path: str, expect: FileId | None = None, flags: int = os.O_RDON
         pass
     os.close(fd)
     return None
+
+
+def _verified_path_fd(path: str, expect: FileId | None) -> tuple[int, os.stat_result] | None:
+    """O_PATH descriptor of what a /proc magic link points at, if it is a regular file.
+
+    O_PATH resolves the link without opening the object (no FIFO or device
+    open runs), so nothing behind it can block us; the type and identity are
+    read from that descriptor.
+    """
+    try:
+        pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(pfd)
+    except OSError:
+        os.close(pfd)
+        return None
+    if not stat.S_ISREG(st.st_mode) or (expect is not None and FileId.of(st) != expect):
+        os.close(pfd)
+        return None
+    return pfd, st
+
+
+def stat_proc_link(path: str, expect: FileId | None = None) -> os.stat_result | None:
+    """fstat of the regular file behind a /proc magic link (`/proc/PID/fd/N`,
+    `/proc/PID/map_files/A-B`); None if it is anything else. Opens nothing."""
+    got = _verified_path_fd(path, expect)
+    if got is None:
+        return None
+    os.close(got[0])
+    return got[1]
+
+
+def open_proc_link(path: str, expect: FileId | None = None, flags: int = os.O_RDONLY
+                   ) -> int | None:
+    """A descriptor of the regular file behind a /proc magic link; else None.
+
+    The link must be followed (O_NOFOLLOW refuses every magic link with
+    ELOOP), so it is resolved with O_PATH first, judged on that descriptor,
+    and only then reopened through our own /proc/self/fd entry: the reopened
+    file is the inode we judged, whatever the other process does meanwhile.
+    """
+    got = _verified_path_fd(path, expect)
+    if got is None:
+        return None
+    pfd, _ = got
+    try:
+        return os.open(f"/proc/self/fd/{pfd}",
+                       flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    finally:
+        os.close(pfd)

@@ -16,7 +16,7 @@ import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.system.files import FileId, open_regular
+from vllm_offload_cli.core.system.files import FileId, open_proc_link, stat_proc_link
 
 PROC = "/proc"
 DELETED_SUFFIX = " (deleted)"
@@ -114,27 +114,36 @@ def _fd_entries(pid: int) -> list[str] | Unreadable:
 
 def fd_stats(pid: int, skip: Collection[int] = ()
              ) -> list[tuple[int, os.stat_result]] | Unreadable:
-    """(fd, stat of the open file) for every descriptor of a process.
+    """(fd, stat of the open file) for each distinct file a process has open.
 
     stat() of /proc/PID/fd/N follows to the open file itself, so its identity
-    holds whatever name it was opened by. A descriptor closed meanwhile is
-    skipped; a directory we may list but not follow (PID 1 in some sandboxes)
-    is DENIED.
+    holds whatever name it was opened by. One entry per file (its first
+    descriptor): a process that dups one descriptor a million times costs one
+    entry, not a million. The directory is streamed, never listed whole. A
+    descriptor closed meanwhile is skipped; a directory we may list but not
+    follow (PID 1 in some sandboxes) is DENIED.
     """
-    entries = _fd_entries(pid)
-    if isinstance(entries, Unreadable):
-        return entries
+    fd_dir = f"{PROC}/{pid}/fd"
     out = []
-    for entry in entries:
-        fd = int(entry)
-        if fd in skip:
-            continue
-        try:
-            out.append((fd, os.stat(f"{PROC}/{pid}/fd/{entry}")))
-        except PermissionError:
-            return DENIED
-        except OSError:
-            continue
+    seen: set[FileId] = set()
+    try:
+        with os.scandir(fd_dir) as entries:
+            for entry in entries:
+                fd = int(entry.name)
+                if fd in skip:
+                    continue
+                try:
+                    st = os.stat(entry.path)
+                except PermissionError:
+                    return DENIED
+                except OSError:
+                    continue
+                fid = FileId.of(st)
+                if fid not in seen:
+                    seen.add(fid)
+                    out.append((fd, st))
+    except OSError as exc:
+        return _why(exc)
     return out
 
 
@@ -160,7 +169,18 @@ def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
     the scan, so the open can neither block nor take a terminal, and it is kept
     only for a regular file with the identity the scan saw; None otherwise.
     """
-    return open_regular(f"{PROC}/{pid}/fd/{fd}", expect)
+    return open_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
+
+
+def stat_fd(pid: int, fd: int, expect: FileId) -> os.stat_result | None:
+    """Owner, mode and size of another process's open regular file `expect`; opens nothing."""
+    return stat_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
+
+
+def stat_mapping(pid: int, start: int, end: int, expect: FileId) -> os.stat_result | None:
+    """The same for a mapping (/proc/PID/map_files, root only): a region that
+    lives on only in its mappings still has an owner."""
+    return stat_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
 
 
 # -- /proc/locks ----------------------------------------------------------------------

@@ -1,0 +1,22 @@
+"""Delivers a real SIGINT to this process while the CLI's modules load.
+
+On PYTHONPATH of one test's subprocess only: the first import of `typer`
+(which `vllm_offload_cli.cli.app` needs) sends SIGINT to the process itself,
+so the interrupt lands in the middle of module loading, as a user's Ctrl-C can.
+"""
+
+import importlib.abc
+import os
+import signal
+import sys
+
+
+class _InterruptOnTyper(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
+        if name == "typer":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, _InterruptOnTyper())
