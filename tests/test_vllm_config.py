@@ -259,35 +259,30 @@ def test_tiering_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> Non
     assert e.finish() == 0 and e.reports[-1] == {"done": [0] * TP}
 
 
-def _squat_the_manifest_name(engine_id: str) -> None:
-    """A directory on the manifest's name: the hook cannot create there; vLLM could.
-
-    Not one of the hook's refusals (busy, no space, unsafe): an unexpected failure.
-    """
-    Path(f"/dev/shm/vllm_offload_{engine_id}.manifest.json").mkdir()
+# The creator's manifest write fails (an injected EIO): not one of the hook's refusals
+# (busy, no space, unsafe) but an unexpected failure, after the file was made.
+FAIL = {"fail_manifest_write": True}
 
 
 def test_in_strict_mode_a_failing_start_up_step_raises_into_vllm(
         start: Any, engine_id: str) -> None:
-    _squat_the_manifest_name(engine_id)
-    e = start("HardenedCPUOffloadingSpec", strict=True)
+    e = start("HardenedCPUOffloadingSpec", strict=True, **FAIL)
     assert e.finish() == 0
     assert [(w["exception"], "hooked" in w) for w in e.workers] == [
-        ("IsADirectoryError", False)] * TP  # raised out of spec.get_worker
+        ("OSError", False)] * TP  # raised out of spec.get_worker
     assert not list(Path("/dev/shm").glob(f"vllm_offload_{engine_id}.mmap*"))
 
 
 def test_outside_strict_mode_a_failing_start_up_step_is_logged_and_vllm_starts(
         start: Any, engine_id: str) -> None:
     """One worker (see the next test for two): vLLM makes and maps its region itself."""
-    _squat_the_manifest_name(engine_id)
-    e = start("HardenedCPUOffloadingSpec", tp=1)
+    e = start("HardenedCPUOffloadingSpec", tp=1, **FAIL)
     assert e.finish() == 0
     [w] = e.workers
     assert "exception" not in w, w
     assert (w["hooked"], w["view_offset"]) == (False, 0)
     assert w["name_linked"] is False  # vLLM's creator path: made it, unlinked it
-    assert e.stderr.count("start-up steps failed (IsADirectoryError") == 1
+    assert e.stderr.count("start-up steps failed (OSError") == 1
     assert "set vllm_offload_strict to fail instead" in e.stderr
 
 
@@ -296,11 +291,10 @@ def test_outside_strict_mode_a_failing_start_up_step_lets_every_rank_start(
     """The rank that creates fails on the manifest and starts as plain vLLM; the other joins
     it: the creator is a forked sibling without the token in /proc/PID/environ, and its
     inherited beacon is what proves it belongs to this engine, not to another one."""
-    _squat_the_manifest_name(engine_id)
-    e = start("HardenedCPUOffloadingSpec")
+    e = start("HardenedCPUOffloadingSpec", **FAIL)
     assert e.finish() == 0
     assert not [w for w in e.workers if "exception" in w]
-    assert e.stderr.count("start-up steps failed (IsADirectoryError") == 1
+    assert e.stderr.count("start-up steps failed (OSError") == 1
     assert "engine_id_collision" not in e.stderr and "is in use" not in e.stderr
     hooked = [w for w in e.workers if w["hooked"]]
     assert len(hooked) == TP - 1 and all(w["same_inode"] for w in hooked)

@@ -1,7 +1,7 @@
 """One `vllm serve` in miniature: vLLM's own config code from a real VllmConfig to our spec.
 
 Usage: vllm_engine.py JSON   (keys: spec, engine_id, model_dir, tp, offload_gib,
-       blocks_per_chunk, strict, segment_min_bytes)
+       blocks_per_chunk, strict, segment_min_bytes, fail_manifest_write)
 
 The process is the engine core. It builds a real `vllm.config.VllmConfig`
 (ModelConfig from MODEL_DIR's config.json, CacheConfig with kv_offloading_size,
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import sys
@@ -250,6 +251,13 @@ def main() -> None:
     sys.path.insert(0, str(root))
     try:
         vllm_stubs.cuda_stand_in()
+        if args.get("fail_manifest_write"):  # an unexpected failure inside the hook
+            from vllm_offload_cli.core.region import manifest
+
+            def fail(*_: Any, **__: Any) -> None:
+                raise OSError(errno.EIO, "injected: the manifest cannot be written")
+
+            manifest.write = fail
         if args.get("segment_min_bytes"):  # vLLM's 1 GiB rule, scaled down in vLLM only
             from vllm.v1.kv_offload.cpu import shared_offload_region
 
