@@ -14,7 +14,12 @@ import pytest
 
 from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.region import SharedOffloadRegion
-from vllm_offload_cli.core.region.segments import Segment, default_segments, split
+from vllm_offload_cli.core.region.segments import (
+    VLLM_CPU_SEGMENTS,
+    Segment,
+    effective_segments,
+    split,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -23,7 +28,9 @@ MiB = 1 << 20
 @pytest.mark.parametrize(("size", "expected"), [
     (GiB - 1, 1), (GiB, 1), (2 * GiB, 2), (33 * GiB + 5, 32), (512 * GiB, 32)])
 def test_vllms_rule_for_the_number_of_files(size: int, expected: int) -> None:
-    assert default_segments(size) == expected
+    assert effective_segments(VLLM_CPU_SEGMENTS, size) == expected
+    assert effective_segments(VLLM_CPU_SEGMENTS, size, min_bytes=GiB // 2) == min(
+        32, size // (GiB // 2))  # a release's own minimum, as the hook reads it
 
 
 def test_rows_split_cdiv_and_the_last_file_takes_the_rest() -> None:
@@ -72,18 +79,53 @@ def test_a_leftover_segment_stops_a_create_and_leaves_nothing(shm_dir: Path) -> 
     assert sorted(p.name for p in shm_dir.iterdir()) == ["vllm_offload_seg.mmap.2"]
 
 
-def test_cli_create_splits_by_default_and_inspect_groups_the_files(cli: Any,
-                                                                  shm_dir: Path) -> None:
+def test_cli_create_splits_by_default_and_inspect_groups_the_files(
+        cli: Any, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No vLLM here: the newest release's layout, said so; single-file on request."""
+    monkeypatch.setattr("vllm_offload_cli.engine.vllm_rules.vllm_root", lambda: None)
     made = cli("create", "seg", "--world-size", "2", "--cpu-page-size", "1MiB", "--size",
                "3GiB", "--no-populate", "--shm-dir", str(shm_dir), "--json")
     assert made.exit_code == 0, made.stderr
     assert [Path(p).name for p in made.json["data"]["paths"]] == [
         "vllm_offload_seg.mmap", "vllm_offload_seg.mmap.1", "vllm_offload_seg.mmap.2"]
-    seen = cli("inspect", "--shm-dir", str(shm_dir), "--json").json["data"]["regions"]
-    assert [(len(r["paths"]), r["size_bytes"], r["problems"]) for r in seen] == [
-        (3, 3 * GiB, [])]
+    assert made.json["data"]["vllm_layout"] == {"name": "segmented", "basis": "newest",
+                                                "vllm_version": None}
+    assert [w["code"] for w in made.json["warnings"]] == ["vllm_not_found"]
     one = cli("create", "tier", "--world-size", "2", "--cpu-page-size", "1MiB", "--size",
-              "3GiB", "--no-populate", "--segments", "1", "--shm-dir", str(shm_dir), "--json")
+              "3GiB", "--no-populate", "--vllm-layout", "single-file", "--shm-dir",
+              str(shm_dir), "--json")
     assert [Path(p).name for p in one.json["data"]["paths"]] == ["vllm_offload_tier.mmap"]
+    assert one.json["data"]["vllm_layout"]["basis"] == "requested"
+    assert one.json["warnings"] == []
+    seen = cli("inspect", "--shm-dir", str(shm_dir), "--json").json["data"]["regions"]
+    assert sorted((r["engine_id"], len(r["paths"]), r["size_bytes"], r["vllm_layout"],
+                   r["problems"]) for r in seen) == [
+        ("seg", 3, 3 * GiB, "segmented", []), ("tier", 1, 3 * GiB, "single-file", [])]
+    table = cli("inspect", "--shm-dir", str(shm_dir)).stdout
+    assert "LAYOUT" in table and "segmented/3" in table and "single-file" in table
     gone = cli("gc", "--include-persistent", "--min-age", "0", "--shm-dir", str(shm_dir))
     assert gone.exit_code == 0 and list(shm_dir.iterdir()) == []
+
+
+def test_a_region_vllm_made_shows_its_layout_by_its_files(cli: Any, shm_dir: Path) -> None:
+    """No manifest: `.mmap.N` files say segmented, one named file single-file."""
+    for name in ("vllm_offload_a.mmap", "vllm_offload_a.mmap.1", "vllm_offload_b.mmap"):
+        with open(shm_dir / name, "wb") as f:
+            f.truncate(1 << 20)
+        os.chmod(shm_dir / name, 0o600)
+    seen = cli("inspect", "--shm-dir", str(shm_dir), "--json").json["data"]["regions"]
+    assert sorted((r["engine_id"], r["vllm_layout"]) for r in seen) == [
+        ("a", "segmented"), ("b", "single-file")]
+
+
+def test_an_exact_segment_count_is_a_request_and_excludes_a_layout(cli: Any,
+                                                                  shm_dir: Path) -> None:
+    args = ("create", "n", "--world-size", "2", "--cpu-page-size", "1MiB", "--size", "3GiB",
+            "--no-populate", "--shm-dir", str(shm_dir), "--json")
+    both = cli(*args, "--segments", "1", "--vllm-layout", "segmented")
+    assert both.exit_code == 2 and "one of --segments and --vllm-layout" in both.stderr + str(
+        both.json["errors"])
+    one = cli(*args, "--segments", "1")
+    assert one.exit_code == 0, one.stderr
+    assert one.json["data"]["vllm_layout"] == {"name": "single-file", "basis": "requested",
+                                               "vllm_version": None}

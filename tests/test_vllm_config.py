@@ -1,4 +1,4 @@
-"""The adapter driven by a real `vllm.config.VllmConfig`, through vLLM 0.33's own code.
+"""The adapter driven by a real `vllm.config.VllmConfig`, through the vLLM release's own code.
 
 tests/helpers/vllm_engine.py is a `vllm serve` in miniature. What runs for real,
 from the released wheel's sources: the `vllm` package itself; `vllm.config`
@@ -39,6 +39,8 @@ from typing import Any
 import pytest
 
 from vllm_offload_cli.core.host.discovery import discover
+from vllm_offload_cli.core.region.segments import effective_segments
+from vllm_offload_cli.engine.vllm_rules import read_rules
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import vllm_stubs
@@ -195,7 +197,6 @@ def check_worker(doc: dict[str, Any], want: Geometry) -> None:
     assert doc["view_shape"] == [want.num_chunks, want.page]
     assert doc["view_stride"] == [want.row_stride, 1]
     assert doc["view_offset"] == rank * want.page
-    assert doc["vllm_creator"] is False  # (the CPU spec clears it after its unlink, too)
     assert doc["same_inode"] and doc["lease_locked"]  # vLLM mapped the hook's file
     padding = [0] if want.row_stride > TP * want.page else []
     # every row: rank r's slot holds r + 3 only, the padding zeros only
@@ -203,19 +204,25 @@ def check_worker(doc: dict[str, Any], want: Geometry) -> None:
 
 
 def test_cpu_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> None:
-    """TP=2 workers, vLLM's 1 GiB-per-file rule scaled to 1 MiB: 8 files, rows padded."""
+    """TP=2 workers, vLLM's 1 GiB-per-file rule scaled to 1 MiB: 8 files where the release
+    splits (0.33), else one; rows padded."""
     want = expected(blocks_per_chunk=1)
     assert want.row_stride > TP * want.page  # this model's rows need padding: checked too
     e = start("HardenedCPUOffloadingSpec", segment_min_bytes=1 << 20)
     workers = e.workers
     assert [w["worker"] for w in workers] == list(range(TP))
-    files = min(32, want.num_chunks * want.row_stride // (1 << 20))
+    rules = read_rules(vllm_stubs.vllm_root())  # 0.33's CPU spec splits; 0.31, 0.32 do not
+    files = effective_segments(rules.cpu_worker.segments, want.num_chunks * want.row_stride,
+                               min_bytes=1 << 20)
+    assert files == (min(32, want.num_chunks * want.row_stride // (1 << 20))
+                     if rules.cpu_layout == "segmented" else 1)
     for w in workers:
         assert w["spec"] == "HardenedCPUOffloadingSpec"
         assert w["spec_base"] == "vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec"
         check_geometry(w, want, 1)
         check_worker(w, want)
-        assert (w["vllm_segments"], w["hook_segments"]) == (files, files)
+        assert len(w["vllm_files"]) == files  # vLLM's rule, scaled in vLLM alone
+        assert w["vllm_files"] == w["hook_files"]  # the hook made exactly those files
     assert sorted(w["hook_creator"] for w in workers) == [False, True]
     assert len({w["ino"] for w in workers}) == 1
     # vLLM's barrier passed, the name went, as vLLM does; the engine still holds it
@@ -245,42 +252,37 @@ def test_tiering_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> Non
     sched = e.scheduler
     check_geometry(sched, want, 2)
     assert sched["hooked"] and sched["same_inode"] and sched["ino"] == workers[0]["ino"]
-    assert (sched["vllm_creator"], sched["hook_creator"]) == (False, False)
+    assert sched["hook_creator"] is False
     assert sched["rows"] == workers[0]["rows"]  # the workers' bytes, seen by the scheduler
     assert sched["name_linked"] is False
     assert not Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").exists()
     assert e.finish() == 0 and e.reports[-1] == {"done": [0] * TP}
 
 
-def _squat_the_manifest_name(engine_id: str) -> None:
-    """A directory on the manifest's name: the hook cannot create there; vLLM could.
-
-    Not one of the hook's refusals (busy, no space, unsafe): an unexpected failure.
-    """
-    Path(f"/dev/shm/vllm_offload_{engine_id}.manifest.json").mkdir()
+# The creator's manifest write fails (an injected EIO): not one of the hook's refusals
+# (busy, no space, unsafe) but an unexpected failure, after the file was made.
+FAIL = {"fail_manifest_write": True}
 
 
 def test_in_strict_mode_a_failing_start_up_step_raises_into_vllm(
         start: Any, engine_id: str) -> None:
-    _squat_the_manifest_name(engine_id)
-    e = start("HardenedCPUOffloadingSpec", strict=True)
+    e = start("HardenedCPUOffloadingSpec", strict=True, **FAIL)
     assert e.finish() == 0
     assert [(w["exception"], "hooked" in w) for w in e.workers] == [
-        ("IsADirectoryError", False)] * TP  # raised out of spec.get_worker
+        ("OSError", False)] * TP  # raised out of spec.get_worker
     assert not list(Path("/dev/shm").glob(f"vllm_offload_{engine_id}.mmap*"))
 
 
 def test_outside_strict_mode_a_failing_start_up_step_is_logged_and_vllm_starts(
         start: Any, engine_id: str) -> None:
     """One worker (see the next test for two): vLLM makes and maps its region itself."""
-    _squat_the_manifest_name(engine_id)
-    e = start("HardenedCPUOffloadingSpec", tp=1)
+    e = start("HardenedCPUOffloadingSpec", tp=1, **FAIL)
     assert e.finish() == 0
     [w] = e.workers
     assert "exception" not in w, w
     assert (w["hooked"], w["view_offset"]) == (False, 0)
     assert w["name_linked"] is False  # vLLM's creator path: made it, unlinked it
-    assert e.stderr.count("start-up steps failed (IsADirectoryError") == 1
+    assert e.stderr.count("start-up steps failed (OSError") == 1
     assert "set vllm_offload_strict to fail instead" in e.stderr
 
 
@@ -289,11 +291,10 @@ def test_outside_strict_mode_a_failing_start_up_step_lets_every_rank_start(
     """The rank that creates fails on the manifest and starts as plain vLLM; the other joins
     it: the creator is a forked sibling without the token in /proc/PID/environ, and its
     inherited beacon is what proves it belongs to this engine, not to another one."""
-    _squat_the_manifest_name(engine_id)
-    e = start("HardenedCPUOffloadingSpec")
+    e = start("HardenedCPUOffloadingSpec", **FAIL)
     assert e.finish() == 0
     assert not [w for w in e.workers if "exception" in w]
-    assert e.stderr.count("start-up steps failed (IsADirectoryError") == 1
+    assert e.stderr.count("start-up steps failed (OSError") == 1
     assert "engine_id_collision" not in e.stderr and "is in use" not in e.stderr
     hooked = [w for w in e.workers if w["hooked"]]
     assert len(hooked) == TP - 1 and all(w["same_inode"] for w in hooked)

@@ -1,7 +1,7 @@
 """One `vllm serve` in miniature: vLLM's own config code from a real VllmConfig to our spec.
 
 Usage: vllm_engine.py JSON   (keys: spec, engine_id, model_dir, tp, offload_gib,
-       blocks_per_chunk, strict, segment_min_bytes)
+       blocks_per_chunk, strict, segment_min_bytes, fail_manifest_write)
 
 The process is the engine core. It builds a real `vllm.config.VllmConfig`
 (ModelConfig from MODEL_DIR's config.json, CacheConfig with kv_offloading_size,
@@ -24,6 +24,8 @@ a model runner reports, and CPUOffloadingWorker (it needs CUDA tensors).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import sys
@@ -69,7 +71,6 @@ def build(args: dict[str, Any]) -> tuple[Any, list[Any], Any]:
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.plugins import load_general_plugins
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -101,8 +102,19 @@ def build(args: dict[str, Any]) -> tuple[Any, list[Any], Any]:
     specs = [per_worker] * args["tp"]
     resolve_kv_cache_layout(config, [["LBNHC"]] * args["tp"],
                             [s for spec in specs for s in spec.values()])
-    groups = get_global_kv_cache_groups(config, specs)
-    kv_configs = get_kv_cache_configs(config, specs, [4 << 20] * args["tp"], groups)
+    memory = [4 << 20] * args["tp"]
+    try:  # 0.33: the planner is its own module, and groups the layers first
+        from vllm.v1.core.kv_cache_planning import (
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+    except ImportError:  # 0.31, 0.32: in kv_cache_utils, grouping inside
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as plan
+
+        kv_configs = plan(config, specs, memory)
+    else:
+        kv_configs = get_kv_cache_configs(config, specs, memory,
+                                          get_global_kv_cache_groups(config, specs))
     for kv in kv_configs:
         kv.kv_cache_layout = config.cache_config.kv_cache_layout
     return config, kv_configs, generate_scheduler_kv_cache_config(kv_configs)
@@ -135,6 +147,7 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     from vllm_offload_cli.core.system.files import FileId
 
     config.parallel_config.rank = rank
+    vllm_stubs.device_stand_in(rank)  # this rank's GPU: vLLM 0.31 folds it into the slot
     init_distributed_environment(world_size=args["tp"], rank=rank, local_rank=rank,
                                  distributed_init_method=init, backend="gloo")
     offloading = build_offloading_config(config, kv_config)
@@ -154,8 +167,9 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     view = region.create_next_worker_view(spec.cpu_page_size_per_worker)
     view.fill_(rank + 3)  # through vLLM's own strided view of its own mapping
     get_world_group().barrier()  # every rank wrote its slot
+    storage = view.untyped_storage()  # vLLM's whole mapping, under its own view
     doc.update(
-        vllm_creator=region._creator, vllm_segments=len(region._segments),
+        vllm_files=vllm_stubs.mapped_files(storage.data_ptr(), storage.nbytes()),
         view_shape=list(view.shape), view_stride=list(view.stride()),
         view_offset=view.storage_offset(), token_set=bool(os.environ.get(
             "VLLM_OFFLOAD_ENGINE_TOKEN")),
@@ -164,8 +178,10 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     if lease is not None:
         ours = lease.region
         fid = FileId.of(os.fstat(ours.fd))
-        doc.update(hook_creator=lease.creator, same_inode=os.fstat(region.fd).st_ino == fid.ino,
-                   hook_segments=len(ours.segments), ino=fid.ino,
+        doc.update(hook_creator=lease.creator,
+                   hook_files=vllm_stubs.mapped_files(_address(ours.mmap_obj),
+                                                      storage.nbytes()),
+                   same_inode=fid.ino in {f["ino"] for f in doc["vllm_files"]}, ino=fid.ino,
                    lease_locked=os.getpid() in [pid for pid, _ in flock_holders(fid)],
                    rows=row_bytes(ours.mmap_obj, spec, args["tp"]))
     report(**doc)
@@ -175,6 +191,14 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     region.cleanup()
     if lease is not None:
         lease.close()
+
+
+def _address(mm: Any) -> int:
+    buf = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(buf)
+    finally:
+        del buf
 
 
 def row_bytes(mm: Any, spec: Any, world: int) -> list[list[int]]:
@@ -204,15 +228,18 @@ def scheduler(config: Any, kv_config: Any, args: dict[str, Any]) -> None:
     except Exception as exc:
         report(**doc, **failure(exc))
         return
-    region = spec._scheduler_mmap
     lease = getattr(spec, "_vllm_offload_scheduler_lease", None)
-    doc.update(vllm_creator=region._creator, hooked=lease is not None,
-               name_linked=os.path.exists(f"/dev/shm/vllm_offload_{args['engine_id']}.mmap"),
-               ino=os.fstat(region.fd).st_ino,
-               rows=row_bytes(region.mmap_obj, spec, args["tp"]))
-    if lease is not None:
-        doc.update(hook_creator=lease.creator,
-                   same_inode=os.fstat(lease.region.fd).st_ino == doc["ino"])
+    doc.update(hooked=lease is not None,
+               name_linked=os.path.exists(f"/dev/shm/vllm_offload_{args['engine_id']}.mmap"))
+    if lease is not None:  # vLLM's mapping of the file: the one that is not the hook's
+        ours = lease.region
+        ino = os.fstat(ours.fd).st_ino
+        mine = _address(ours.mmap_obj)
+        theirs = [m for m in vllm_stubs.mappings_of(ino) if m[0] != mine]
+        doc.update(hook_creator=lease.creator, ino=ino, same_inode=len(theirs) == 1,
+                   rows=[] if len(theirs) != 1 else row_bytes(
+                       ctypes.string_at(theirs[0][0], theirs[0][1] - theirs[0][0]), spec,
+                       args["tp"]))
     report(**doc)
 
 
@@ -224,13 +251,17 @@ def main() -> None:
     sys.path.insert(0, str(root))
     try:
         vllm_stubs.cuda_stand_in()
-        if args.get("segment_min_bytes"):  # vLLM's 1 GiB rule, scaled down for tests
+        if args.get("fail_manifest_write"):  # an unexpected failure inside the hook
+            from vllm_offload_cli.core.region import manifest
+
+            def fail(*_: Any, **__: Any) -> None:
+                raise OSError(errno.EIO, "injected: the manifest cannot be written")
+
+            manifest.write = fail
+        if args.get("segment_min_bytes"):  # vLLM's 1 GiB rule, scaled down in vLLM only
             from vllm.v1.kv_offload.cpu import shared_offload_region
 
-            from vllm_offload_cli.core.region import segments
-
             shared_offload_region._MIN_SEGMENT_BYTES = args["segment_min_bytes"]
-            segments.MIN_SEGMENT_BYTES = args["segment_min_bytes"]
         config, kv_configs, scheduler_kv = build(args)
     except ImportError as exc:  # a library vLLM's config code needs is not installed
         report(unavailable=f"{type(exc).__name__}: {exc}")

@@ -3,20 +3,33 @@
 Usage: vllm_process.py ROLE SPEC_NAME ENGINE_ID RANK WORLD CPU_BYTES PAGE BARRIER_DIR
 ROLE is "worker" (spec.get_worker) or "scheduler" (spec.get_manager). The
 spec comes from vLLM's real OffloadingSpecFactory after our plugin
-registered it, built from vLLM's real OffloadingConfig. Prints one JSON line,
-then reads stdin: "write V" fills this worker's slot through vLLM's own
-tensor view; "check V" reads the same bytes through the hook's mapping of the
-files; "exit" ends the process.
+registered it, built from vLLM's real OffloadingConfig. Prints one JSON line
+(what the kernel maps where vLLM's region lies and where the hook's does: files,
+inodes, offsets), then reads stdin: "write V" fills this worker's slot through
+vLLM's own tensor view; "check V" reads the hook's slot through the hook's
+mapping of the files; "exit" ends the process. DEVICE_INDEX (default: RANK) is
+the device this process's torch reports; SEGMENT_MIN_BYTES scales vLLM's 1 GiB
+rule down (vLLM's constant only: the hook must follow it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_stubs
+
+
+def _address(mm: Any) -> int:
+    buf = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(buf)
+    finally:
+        del buf
 
 
 def main() -> None:
@@ -25,13 +38,12 @@ def main() -> None:
     root = vllm_stubs.vllm_root()
     assert root is not None, "vLLM sources not found"
     vllm_stubs.load(root, vllm_stubs.FileBarrier(sys.argv[8], rank, world))
+    devices = os.environ.get("DEVICES")  # e.g. "1,0": rank r runs on device DEVICES[r]
+    vllm_stubs.device_stand_in(int(devices.split(",")[rank]) if devices else rank)
     if os.environ.get("SEGMENT_MIN_BYTES"):  # vLLM's 1 GiB rule, scaled down for tests
         from vllm.v1.kv_offload.cpu import shared_offload_region as vllm_region
 
-        from vllm_offload_cli.core.region import segments
-
-        vllm_region._MIN_SEGMENT_BYTES = int(os.environ["SEGMENT_MIN_BYTES"])
-        segments.MIN_SEGMENT_BYTES = int(os.environ["SEGMENT_MIN_BYTES"])
+        vllm_region._MIN_SEGMENT_BYTES = int(os.environ["SEGMENT_MIN_BYTES"])  # vLLM's only
 
     from vllm.v1.kv_offload import config as c
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -55,43 +67,65 @@ def main() -> None:
     )
     spec = OffloadingSpecFactory.create_spec(config)
     path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+    view = None
     try:
         if role == "worker":
-            region = spec.get_worker(None).kwargs["mmap_region"]
-            lease = spec._vllm_offload_lease
+            region = spec.get_worker(None).kwargs["mmap_region"]  # what vLLM hands its worker
+            lease = getattr(spec, "_vllm_offload_lease", None)  # None: plain vLLM's spec
+            # vLLM's own view of its own mapping: where it starts, how long it is
+            view = region.create_next_worker_view(page)
+            storage = view.untyped_storage()
+            vllm_start, length = storage.data_ptr(), storage.nbytes()
         else:
             spec.get_manager()
-            region = spec._scheduler_mmap
             lease = spec._vllm_offload_scheduler_lease
     except OffloadError as exc:
         print(json.dumps({"error": exc.message, "code": exc.code, "pid": exc.pid}), flush=True)
         sys.exit(3)
-    ours = lease.region
-    print(json.dumps({
+    doc: dict[str, Any] = {
         "pid": os.getpid(), "spec": type(spec).__name__,
         "spec_bases": [b.__module__ + "." + b.__name__ for b in type(spec).__mro__[1:3]],
-        "vllm_creator": region._creator, "hook_creator": lease.creator,
-        "same_inode": os.fstat(region.fd).st_ino == os.fstat(ours.fd).st_ino,
-        "vllm_segments": len(region._segments), "hook_segments": len(ours.segments),
-        "num_chunks": spec.num_chunks, "row_stride": spec.kv_bytes_per_chunk,
-        "name_linked": os.path.exists(path), "ino": os.fstat(ours.fd).st_ino,
-    }), flush=True)
-    view = None
+        "num_chunks": spec.num_chunks, "row_stride": spec.kv_bytes_per_chunk}
+    if lease is None:  # plain vLLM: what it mapped, and the slot its view starts at
+        doc.update(vllm_files=vllm_stubs.mapped_files(vllm_start, length),
+                   vllm_slot=view.storage_offset() // page if view is not None else None,
+                   name_linked=os.path.exists(path))
+        print(json.dumps(doc), flush=True)
+        sys.stdin.readline()
+        view = None
+        region.cleanup()
+        return
+    ours = lease.region
+    assert ours.mmap_obj is not None and ours.fd is not None
+    ino = os.fstat(ours.fd).st_ino
+    our_start = _address(ours.mmap_obj)
+    if role != "worker":  # the scheduler's region: the other mapping of our file here
+        [(vllm_start, end)] = [m for m in vllm_stubs.mappings_of(ino) if m[0] != our_start]
+        length = end - vllm_start
+    vllm_files = vllm_stubs.mapped_files(vllm_start, length)
+    doc.update(
+        hook_creator=lease.creator, slot=ours.rank,
+        vllm_slot=view.storage_offset() // page if view is not None else None,
+        vllm_files=vllm_files, hook_files=vllm_stubs.mapped_files(our_start, length),
+        same_inode={f["ino"] for f in vllm_files} >= {ino},
+        name_linked=os.path.exists(path), ino=ino)
+    print(json.dumps(doc), flush=True)
     for line in sys.stdin:
         words = line.split()
-        if words and words[0] == "write":
-            view = view if view is not None else region.create_next_worker_view(page)
-            view.fill_(int(words[1]))
+        if words and words[0] == "write" and view is not None:
+            view.fill_(int(words[1]))  # through vLLM's strided view, at vLLM's slot
             print("ok", flush=True)
-        elif words and words[0] == "check":
+        elif words and words[0] == "check":  # through the hook's mapping, at the hook's slot
             mm, want = ours.mmap_obj, bytes([int(words[1])]) * page
-            good = all(mm[b * ours._row_stride + rank * page:][:page] == want
+            stride = ours.geometry.row_stride
+            good = all(mm[b * stride + ours.rank * page:][:page] == want
                        for b in range(ours.num_blocks))
             print(json.dumps({"match": good}), flush=True)
         elif words and words[0] == "exit":
             break
     view = None
-    region.cleanup()
+    if role == "worker":
+        region.cleanup()
     lease.close()
 
 

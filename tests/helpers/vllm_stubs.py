@@ -99,6 +99,51 @@ class FileBarrier:
             time.sleep(0.005)
 
 
+def device_stand_in(index: int) -> None:
+    """What `torch.accelerator.current_device_index()` says on a GPU host: this process's
+    device (vLLM 0.31 folds it into the slot; a CPU-only torch raises instead)."""
+    import torch
+
+    torch.accelerator.current_device_index = lambda *args: index
+
+
+def mapped_files(start: int, length: int) -> list[dict[str, Any]]:
+    """The files the kernel maps in [start, start + length), in address order.
+
+    Public behaviour, whoever made the mapping: each entry is one file's piece
+    (adjacent pieces of one file merged): its name, inode, and offset from `start`.
+    """
+    pieces: list[dict[str, Any]] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if hi <= start or lo >= start + length or len(fields) < 6:
+                continue
+            name = os.path.basename(fields[5].strip().removesuffix(" (deleted)"))
+            ino, file_offset = int(fields[4]), int(fields[2], 16)
+            last = pieces[-1] if pieces else None
+            if (last is not None and last["ino"] == ino
+                    and last["file_offset"] + last["length"] == file_offset):
+                last["length"] += hi - lo
+                continue
+            pieces.append({"name": name, "ino": ino, "offset": lo - start,
+                           "file_offset": file_offset, "length": hi - lo})
+    return pieces
+
+
+def mappings_of(ino: int) -> list[tuple[int, int]]:
+    """(start, end) of every mapping of inode `ino` in this process."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 5 and int(fields[4]) == ino:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                found.append((lo, hi))
+    return found
+
+
 def load(root: Path, barrier: FileBarrier | None = None) -> None:
     sys.path.insert(0, str(root))
     _shell("vllm", root)

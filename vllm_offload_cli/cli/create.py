@@ -41,6 +41,49 @@ class HugePages(str, enum.Enum):
     always = "always"
 
 
+class VllmLayout(str, enum.Enum):
+    auto = "auto"
+    segmented = "segmented"
+    single_file = "single-file"
+
+
+def _vllm_layout(choice: VllmLayout, size_bytes: int
+                 ) -> tuple[int, int, str, str | None, str | None]:
+    """(segment files asked for, vLLM's smallest file, basis, vLLM version, warning).
+
+    `auto` reads what the CPU spec of the vLLM installed here makes (its code,
+    not its version); with no vLLM here it keeps the newest release's layout and
+    says so (the warning) where that excludes older releases.
+    """
+    from vllm_offload_cli.core.region.segments import (
+        MIN_SEGMENT_BYTES,
+        VLLM_CPU_SEGMENTS,
+        effective_segments,
+    )
+
+    if choice is VllmLayout.segmented:
+        return VLLM_CPU_SEGMENTS, MIN_SEGMENT_BYTES, "requested", None, None
+    if choice is VllmLayout.single_file:
+        return 1, MIN_SEGMENT_BYTES, "requested", None, None
+    from vllm_offload_cli.engine.vllm_rules import UnsupportedVllm, read_rules, vllm_root
+
+    root = vllm_root()
+    if root is None:
+        files = effective_segments(VLLM_CPU_SEGMENTS, size_bytes)
+        warning = None if files == 1 else (
+            "no vLLM is installed here, so the region has the newest release's layout "
+            f"(vLLM 0.33's CPU spec: {files} files); an engine on vLLM 0.31 or 0.32, or on "
+            "a tiering spec, needs --vllm-layout single-file")
+        return VLLM_CPU_SEGMENTS, MIN_SEGMENT_BYTES, "newest", None, warning
+    try:
+        rules = read_rules(root)
+    except UnsupportedVllm as exc:
+        raise InvalidInputError(f"cannot tell which layout the vLLM here makes ({exc}); "
+                                "pass --vllm-layout segmented or single-file",
+                                code="unknown_vllm") from None
+    return rules.cpu_worker.segments, rules.min_segment_bytes, "vllm", rules.version, None
+
+
 def _nodes(spec: str | None) -> tuple[int, ...] | None:
     if spec is None:
         return None
@@ -54,21 +97,14 @@ def _nodes(spec: str | None) -> tuple[int, ...] | None:
     return tuple(sorted(nodes))
 
 
-def _segments(requested: int | None, geometry: Geometry) -> int:
-    """The file count to make: vLLM's default, or exactly what was asked, never less.
+def _segments(requested: int, geometry: Geometry) -> int:
+    """Exactly the file count asked for, never less.
 
     vLLM makes no file under 1 GiB and gives each `cdiv(num_blocks, n)` rows, so
     some counts cannot be made at some sizes; those are refused with the ones
     that can, rather than quietly lowered.
     """
-    from vllm_offload_cli.core.region.segments import (
-        MIN_SEGMENT_BYTES,
-        default_segments,
-        split,
-    )
-
-    if requested is None:
-        return default_segments(geometry.size_bytes)
+    from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, split
 
     def files(n: int) -> int:
         return len(split(geometry.num_blocks, geometry.row_stride, n))
@@ -170,16 +206,22 @@ def create(
         "--huge-pages", help="Transparent huge pages: always (error, exit 5, where the "
         "kernel refuses), auto (warn and continue), never.")] = HugePages.never,
     segments: Annotated[int | None, typer.Option(
-        "--segments", min=1, show_default="vLLM's CPU spec: min(32, size // 1GiB)",
+        "--segments", min=1, show_default="as --vllm-layout makes them",
         help="Split into exactly this many files .mmap, .mmap.1, ... as vLLM does (1 for "
         "the tiering spec); a count vLLM could not make at this size (a file under 1 GiB) "
         "is refused.")] = None,
+    vllm_layout: Annotated[VllmLayout, typer.Option(
+        "--vllm-layout", help="Files as the joining vLLM makes them: segmented (.mmap, "
+        ".mmap.1, ...: min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file "
+        "(vLLM 0.31 and 0.32, every tiering spec), or auto: what the CPU spec of the vLLM "
+        "installed here makes (segmented when none is found).")] = VllmLayout.auto,
 ) -> Outcome:
     """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
 
     Without --hold the region stays and is marked persistent, pre-provisioned for
     an engine to join; `gc` keeps it unless given --include-persistent.
     """
+    from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, layout_of
     from vllm_offload_cli.core.region.shared_region import (
         SharedOffloadRegion,  # not needed by --help
     )
@@ -188,7 +230,14 @@ def create(
     geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)
     shm_dir = shm_dir_checked(inv)
     nodes = _nodes(numa_node)
-    files = _segments(segments, geometry)
+    if segments is not None and vllm_layout is not VllmLayout.auto:
+        raise InvalidInputError("give one of --segments and --vllm-layout", code="usage")
+    if segments is not None:
+        files, min_segment_bytes, basis, version, layout_warning = (
+            _segments(segments, geometry), MIN_SEGMENT_BYTES, "requested", None, None)
+    else:
+        files, min_segment_bytes, basis, version, layout_warning = _vllm_layout(
+            vllm_layout, geometry.size_bytes)
     with inv.progress("pre-faulting", geometry.size_bytes) as progress:
         try:
             region = SharedOffloadRegion(
@@ -199,12 +248,15 @@ def create(
                 numa_node=nodes,
                 numa_policy=None if numa_policy is None else numa_policy.value,
                 huge_pages=huge_pages.value, num_segments=files,
+                min_segment_bytes=min_segment_bytes, vllm_layout_basis=basis,
             )
         except RegionBusyError as exc:
             if exc.code != "name_taken":
                 raise
             raise _busy_with_holders(exc, shm_dir, full_id) from exc
     stats = region.populate_stats
+    if layout_warning is not None:  # said once the region exists, not before a refusal
+        inv.warn("vllm_not_found", layout_warning)
     data: dict[str, Any] = {
         "engine_id": full_id,
         "path": region.mmap_path,
@@ -218,6 +270,8 @@ def create(
         "populate_threads": None if stats is None else stats.threads,
         "persistent": not hold,
         "held": hold,
+        "vllm_layout": {"name": layout_of(len(region.segments)), "basis": basis,
+                        "vllm_version": version},
         "placement": {**region.placement.to_record(),
                       "huge_page_bytes": region.huge_page_bytes},
     }
@@ -256,6 +310,12 @@ def _render(out: Console, data: dict[str, Any]) -> None:
     out.print(f"  size      {format_bytes(data['size_bytes'])} ({data['size_bytes']} bytes)")
     out.print(f"  geometry  {g['num_blocks']} rows x {g['row_stride']} bytes; "
               f"{g['world_size']} slot(s) of {g['cpu_page_size']} bytes")
+    layout = data["vllm_layout"]
+    why = {"vllm": f"read from the vLLM {layout['vllm_version'] or ''} installed here",
+           "newest": "the newest vLLM's: none is installed here",
+           "requested": "as asked"}[layout["basis"]]
+    out.print(f"  layout    {layout['name']} ({why.replace('  ', ' ')})", highlight=False,
+              markup=False)
     if data["populated"]:
         out.print(f"  pre-fault {data['populate_seconds']:.3f} s "
                   f"({data['populate_gbps']:.2f} GB/s, {data['populate_threads']} thread(s))")

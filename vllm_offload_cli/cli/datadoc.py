@@ -28,6 +28,8 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("placement", "NUMA policy and nodes, huge-page mode, whether advised, bytes mapped "
          "with huge pages"),
         ("released_by, removed", "with --hold: the signal that ended it, whether it is gone"),
+        ("vllm_layout", "{name: segmented or single-file, basis: vllm (read from the vLLM "
+         "installed here), newest (none installed) or requested, vllm_version}"),
     ),
     "inspect": (
         ("shm_dir", "the directory listed"),
@@ -44,6 +46,8 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("regions[].state", "live, creating, persistent, unknown or stale"),
         ("regions[].persistent", "pre-provisioned by create"),
         ("regions[].problems[]", "{code, message}"),
+        ("regions[].vllm_layout", "segmented (only vLLM 0.33's CPU spec joins it), "
+         "single-file, or null where a released name's bare file cannot tell"),
         ("regions[].numa_nodes, huge_page_bytes, placement",
          "resident bytes per NUMA node, huge-page bytes, how they were observed (null with "
          "--no-residency)"),

@@ -27,6 +27,7 @@ from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_bytes, parse_duration
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
+from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -50,8 +51,22 @@ def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
     }
 
 
+def vllm_layout(r: RegionInfo) -> str | None:
+    """`segmented` or `single-file` (which vLLM can join it); None where nothing tells.
+
+    The manifest says what was made; without one the files do, except for a
+    released name's bare file: the first of several, or the only one.
+    """
+    if r.manifest is not None:
+        return r.manifest.vllm_layout or layout_of(r.manifest.segments)
+    if any(s.segment > 0 for s in r.segments):
+        return SEGMENTED
+    return SINGLE_FILE if r.linked else None
+
+
 def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None) -> dict[str, Any]:
     doc = r.to_dict()
+    doc["vllm_layout"] = vllm_layout(r)
     if placed is None:  # --no-residency: placement was not observed
         doc.update(numa_nodes=None, huge_page_bytes=None, placement=None)
         return doc
@@ -190,6 +205,15 @@ def owner_name(uid: int | None) -> str:
 STATES = ("live", "creating", "persistent", "stale", "unknown")
 
 
+def _layout_text(r: RegionInfo) -> str:
+    """`segmented/3` (files), `single-file`, or `-` where it cannot be told."""
+    layout = vllm_layout(r)
+    if layout == SEGMENTED:
+        files = r.manifest.segments if r.manifest is not None else len(r.segments)
+        return f"{layout}/{files}"
+    return layout or "-"
+
+
 def _numa_text(p: Placement | None) -> str:
     """Resident share per node, then the huge-page share if any: 'n0:62%,n1:38%,thp:100%'."""
     if p is None or not p.numa_nodes:
@@ -208,18 +232,19 @@ def render_table(out: Console, found: Inventory,
     if not found.regions:
         lines.append(f"No offload regions in {found.shm_dir}.")
     else:
-        headers = ["ENGINE ID", "DP", "STATE", "OWNER", "SIZE", "RESIDENT", "NUMA", "AGE",
-                   "HOLDERS", "PROBLEMS"]
+        headers = ["ENGINE ID", "DP", "STATE", "OWNER", "SIZE", "RESIDENT", "LAYOUT", "NUMA",
+                   "AGE", "HOLDERS", "PROBLEMS"]
         rows = []
         for r in found.regions:
             name = r.engine_id if r.linked else f"{r.engine_id} (unlinked)"
             where = None if placed is None else placed.get(r.paths[0])
             rows.append([printable(name), "-" if r.dp_rank is None else str(r.dp_rank),
                          r.state, owner_name(r.uid), format_bytes(r.size_bytes, compact=True),
-                         format_bytes(r.resident_bytes, compact=True), _numa_text(where),
+                         format_bytes(r.resident_bytes, compact=True), _layout_text(r),
+                         _numa_text(where),
                          _age(r.age_seconds), _holders_text(r, wide),
                          ",".join(p.code for p in r.problems) or "-"])
-        lines.append(text_table(headers, rows, right=(4, 5, 7)))
+        lines.append(text_table(headers, rows, right=(4, 5, 8)))
         for r in found.regions:
             for p in r.problems:
                 lines.append(f"  {printable(r.engine_id)}: {printable(p.message)}")

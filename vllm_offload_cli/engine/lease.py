@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from vllm_offload_cli.core.base.errors import RegionNotFoundError, UnsafeRegionError
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
-from vllm_offload_cli.core.region.segments import effective_segments, split
+from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, effective_segments, split
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 from vllm_offload_cli.core.system.processes import ProcessRef
 from vllm_offload_cli.engine.claim import ClaimResult, claim, startup_lock
@@ -37,8 +37,12 @@ class RegionRequest:
     row_stride: int
     cpu_page_size: int
     world_size: int
-    num_segments: int = 1
+    num_segments: int = 1  # files asked for; vLLM's rule caps it by min_segment_bytes
     replicated: bool = False  # every worker maps slot 0 (vLLM's replicated MLA layout)
+    min_segment_bytes: int = MIN_SEGMENT_BYTES
+    rank_source: str = "logical"  # how vLLM picked `rank` (core.region.ranks' names)
+    device_index: int | None = None  # the device the rank was folded from, if it was
+    vllm_layout_basis: str | None = None  # "vllm" where the files follow vLLM's code
 
     @property
     def size_bytes(self) -> int:
@@ -48,7 +52,8 @@ class RegionRequest:
     def shape(self) -> RegionShape:
         """What an existing region must be for this process to join it."""
         files = len(split(self.num_blocks, self.row_stride,
-                          effective_segments(self.num_segments, self.size_bytes)))
+                          effective_segments(self.num_segments, self.size_bytes,
+                                             min_bytes=self.min_segment_bytes)))
         return RegionShape(size_bytes=self.size_bytes, num_segments=files,
                            num_blocks=self.num_blocks, row_stride=self.row_stride,
                            cpu_page_size=self.cpu_page_size,
@@ -124,9 +129,11 @@ def open_region(
             request.cpu_page_size, shm_dir=shm_dir,
             world_size=None if request.replicated else request.world_size,
             layout="canonical" if request.replicated else "worker",
-            rank_source=None if request.rank is None else "logical",
+            rank_source=None if request.rank is None else request.rank_source,
+            device_index=request.device_index,
             populate_pages=False, preflight=False, join_timeout=join_timeout,
-            num_segments=request.num_segments, engine_token=token,
+            num_segments=request.num_segments, min_segment_bytes=request.min_segment_bytes,
+            vllm_layout_basis=request.vllm_layout_basis, engine_token=token,
         )
         try:  # still under the lock: of two workers on one slot, the second is refused
             check_slot(region, token, replicated=request.replicated)

@@ -8,10 +8,16 @@ builds and owns its region object (its worker reads private fields of it),
 but always joins a file the hook made under the start-up lock: exact size,
 no stale bytes, no other engine on it.
 
+What the hook makes follows the vLLM in use, read from its code
+(`vllm_rules`): as many files as vLLM will join, each worker on the slot
+vLLM will give it, the name released only where vLLM's own barrier proved
+every worker mapped it. A vLLM whose code is not understood gets no hook at
+all: one warning, and vLLM runs exactly as it would without this package.
+
 Known refusals (another engine holds the engine_id, no room, an unsafe
-leftover) stop the engine: that is the protection. Anything unexpected in the
-hook is logged and vLLM starts as it would without it, unless
-`kv_connector_extra_config["vllm_offload_strict"]` is true.
+leftover, two workers on one slot) stop the engine: that is the protection.
+Anything unexpected in the hook is logged and vLLM starts as it would without
+it, unless `kv_connector_extra_config["vllm_offload_strict"]` is true.
 
 This module imports vLLM; `vllm_offload_cli.engine` itself does not.
 """
@@ -23,7 +29,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vllm.v1.kv_offload.cpu import spec as _cpu_spec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -32,18 +37,44 @@ from vllm_offload_cli.core.base.errors import (
     RegionBusyError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.region.segments import VLLM_CPU_SEGMENTS
 from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV, valid_token
 from vllm_offload_cli.engine.lease import EngineLease, RegionRequest, open_region
+from vllm_offload_cli.engine.vllm_rules import (
+    DEVICE_MODULO,
+    LOGICAL,
+    RegionCall,
+    VllmRules,
+    rules_or_none,
+)
 
 logger = logging.getLogger(__name__)
 
 STRICT_KEY = "vllm_offload_strict"
-# Refusals are the hook's purpose: they stop the engine even outside strict mode.
+# Refusals are the hook's purpose: they stop the engine even outside strict mode
+# (a slot collision is an UnsafeRegionError).
 _REFUSALS = (RegionBusyError, InsufficientSpaceError, UnsafeRegionError)
 
 
-def _open(spec: Any, rank: int | None, segments: int) -> EngineLease | None:
+def _rules(spec: Any) -> VllmRules | None:
+    """vLLM's rules for this process; None (warned once) where they are not understood."""
+    return rules_or_none(strict=bool(spec.extra_config.get(STRICT_KEY)))
+
+
+def _slot(spec: Any, call: RegionCall) -> tuple[int | None, int | None]:
+    """(the slot vLLM's code gives this process, the device index it came from)."""
+    if call.rank_source is None:
+        return None, None
+    if spec.replicated_layout:
+        return 0, None
+    if call.rank_source == DEVICE_MODULO:
+        import torch  # present wherever vLLM runs; read as vLLM reads it
+
+        device = int(torch.accelerator.current_device_index())
+        return device % int(spec.config.parallel.world_size), device
+    return int(spec.config.parallel.rank), None
+
+
+def _open(spec: Any, rules: VllmRules, call: RegionCall) -> EngineLease | None:
     """Run the start-up steps for the region `spec` is about to build; None: skipped."""
     if spec.num_chunks <= 0 or not spec._uses_shared_region():
         return None  # vLLM uses no shared region here: nothing to guard
@@ -54,13 +85,17 @@ def _open(spec: Any, rank: int | None, segments: int) -> EngineLease | None:
                        "apart from this engine's own workers and are not refused",
                        ENGINE_TOKEN_ENV)
         token = None
-    request = RegionRequest(
-        engine_id=spec.config.engine_id, num_blocks=spec.num_chunks, rank=rank,
-        row_stride=spec.kv_bytes_per_chunk, cpu_page_size=spec.cpu_page_size_per_worker,
-        world_size=spec.config.parallel.world_size, num_segments=segments,
-        replicated=bool(spec.replicated_layout),
-    )
     try:
+        rank, device = _slot(spec, call)
+        request = RegionRequest(
+            engine_id=spec.config.engine_id, num_blocks=spec.num_chunks, rank=rank,
+            row_stride=spec.kv_bytes_per_chunk, cpu_page_size=spec.cpu_page_size_per_worker,
+            world_size=spec.config.parallel.world_size, num_segments=call.segments,
+            replicated=bool(spec.replicated_layout),
+            min_segment_bytes=rules.min_segment_bytes,
+            rank_source=call.rank_source or LOGICAL, device_index=device,
+            vllm_layout_basis="vllm",
+        )
         return open_region(request, token=token)
     except _REFUSALS:
         raise
@@ -73,34 +108,34 @@ def _open(spec: Any, rank: int | None, segments: int) -> EngineLease | None:
         return None
 
 
-def _leased(spec: Any, rank: int | None, segments: int,
-            build: Callable[[], Any]) -> tuple[Any, EngineLease | None]:
-    """Open our lease first, then let vLLM build on it; never keep a lease vLLM failed on."""
-    lease = _open(spec, rank, segments)
+def _leased(spec: Any, which: str, build: Callable[[], Any]
+            ) -> tuple[Any, EngineLease | None, RegionCall | None]:
+    """Open our lease first, then let vLLM build on it; never keep a lease vLLM failed on.
+
+    `which` names the RegionCall of VllmRules this build makes. Where vLLM's code
+    is not understood, vLLM builds alone (no lease, no call).
+    """
+    rules = _rules(spec)
+    call: RegionCall | None = None if rules is None else getattr(rules, which)
+    lease = None if rules is None or call is None else _open(spec, rules, call)
     try:
         built = build()
     except BaseException:
         if lease is not None:
             lease.close()
         raise
-    return built, lease
-
-
-def _worker_rank(spec: Any) -> int:
-    return 0 if spec.replicated_layout else int(spec.config.parallel.rank)
+    return built, lease, call
 
 
 class HardenedCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
-    """vLLM's CPU spec (segmented region, unlinked after its barrier), hardened."""
+    """vLLM's CPU spec (the files and slots of the vLLM in use), hardened."""
 
     def create_worker(self, kv_caches: Any) -> Any:
-        segments = getattr(_cpu_spec, "_REGION_SEGMENTS", VLLM_CPU_SEGMENTS)
-        worker, lease = _leased(self, _worker_rank(self), segments,
-                                lambda: super(HardenedCPUOffloadingSpec, self)
-                                .create_worker(kv_caches))
+        worker, lease, call = _leased(self, "cpu_worker", lambda: super(
+            HardenedCPUOffloadingSpec, self).create_worker(kv_caches))
         if lease is not None:
             self._vllm_offload_lease = lease
-            if lease.creator:
+            if lease.creator and call is not None and call.barrier:
                 # vLLM's barrier has passed: every worker mapped the region. vLLM
                 # unlinks here too when it created the file; we created it.
                 lease.release_name()
@@ -116,9 +151,8 @@ class HardenedTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc
     """
 
     def create_worker(self, kv_caches: Any) -> Any:
-        worker, lease = _leased(self, _worker_rank(self), 1,
-                                lambda: super(HardenedTieringOffloadingSpec, self)
-                                .create_worker(kv_caches))
+        worker, lease, _ = _leased(self, "tiering_worker", lambda: super(
+            HardenedTieringOffloadingSpec, self).create_worker(kv_caches))
         if lease is not None:
             self._vllm_offload_lease = lease
         return worker
@@ -126,9 +160,8 @@ class HardenedTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc
     def get_manager(self) -> Any:
         if self._manager:
             return super().get_manager()
-        manager, lease = _leased(self, None, 1,
-                                 lambda: super(HardenedTieringOffloadingSpec, self)
-                                 .get_manager())
+        manager, lease, _ = _leased(self, "tiering_scheduler", lambda: super(
+            HardenedTieringOffloadingSpec, self).get_manager())
         if lease is not None:
             self._vllm_offload_scheduler_lease = lease
             if not lease.creator:  # workers made it and mapped it: nobody needs the name

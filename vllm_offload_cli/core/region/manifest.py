@@ -36,10 +36,14 @@ from vllm_offload_cli.core.region.naming import (
     parse_manifest_filename,
     split_engine_id,
 )
+from vllm_offload_cli.core.region.segments import VLLM_LAYOUTS
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef
 
 MANIFEST_VERSION = 1
+# How a region's vLLM layout was decided: read from the vLLM in use; the newest
+# release's, as no vLLM was found; or asked for by the operator.
+LAYOUT_BASES = ("vllm", "newest", "requested")
 MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
 # Two-phase creation: `creating` until the region is sized and pre-faulted.
 CREATING, READY = "creating", "ready"
@@ -90,6 +94,9 @@ class Manifest:
         return ProcessRef(self.creator_pid, self.creator_start_ticks).alive()
     segments: int = 1  # files `.mmap`, `.mmap.1`, ... (vLLM's CPU spec splits big regions)
     engine_token: str | None = None  # the creating engine's token (engine hook), else None
+    # which vLLM layout was made (segments.SEGMENTED or SINGLE_FILE), and why: LAYOUT_BASES
+    vllm_layout: str | None = None  # None: written before it was recorded
+    vllm_layout_basis: str | None = None
 
     @property
     def base_engine_id(self) -> str:
@@ -120,6 +127,8 @@ class Manifest:
             "attachments": [asdict(a) for a in self.attachments],
             "segments": self.segments,
             "engine_token": self.engine_token,
+            "vllm_layout": self.vllm_layout,
+            "vllm_layout_basis": self.vllm_layout_basis,
         }
         if self.placement is not None:
             doc["placement"] = self.placement
@@ -163,6 +172,9 @@ class Manifest:
             state=state,
             segments=uj.integer(doc.get("segments", 1), "segments", 1, MAX_SEGMENTS),
             engine_token=uj.opt_string(doc.get("engine_token"), "engine_token", 64),
+            vllm_layout=_one_of(doc.get("vllm_layout"), "vllm_layout", VLLM_LAYOUTS),
+            vllm_layout_basis=_one_of(doc.get("vllm_layout_basis"), "vllm_layout_basis",
+                                      LAYOUT_BASES),
             placement=_placement(doc.get("placement")),
             attachments=tuple(
                 _attachment(uj.obj(a, "attachment"))
@@ -180,6 +192,13 @@ _MAX_BYTES_PER_ROW = 2**40
 _MAX_WORKERS = 2**16
 MAX_ATTACHMENTS = 4096
 MAX_SEGMENTS = 4096
+
+
+def _one_of(value: Any, what: str, allowed: tuple[str, ...]) -> str | None:
+    text = uj.opt_string(value, what, 32)
+    if text is not None and text not in allowed:
+        raise uj.UntrustedJsonError(f"{what} must be one of {', '.join(allowed)}")
+    return text
 
 
 def _placement(doc: Any) -> dict[str, Any] | None:

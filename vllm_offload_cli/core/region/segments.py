@@ -4,7 +4,10 @@ vLLM 0.33's CPU spec splits a big region so workers pre-fault several files in
 parallel (tmpfs serialises page-cache inserts per file). The split is part of
 the on-disk format, so it is reproduced here exactly: at most 32 files, none
 smaller than 1 GiB, `cdiv(num_blocks, n)` consecutive rows per file, the files
-mapped back to back into one address range.
+mapped back to back into one address range. vLLM 0.31 and 0.32, and every
+release's tiering spec, make one file: a region of one file is joined by all of
+them (and by 0.33's CPU spec below 2 GiB, where it makes one file too); a
+region of several files only by 0.33's CPU spec.
 """
 
 from __future__ import annotations
@@ -13,8 +16,18 @@ from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 
-VLLM_CPU_SEGMENTS = 32  # what vLLM's CPUOffloadingSpec asks for
+VLLM_CPU_SEGMENTS = 32  # what vLLM 0.33's CPUOffloadingSpec asks for (the newest rule)
 MIN_SEGMENT_BYTES = 1 << 30  # vLLM does not make a file for less
+
+# The two layouts vLLM's releases make, by the files on disk.
+SEGMENTED = "segmented"  # `.mmap`, `.mmap.1`, ...: only vLLM 0.33's CPU spec joins it
+SINGLE_FILE = "single-file"  # one `.mmap`: every release's tiering spec, 0.31/0.32's CPU spec
+VLLM_LAYOUTS = (SEGMENTED, SINGLE_FILE)
+
+
+def layout_of(files: int) -> str:
+    """The vLLM layout a region of `files` files has."""
+    return SEGMENTED if files > 1 else SINGLE_FILE
 
 
 @dataclass(frozen=True)
@@ -29,17 +42,16 @@ class Segment:
         return f"{bare_path}.{self.index}" if self.index else bare_path
 
 
-def effective_segments(requested: int, size_bytes: int) -> int:
-    """vLLM's rule: the requested count, capped so no file is under 1 GiB (at least 1)."""
+def effective_segments(requested: int, size_bytes: int, *,
+                       min_bytes: int = MIN_SEGMENT_BYTES) -> int:
+    """vLLM's rule: the requested count, capped so no file is under `min_bytes` (>= 1)."""
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise InvalidInputError(f"segments must be an integer >= 1, got {requested!r}",
                                 code="invalid_segments")
-    return max(1, min(requested, size_bytes // MIN_SEGMENT_BYTES))
-
-
-def default_segments(size_bytes: int) -> int:
-    """How many files vLLM's CPU spec makes for a region of this size."""
-    return effective_segments(VLLM_CPU_SEGMENTS, size_bytes)
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 1:
+        raise InvalidInputError(f"the smallest segment must be >= 1 byte, got {min_bytes!r}",
+                                code="invalid_segments")
+    return max(1, min(requested, size_bytes // min_bytes))
 
 
 def split(num_blocks: int, row_stride: int, segments: int) -> tuple[Segment, ...]:

@@ -48,7 +48,13 @@ from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, check_rank
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR, manifest_path, region_path
 from vllm_offload_cli.core.region.prefault import PopulateStats, Progress, populate, slot_ranges
 from vllm_offload_cli.core.region.ranks import RankSource, parse_rank_source
-from vllm_offload_cli.core.region.segments import Segment, effective_segments, split
+from vllm_offload_cli.core.region.segments import (
+    MIN_SEGMENT_BYTES,
+    Segment,
+    effective_segments,
+    layout_of,
+    split,
+)
 from vllm_offload_cli.core.system import libc
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef, hostname
@@ -114,6 +120,8 @@ class SharedOffloadRegion:
         numa_policy: str | None = None,
         huge_pages: str = "never",
         num_segments: int = 1,
+        min_segment_bytes: int = MIN_SEGMENT_BYTES,
+        vllm_layout_basis: str | None = None,
         engine_token: str | None = None,
     ) -> None:
         self.page_size = PAGESIZE
@@ -142,7 +150,9 @@ class SharedOffloadRegion:
         # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
         self.segments: tuple[Segment, ...] = split(
             num_blocks, kv_bytes_per_block,
-            effective_segments(num_segments, self.total_size_bytes))
+            effective_segments(num_segments, self.total_size_bytes,
+                               min_bytes=min_segment_bytes))
+        self._vllm_layout_basis = vllm_layout_basis
         self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
         self._segment_fds: list[int] = []  # open (and shared-locked) `.mmap.N`, N >= 1
         self.engine_token = engine_token
@@ -243,6 +253,8 @@ class SharedOffloadRegion:
             placement=None if self.placement.is_default else self.placement.to_record(),
             state=manifest_io.CREATING,  # `ready` once sized and pre-faulted (_attach)
             segments=len(self.segments), engine_token=self.engine_token,
+            vllm_layout=layout_of(len(self.segments)),
+            vllm_layout_basis=self._vllm_layout_basis,
         ))
         self._manifest_written = True
         pause_at("after_manifest")

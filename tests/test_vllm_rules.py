@@ -1,0 +1,180 @@
+"""What the hook and `create` read from a vLLM's code, and what they do with a vLLM they
+do not understand: stand-in source trees (tests/helpers/vllm_tree.py), no vLLM needed.
+
+The real releases (0.31.0, 0.32.0, 0.33.0) are read in tests/test_vllm_adapter.py,
+which checks the reading against what plain vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_offload_cli.engine.vllm_rules import (
+    DEVICE_MODULO,
+    LOGICAL,
+    RegionCall,
+    UnsupportedVllm,
+    read_rules,
+)
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import vllm_tree
+
+# The shapes of the three releases, as stand-ins (our code, their signatures).
+SEGMENTED_033 = {"params": "barrier=None, *, creator_memory_check=None, populate_shard=None, "
+                           "num_segments=1",
+                 "call": "barrier=print, num_segments=_REGION_SEGMENTS, populate_shard=None"}
+ONE_FILE_032 = {"params": "barrier=None, *, creator_memory_check=None, "
+                          "populate_only_on_creator=False",
+                "call": "barrier=print"}
+DEVICE_031 = {**ONE_FILE_032, "rank_line": vllm_tree.DEVICE_MODULO}
+UNKNOWN = {"params": "barrier=None, *, num_segments=1, segment_bytes=0",
+           "call": "barrier=print"}
+
+
+@pytest.mark.parametrize(("shape", "cpu", "layout"), [
+    (SEGMENTED_033, RegionCall(segments=32, rank_source=LOGICAL, barrier=True), "segmented"),
+    (ONE_FILE_032, RegionCall(segments=1, rank_source=LOGICAL, barrier=True), "single-file"),
+    (DEVICE_031, RegionCall(segments=1, rank_source=DEVICE_MODULO, barrier=True),
+     "single-file"),
+])
+def test_the_rules_are_read_from_the_code(tmp_path: Path, shape: dict[str, str],
+                                          cpu: RegionCall, layout: str) -> None:
+    rules = read_rules(vllm_tree.write(tmp_path, **shape))
+    assert (rules.cpu_worker, rules.cpu_layout, rules.version) == (cpu, layout, "0.99.0")
+    assert rules.tiering_worker == RegionCall(segments=1, rank_source=LOGICAL, barrier=False)
+    assert rules.tiering_scheduler.rank_source is None
+    assert rules.min_segment_bytes == 1 << 30
+    assert rules.files(rules.cpu_worker, 3 << 30) == (3 if layout == "segmented" else 1)
+
+
+@pytest.mark.parametrize(("shape", "why"), [
+    (UNKNOWN, "takes segment_bytes, which this vllm-offload does not know"),
+    ({**ONE_FILE_032, "call": "barrier=print, num_segments=2"},
+     "passes num_segments, which SharedOffloadRegion does not take"),
+    ({**ONE_FILE_032, "rank_line": "rank = 0"}, "picks each worker's slot in a way"),
+    ({**SEGMENTED_033, "min_segment_bytes": "int('7')"},
+     "_MIN_SEGMENT_BYTES is not a positive integer constant"),
+    ({"params": "barrier=None, **kwargs", "call": "barrier=print"}, "**kwargs"),
+])
+def test_code_that_is_not_understood_is_refused_not_guessed(tmp_path: Path,
+                                                            shape: dict[str, str],
+                                                            why: str) -> None:
+    with pytest.raises(UnsupportedVllm, match=why.replace("*", r"\*")):
+        read_rules(vllm_tree.write(tmp_path, **shape))
+
+
+def test_a_tree_without_the_region_module_is_refused(tmp_path: Path) -> None:
+    root = vllm_tree.write(tmp_path, **ONE_FILE_032)
+    (root / "vllm/v1/kv_offload/cpu/shared_offload_region.py").unlink()
+    with pytest.raises(UnsupportedVllm, match=r"shared_offload_region\.py cannot be read"):
+        read_rules(root)
+
+
+ENGINE = '''
+import json, logging, sys, types
+sys.path.insert(0, sys.argv[1])
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s", stream=sys.stderr)
+from vllm_offload_cli.engine import plugin
+plugin.register()
+plugin.register()  # vLLM loads plugins in every process, sometimes twice
+from vllm.v1.kv_offload import calls
+from vllm_offload_cli.engine.vllm_spec import HardenedCPUOffloadingSpec
+parallel = types.SimpleNamespace(rank=0, world_size=1)
+config = types.SimpleNamespace(engine_id=sys.argv[2], parallel=parallel,
+                               extra_config=json.loads(sys.argv[3]))
+HardenedCPUOffloadingSpec(config).create_worker(None)
+print(json.dumps(calls))
+'''
+
+
+def _engine(root: Path, engine_id: str, extra: dict[str, Any] | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", ENGINE, str(root), engine_id, json.dumps(extra or {})],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, **(env or {})})
+
+
+def test_a_vllm_outside_the_matrix_gets_one_warning_and_runs_as_plain_vllm(
+        tmp_path: Path) -> None:
+    engine_id = f"vllm-offload-test-{secrets.token_hex(6)}"
+    run = _engine(vllm_tree.write(tmp_path, **UNKNOWN), engine_id)
+    assert run.returncode == 0, run.stderr
+    logged = [line for line in run.stderr.splitlines() if line.startswith("LOG ")]
+    assert len(logged) == 1 and "segment_bytes" in logged[0]
+    assert "engine runs as plain vLLM" in logged[0]
+    # nothing registered; vLLM's own create_worker built its region; the hook made nothing
+    assert json.loads(run.stdout) == [["plain create_worker"], ["region", engine_id, 0]]
+    assert not list(Path("/dev/shm").glob(f"vllm_offload_{engine_id}*"))
+
+
+def test_strict_mode_refuses_a_vllm_outside_the_matrix(tmp_path: Path) -> None:
+    root = vllm_tree.write(tmp_path, **UNKNOWN)
+    run = _engine(root, "strict", env={"VLLM_OFFLOAD_STRICT": "1"})
+    assert run.returncode == 1 and "UnsupportedVllm" in run.stderr
+    assert "segment_bytes" in run.stderr and run.stdout == ""
+    hook = _engine(root, "strict", extra={"vllm_offload_strict": True})  # the spec's switch
+    assert hook.returncode == 1 and "UnsupportedVllm" in hook.stderr and hook.stdout == ""
+
+
+def test_a_vllm_inside_the_matrix_gets_both_names_registered(tmp_path: Path) -> None:
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from vllm_offload_cli.engine "
+              "import plugin; plugin.register(); from vllm.v1.kv_offload import calls; "
+              "print(calls)")
+    run = subprocess.run([sys.executable, "-c", script,
+                          str(vllm_tree.write(tmp_path, **SEGMENTED_033))],
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == ("[('registered', 'HardenedCPUOffloadingSpec'), "
+                                  "('registered', 'HardenedTieringOffloadingSpec')]"), run.stderr
+
+
+@pytest.fixture
+def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Make a stand-in tree the `vllm` that `create` finds (never imported)."""
+    def install(**shape: str) -> None:
+        root = vllm_tree.write(tmp_path / "site", **shape)
+        monkeypatch.delitem(sys.modules, "vllm", raising=False)
+        monkeypatch.syspath_prepend(str(root))
+    return install
+
+
+def _create(cli: Any, shm_dir: Path, engine_id: str, *extra: str) -> Any:
+    return cli("create", engine_id, "--world-size", "2", "--cpu-page-size", "1MiB", "--size",
+               "3GiB", "--no-populate", "--shm-dir", str(shm_dir), "--json", *extra)
+
+
+def test_create_makes_the_layout_of_the_vllm_installed_here(cli: Any, shm_dir: Path,
+                                                            installed: Any) -> None:
+    installed(**ONE_FILE_032)
+    made = _create(cli, shm_dir, "one")
+    assert made.exit_code == 0, made.stderr
+    assert made.json["data"]["vllm_layout"] == {"name": "single-file", "basis": "vllm",
+                                                "vllm_version": "0.99.0"}
+    assert [Path(p).name for p in made.json["data"]["paths"]] == ["vllm_offload_one.mmap"]
+    assert made.json["warnings"] == []
+    manifest = json.loads((shm_dir / "vllm_offload_one.manifest.json").read_text())
+    assert (manifest["vllm_layout"], manifest["vllm_layout_basis"]) == ("single-file", "vllm")
+    human = cli("create", "two", "--world-size", "2", "--cpu-page-size", "1MiB", "--size",
+                "3GiB", "--no-populate", "--shm-dir", str(shm_dir))
+    assert "layout    single-file (read from the vLLM 0.99.0 installed here)" in human.stdout
+
+
+def test_create_refuses_to_guess_for_a_vllm_it_does_not_understand(
+        cli: Any, shm_dir: Path, installed: Any) -> None:
+    installed(**UNKNOWN)
+    refused = _create(cli, shm_dir, "odd")
+    assert refused.exit_code == 2
+    assert refused.json["errors"][0]["code"] == "unknown_vllm"
+    assert "--vllm-layout segmented or single-file" in refused.json["errors"][0]["message"]
+    assert list(shm_dir.iterdir()) == []
+    asked = _create(cli, shm_dir, "odd", "--vllm-layout", "segmented")  # the way out
+    assert asked.exit_code == 0 and len(asked.json["data"]["paths"]) == 3
