@@ -8,6 +8,7 @@ cannot pass by skipping what only they can test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -45,6 +46,23 @@ def require_root(reason: str, *, granted: bool | None = None) -> None:
         pytest.fail(f"{reason} (and {REQUIRE_ROOT}=1 turns this skip into a failure)",
                     pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_private_dir_left_in_dev_shm() -> Iterator[None]:
+    """Tests that run vLLM's own code use /dev/shm itself (vLLM's path is fixed), and an
+    engine's start-up lock lives in /dev/shm/.vllm-offload-UID: remove it again if this
+    session made it, so the suite leaves /dev/shm as it found it."""
+    from vllm_offload_cli.core.region import fsguard
+
+    private = Path("/dev/shm") / fsguard.private_dir_name()
+    existed = private.exists()
+    yield
+    if not existed and private.is_dir() and not private.is_symlink():
+        for leftover in ("startup.lock",):
+            (private / leftover).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            private.rmdir()
 
 
 @pytest.fixture(scope="session")
