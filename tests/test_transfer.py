@@ -241,6 +241,22 @@ def test_every_rule_is_exact(case: str, one_device: bool, dense: bool, split: bo
     assert not back[untouched].any()
 
 
+def test_rows_of_the_gather_limit_or_more_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job into one run of destinations gathers small rows and batches large ones,
+    by a fixed row size; both copy the same bytes."""
+    src, dst = (torch.tensor(ids) for ids in RULE_CASES["dst_run"])
+    device_rows = torch.randint(-128, 128, (40, 64), dtype=torch.int8,
+                                generator=torch.Generator().manual_seed(5))
+    for limit, want in ((65, "gather"), (64, "batched")):
+        monkeypatch.setattr(copies, "GATHER_MAX_ROW_BYTES", limit)
+        region_rows = torch.zeros(50, 64, dtype=torch.int8)
+        w = word_width(device_rows, region_rows)
+        pair = TensorPair(as_words(device_rows, w), as_words(region_rows, w), 64, True)
+        job = make_job(1, Direction.STORE, src, dst, device_blocks=40, region_blocks=50)
+        assert copy_job([pair], job) == want
+        assert torch.equal(region_rows[dst], device_rows[src])
+
+
 def test_one_batched_call_carries_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scattered on both sides, a job of three tensors is one call, however many blocks."""
     calls: list[int] = []

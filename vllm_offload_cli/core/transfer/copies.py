@@ -4,7 +4,8 @@ Per KV tensor, by the shape of the job alone (no measured costs, so the same
 job is copied the same way on every host and in every run):
 
 * slice   - source and destination are one run each: one slice copy;
-* gather  - the destinations are one run: one `index_select` into it;
+* gather  - the destinations are one run of rows under GATHER_MAX_ROW_BYTES: one
+            `index_select` into it (for larger rows the batched call is faster);
 * batched - anything else: one piece per run of both sides (per block where
             rows are not adjacent), all tensors' pieces in one
             `torch._foreach_copy_` call over row views cached once per tensor.
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
     from vllm_offload_cli.core.transfer.jobs import Ids
 
 SPLIT_MIN_BYTES = 1 << 20  # a batched call smaller than this stays on one thread
+# index_select beats the batched call on small rows (one call instead of one per row)
+# and loses on large ones, where the batched call is split over two threads (figures:
+# the README's "Measuring offload speed"). A fixed size: every host copies alike.
+GATHER_MAX_ROW_BYTES = 256 << 10
 
 
 class RowViews:
@@ -98,7 +103,7 @@ class TensorPair:
         """How this tensor's part of `job` is copied: slice, gather or batched."""
         if job.one_run and (self.one_device or self.dense):
             return "slice"
-        if self.one_device and job.dst_one_run:
+        if self.one_device and job.dst_one_run and self.row_bytes < GATHER_MAX_ROW_BYTES:
             return "gather"
         return "batched"
 
