@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from conftest import require_root
 from helpers.other_user import NOBODY, OtherUser
+from helpers.ready_process import ReadyProcess
 from region_files import GEOMETRY, region_file
 
 from vllm_offload_cli.cli import metrics
@@ -42,34 +43,6 @@ INTERRUPT_IMPORT = Path(__file__).parent / "helpers" / "interrupt_import"
 CLI = [sys.executable, "-m", "vllm_offload_cli"]
 
 
-class Trick:
-    """A running adversary.py; stdin closed = it stops."""
-
-    def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().split()
-        if not line or line[0] != "ready":
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            self.proc.kill()
-            raise RuntimeError(f"adversary failed to start: {err}")
-        self.pid = int(line[1])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
-
-
 def need_root() -> None:
     require_root("needs root to play another user against root")
 
@@ -77,10 +50,10 @@ def need_root() -> None:
 @pytest.fixture
 def tricks(nobody: OtherUser) -> Iterator[Any]:
     """Start adversary.py tricks as user nobody; all stopped at teardown."""
-    started: list[Trick] = []
+    started: list[ReadyProcess] = []
 
-    def start(*args: str) -> Trick:
-        t = Trick(nobody.python_command(nobody.helper(ADVERSARY.name), *args))
+    def start(*args: str) -> ReadyProcess:
+        t = ReadyProcess(nobody.python_command(nobody.helper(ADVERSARY.name), *args))
         started.append(t)
         return t
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from conftest import require_root, wait_until
 from helpers.other_user import NOBODY, OtherUser
+from helpers.ready_process import ReadyProcess
 from region_files import region_file
 
 from vllm_offload_cli.core.host import visibility
@@ -42,41 +43,18 @@ def without_caps(caps: str, cmd: list[str]) -> list[str]:
     return ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *cmd]
 
 
-class Sneaky:
-    """A real holder process (sneaky_holder.py); stdin closed = it exits."""
-
-    def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().split()
-        if not line or line[0] != "ready":
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"holder failed to start: {err}")
-        self.pid = int(line[1])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            self.proc.wait(timeout=20)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
-
-
 @pytest.fixture
 def sneaky(request: pytest.FixtureRequest) -> Iterator[Any]:
     """Start sneaky holders, as this user or (user="nobody") as nobody; killed at teardown."""
-    started: list[Sneaky] = []
+    started: list[ReadyProcess] = []
 
-    def start(path: Path, how: str, *extra: str, user: str = "root") -> Sneaky:
+    def start(path: Path, how: str, *extra: str, user: str = "root") -> ReadyProcess:
         if user == "nobody":
             nobody: OtherUser = request.getfixturevalue("nobody")
             cmd = nobody.python_command(nobody.helper(SNEAKY.name), str(path), how, *extra)
         else:
             cmd = [sys.executable, str(SNEAKY), str(path), how, *extra]
-        s = Sneaky(cmd)
+        s = ReadyProcess(cmd)
         started.append(s)
         return s
 

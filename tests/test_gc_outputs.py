@@ -94,17 +94,15 @@ def test_an_unwritable_metrics_path_removes_nothing(shm_dir: Path, tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "file"]  # no probe left
 
 
-def test_a_write_that_fails_after_removals_reports_them_and_exits_7(
-        shm_dir: Path, tmp_path: Path, syslog: SyslogSink) -> None:
-    """A real late failure: gc is stopped after its removals, the target turns into a
-    directory, and the rename over it fails."""
-    region_file(shm_dir, "leaked")
-    prom = tmp_path / "gc.prom"
+def _gc_whose_output_breaks(shm_dir: Path, prom: Path, *args: str,
+                            env: dict[str, str] | None = None
+                            ) -> tuple[subprocess.Popen[str], str, str]:
+    """gc stopped after its removals (the test hook), `prom` turned into a directory,
+    then resumed: the rename over it fails. (process, stdout, stderr)"""
     proc = subprocess.Popen([*CLI, "gc", "--shm-dir", str(shm_dir), "--min-age", "0",
-                             "--prometheus", str(prom), "--json"],
+                             "--prometheus", str(prom), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, PAUSE_ENV: "gc_before_outputs",
-                                 SOCKET_ENV: str(syslog.path)})
+                            env={**os.environ, PAUSE_ENV: "gc_before_outputs", **(env or {})})
     try:
         assert wait_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED,
                           timeout=60)
@@ -115,6 +113,17 @@ def test_a_write_that_fails_after_removals_reports_them_and_exits_7(
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    return proc, out, err
+
+
+def test_a_write_that_fails_after_removals_reports_them_and_exits_7(
+        shm_dir: Path, tmp_path: Path, syslog: SyslogSink) -> None:
+    """A real late failure: gc is stopped after its removals, the target turns into a
+    directory, and the rename over it fails."""
+    region_file(shm_dir, "leaked")
+    prom = tmp_path / "gc.prom"
+    proc, out, err = _gc_whose_output_breaks(shm_dir, prom, "--json",
+                                             env={SOCKET_ENV: str(syslog.path)})
     doc = json.loads(out)
     assert proc.returncode == 7 and doc["exit_code"] == 7 and doc["ok"] is False, err
     assert [r["engine_id"] for r in doc["data"]["removed"]] == ["leaked"]
@@ -129,20 +138,7 @@ def test_the_table_also_lists_removals_when_the_write_fails(shm_dir: Path,
                                                              tmp_path: Path) -> None:
     region_file(shm_dir, "leaked")
     prom = tmp_path / "gc.prom"
-    proc = subprocess.Popen([*CLI, "gc", "--shm-dir", str(shm_dir), "--min-age", "0", "-q",
-                             "--prometheus", str(prom), "--no-syslog"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, PAUSE_ENV: "gc_before_outputs"})
-    try:
-        assert wait_until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED,
-                          timeout=60)
-        prom.mkdir()
-        os.kill(proc.pid, signal.SIGCONT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    proc, out, err = _gc_whose_output_breaks(shm_dir, prom, "-q", "--no-syslog")
     assert proc.returncode == 7
     assert "Removed leaked" in out and "Freed" in out
     assert f"Error: cannot write {prom}" in err
