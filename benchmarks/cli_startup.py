@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from scale_fixtures import HOLDER  # benchmarks/, beside this script
+from scale_fixtures import HOLDER, stop_all  # benchmarks/, beside this script
 
 
 def _cli() -> list[str]:
@@ -77,11 +77,7 @@ def main() -> None:
                 times[name].append(_time(argv))
         load = os.getloadavg()
     finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-        shutil.rmtree(shm, ignore_errors=True)
+        stop_all(procs, shm)
     med = {name: statistics.median(t) for name, t in times.items()}
     print(f"{args.regions} held regions, {os.cpu_count()} CPUs, load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; median of {args.repeat} runs each"

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
-from scale_fixtures import HOLDER, explain, median_time  # benchmarks/, beside this script
+from scale_fixtures import HOLDER, explain, median_time, stop_all  # benchmarks/, beside this script
 
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.host.observed_placement import observe_all
@@ -85,11 +84,7 @@ def main() -> None:
         for p in idle:
             p.kill()
     finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-        shutil.rmtree(shm, ignore_errors=True)
+        stop_all(procs, shm)
     print(f"{len(found.regions)} regions ({states}), {nproc} processes in /proc, "
           f"{os.cpu_count()} CPUs; median of {args.repeat}")
     base = rows[0][1]

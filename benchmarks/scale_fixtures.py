@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -42,3 +45,13 @@ def explain(name: str, process: float, in_process: float, python: float, imports
             f"{verdict}) = {python * 1000:.0f} ms interpreter start + {imp * 1000:.0f} ms "
             f"imports + {in_process * 1000:.0f} ms the work in-process + {rest * 1000:.0f} ms "
             "the rest (parsing options, JSON out, exit)")
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]] | list[subprocess.Popen[str]],
+             shm: str | os.PathLike[str]) -> None:
+    """Kill the holder processes, reap them, and remove the scratch directory."""
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
+    shutil.rmtree(shm, ignore_errors=True)

@@ -179,7 +179,7 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
         ours = lease.region
         fid = FileId.of(os.fstat(ours.fd))
         doc.update(hook_creator=lease.creator,
-                   hook_files=vllm_stubs.mapped_files(_address(ours.mmap_obj),
+                   hook_files=vllm_stubs.mapped_files(vllm_stubs.address_of(ours.mmap_obj),
                                                       storage.nbytes()),
                    same_inode=fid.ino in {f["ino"] for f in doc["vllm_files"]}, ino=fid.ino,
                    lease_locked=os.getpid() in [pid for pid, _ in flock_holders(fid)],
@@ -191,14 +191,6 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     region.cleanup()
     if lease is not None:
         lease.close()
-
-
-def _address(mm: Any) -> int:
-    buf = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(buf)
-    finally:
-        del buf
 
 
 def row_bytes(mm: Any, spec: Any, world: int) -> list[list[int]]:
@@ -234,7 +226,7 @@ def scheduler(config: Any, kv_config: Any, args: dict[str, Any]) -> None:
     if lease is not None:  # vLLM's mapping of the file: the one that is not the hook's
         ours = lease.region
         ino = os.fstat(ours.fd).st_ino
-        mine = _address(ours.mmap_obj)
+        mine = vllm_stubs.address_of(ours.mmap_obj)
         theirs = [m for m in vllm_stubs.mappings_of(ino) if m[0] != mine]
         doc.update(hook_creator=lease.creator, ino=ino, same_inode=len(theirs) == 1,
                    rows=[] if len(theirs) != 1 else row_bytes(

@@ -14,7 +14,6 @@ rule down (vLLM's constant only: the hook must follow it).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import sys
@@ -22,14 +21,6 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_stubs
-
-
-def _address(mm: Any) -> int:
-    buf = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(buf)
-    finally:
-        del buf
 
 
 def main() -> None:
@@ -98,7 +89,7 @@ def main() -> None:
     ours = lease.region
     assert ours.mmap_obj is not None and ours.fd is not None
     ino = os.fstat(ours.fd).st_ino
-    our_start = _address(ours.mmap_obj)
+    our_start = vllm_stubs.address_of(ours.mmap_obj)
     if role != "worker":  # the scheduler's region: the other mapping of our file here
         [(vllm_start, end)] = [m for m in vllm_stubs.mappings_of(ino) if m[0] != our_start]
         length = end - vllm_start

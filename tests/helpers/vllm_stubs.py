@@ -26,6 +26,7 @@ the platform and the CUDA copy worker replaced.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import sys
@@ -214,3 +215,12 @@ def tiny_model_class(torch: Any) -> type:
             return hidden_states
 
     return VllmOffloadTinyForCausalLM
+
+
+def address_of(mm: Any) -> int:
+    """Where an mmap object is mapped (to find it in /proc/self/maps)."""
+    buf = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(buf)
+    finally:
+        del buf
