@@ -343,7 +343,7 @@ def discover(
         if wanted is not None and engine_id not in wanted:
             continue
         for fid, uses in by_inode.items():
-            regions.append(_deleted_region(engine_id, fid, uses, scan, measure_residency))
+            regions.append(_deleted_region(engine_id, fid, uses, measure_residency))
 
     regions = _flag_collisions(regions)
     orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
@@ -416,7 +416,7 @@ def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
     return (PERSISTENT if manifest is not None and manifest.persistent else STALE), None
 
 
-def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse], scan: ProcessScan,
+def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
                     measure: bool) -> RegionInfo:
     """A region whose name is gone: all we know comes through its users' /proc entries."""
     parts = split_engine_id(engine_id)

@@ -70,6 +70,7 @@ class _Filter:
         self.ids = set(ids)
         self.devs = {f.dev for f in self.ids} | ({dev} if dev is not None else set())
         self.name = name
+        self._name_text = None if name is None else name.decode("utf-8", "surrogateescape")
         self.every = not self.ids and name is None
         self.tokens = [procfs.maps_dev_token(d) for d in self.devs]
         self.inodes = re.compile(rb" (?:" + b"|".join(
@@ -79,8 +80,8 @@ class _Filter:
     def keeps(self, fid: FileId, path: str | None) -> bool:
         if fid in self.ids or (self.every and fid.dev in self.devs):
             return True
-        return (self.name is not None and path is not None and fid.dev in self.devs
-                and self.name.decode("utf-8", "surrogateescape") in path)
+        return (self._name_text is not None and path is not None and fid.dev in self.devs
+                and self._name_text in path)
 
     def _named(self, text: bytes) -> bool:
         return (self.every or (self.inodes is not None and self.inodes.search(text) is not None)
@@ -108,11 +109,9 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int],
         fid = FileId.of(st)
         if fid.dev not in want.devs or not stat.S_ISREG(st.st_mode):
             continue
-        target = None if fid in want.ids else procfs.fd_target(pid, fd)
+        target = procfs.fd_target(pid, fd)
         if not want.keeps(fid, target):
             continue
-        if target is None:
-            target = procfs.fd_target(pid, fd)
         path, deleted = procfs.strip_deleted(target or "")
         uses[fid].append(FileUse(pid=pid, kind="fd", path=path, deleted=deleted,
                                  size_hint=st.st_size, fd=fd))
@@ -147,19 +146,13 @@ def _scan(want: _Filter, own_fds: Collection[int]) -> ProcessScan:
     me = os.getpid()
     for pid in processes.pids():
         deadline.check("scanning processes")
-        denied = False
-        gone = False
-        for step in ("fd", "map"):
-            got = (_scan_fds(pid, want, own_fds if pid == me else (), scan.uses)
-                   if step == "fd" else _scan_maps(pid, want, scan.uses))
-            if got is None:
-                gone = True
-                break
-            denied = denied or got  # the other read may still work: do it
-        if gone:
+        fds = _scan_fds(pid, want, own_fds if pid == me else (), scan.uses)
+        # the maps are read even where the descriptors were denied: they may still show it
+        maps = None if fds is None else _scan_maps(pid, want, scan.uses)
+        if maps is None:
             continue  # exited mid-scan: it holds nothing now
         scan.scanned += 1
-        if denied:
+        if fds or maps:
             scan.denied_pids.append(pid)
     return scan
 

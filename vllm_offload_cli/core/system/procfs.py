@@ -82,11 +82,9 @@ def read_maps(pid: int) -> bytes | Unreadable:
         return _why(exc)
 
 
-def parse_maps(data: bytes, *, only: bytes | None = None) -> Iterator[Mapping]:
-    """File mappings in maps text; with `only`, just the lines that contain it."""
+def parse_maps(data: bytes) -> Iterator[Mapping]:
+    """File mappings in maps text (anonymous memory skipped)."""
     for raw in data.splitlines():
-        if only is not None and only not in raw:
-            continue
         parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
         if len(parts) < 5:
             continue
