@@ -51,7 +51,7 @@ import re
 import stat
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.errors import InvalidInputError, OffloadError
@@ -513,24 +513,24 @@ class _Run:
     def _remove(self, held: _Locked, age: float, *, leased: bool = False, why: str = "",
                 hidden: tuple[int, ...] = ()) -> None:
         r = held.region
-        uid = held.files[0][2].st_uid if held.files else None
         if leased and not all(openers.still_sole(fd) for _, fd, _ in held.files):
             self._keep(self._opened_elsewhere(r, []))  # an open() is waiting on our lease
             return
-        size = sum(st.st_size for _, _, st in held.files)
-        freed = sum(st.st_blocks * 512 for _, _, st in held.files)
+        planned = RemovedRegion(
+            engine_id=r.engine_id, paths=tuple(seg.path for seg, _, _ in held.files),
+            bytes=sum(st.st_size for _, _, st in held.files),
+            freed_bytes=sum(st.st_blocks * 512 for _, _, st in held.files),
+            manifest=held.manifest_path if held.manifest_fd is not None else None,
+            age_seconds=age, uid=held.files[0][2].st_uid if held.files else None,
+            reason=why, hidden_pids=hidden)
         if self.options.dry_run:
-            self.removed.append(RemovedRegion(
-                engine_id=r.engine_id, paths=tuple(seg.path for seg, _, _ in held.files),
-                bytes=size, freed_bytes=freed,
-                manifest=held.manifest_path if held.manifest_fd is not None else None,
-                age_seconds=age, uid=uid, reason=why, hidden_pids=hidden))
+            self.removed.append(planned)
             return
         with deadline.shielded():
-            self._unlink_region(held, age, uid=uid, why=why, hidden=hidden)
+            self._unlink_region(held, planned)
 
-    def _unlink_region(self, held: _Locked, age: float, *, uid: int | None, why: str,
-                       hidden: tuple[int, ...]) -> None:
+    def _unlink_region(self, held: _Locked, planned: RemovedRegion) -> None:
+        """Remove what `planned` names; record what really went."""
         r = held.region
         manifest_removed = None
         if held.manifest_fd is not None:
@@ -557,10 +557,8 @@ class _Run:
                 self.vanished.append(r.engine_id)
         if paths:
             paths.reverse()
-            self.removed.append(RemovedRegion(engine_id=r.engine_id, paths=tuple(paths),
-                                              bytes=size, freed_bytes=freed,
-                                              manifest=manifest_removed, age_seconds=age,
-                                              uid=uid, reason=why, hidden_pids=hidden))
+            self.removed.append(replace(planned, paths=tuple(paths), bytes=size,
+                                        freed_bytes=freed, manifest=manifest_removed))
             logger.info("removed %s (%d bytes)", ", ".join(paths), size)
 
     # -- manifests and temporary files --------------------------------------------
