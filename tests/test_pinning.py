@@ -90,7 +90,7 @@ def test_a_failed_chunk_undoes_the_others_and_explains() -> None:
 
 def test_unpin_reports_problems_without_raising() -> None:
     rt = FakeCudart()
-    state = PinState(True, 1 << 40, ((0, 4096), (4096, 4096)), None)
+    state = PinState(pinned=True, ptr=1 << 40, chunks=((0, 4096), (4096, 4096)), device_index=None)
     problems = unpin(state, cudart=rt)
     assert len(problems) == 2 and "invalid value" in problems[0]
 

@@ -211,7 +211,8 @@ def test_every_rule_is_exact(case: str, one_device: bool, dense: bool, split: bo
     assert w == 2
 
     def pair(dev: torch.Tensor) -> TensorPair:
-        return TensorPair(as_words(dev, w), as_words(region_rows, w), width, one_device)
+        return TensorPair(device=as_words(dev, w), region=as_words(region_rows, w),
+                          row_bytes=width, one_device=one_device)
 
     with ThreadPoolExecutor(1) as helper:
         job = make_job(1, Direction.STORE, src, dst, device_blocks=n_dev, region_blocks=n_reg)
@@ -251,7 +252,8 @@ def test_rows_of_the_gather_limit_or_more_are_batched(monkeypatch: pytest.Monkey
         monkeypatch.setattr(copies, "GATHER_MAX_ROW_BYTES", limit)
         region_rows = torch.zeros(50, 64, dtype=torch.int8)
         w = word_width(device_rows, region_rows)
-        pair = TensorPair(as_words(device_rows, w), as_words(region_rows, w), 64, True)
+        pair = TensorPair(device=as_words(device_rows, w), region=as_words(region_rows, w),
+                          row_bytes=64, one_device=True)
         job = make_job(1, Direction.STORE, src, dst, device_blocks=40, region_blocks=50)
         assert copy_job([pair], job) == want
         assert torch.equal(region_rows[dst], device_rows[src])
@@ -270,7 +272,8 @@ def test_one_batched_call_carries_every_tensor(monkeypatch: pytest.MonkeyPatch) 
     tensors = random_tensors(20)
     regions = [torch.zeros(30, t[0].numel() * t.element_size(), dtype=torch.int8)
                for t in tensors]
-    pairs = [TensorPair(t.view(20, -1).view(torch.int8), r, r.shape[1], True)
+    pairs = [TensorPair(device=t.view(20, -1).view(torch.int8), region=r, row_bytes=r.shape[1],
+                        one_device=True)
              for t, r in zip(tensors, regions, strict=True)]
     job = make_job(1, Direction.STORE, [3, 17, 9, 0], [28, 1, 14, 7], device_blocks=20,
                    region_blocks=30)

@@ -63,7 +63,8 @@ class Lanes:
             torch.int8).view(16, 64)
         self.host = torch.zeros(32, 64, dtype=torch.int8)
         self.sink = ResultSink()
-        pairs = [TensorPair(self.device_rows, self.host, 64, one_device=False)]
+        pairs = [TensorPair(device=self.device_rows, region=self.host, row_bytes=64,
+                            one_device=False)]
 
         def copy(job: Any, helper: Any) -> str:
             assert helper is None  # a stream lane issues on the caller's thread only

@@ -25,8 +25,9 @@ def main() -> None:
     num_blocks, rank_s, row_stride, page, world = sys.argv[3:8]
     segments = int(sys.argv[8]) if len(sys.argv) > 8 else 1
     rank = None if rank_s == "none" else int(rank_s)
-    request = RegionRequest(engine_id, int(num_blocks), rank, int(row_stride), int(page),
-                            int(world), num_segments=segments)
+    request = RegionRequest(engine_id=engine_id, num_blocks=int(num_blocks), rank=rank,
+                            row_stride=int(row_stride), cpu_page_size=int(page),
+                            world_size=int(world), num_segments=segments)
     token = os.environ.get("VLLM_OFFLOAD_ENGINE_TOKEN")
     try:
         lease = open_region(request, token=token, shm_dir=shm_dir, lock_timeout=60)

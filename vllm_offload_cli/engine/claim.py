@@ -62,7 +62,7 @@ _UNSAFE_KEPT = {gc_report.SYMLINK, gc_report.FOREIGN_OWNER, gc_report.NOT_REGULA
                 gc_report.UNREADABLE, gc_report.UNKNOWN}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ClaimResult:
     """What one engine_id's name holds now, and what starting the engine will take."""
 
@@ -252,12 +252,16 @@ def claim(
                     f"{path} stays locked by a process this user cannot see (another pid "
                     "namespace?); refusing to share it", path=path, engine_id=engine_id)
             refuse_held_other_shape(r, want, path, who.ours)
-            return ClaimResult(engine_id, path, JOIN, first_state, who.ours,
-                               tuple(reclaimed_paths), reclaimed_bytes, 0)
+            return ClaimResult(engine_id=engine_id, path=path, action=JOIN, state_seen=first_state,
+                               engine_holders=who.ours,
+                               reclaimed_paths=tuple(reclaimed_paths),
+                               reclaimed_bytes=reclaimed_bytes, needed_bytes=0)
         if r.state == PERSISTENT:
             refuse_persistent_other_shape(r, want, path, shm_dir)
-            return ClaimResult(engine_id, path, JOIN, first_state, (), tuple(reclaimed_paths),
-                               reclaimed_bytes, 0, notes=("pre-provisioned by "
+            return ClaimResult(engine_id=engine_id, path=path, action=JOIN, state_seen=first_state,
+                               engine_holders=(), reclaimed_paths=tuple(reclaimed_paths),
+                               reclaimed_bytes=reclaimed_bytes, needed_bytes=0,
+                               notes=("pre-provisioned by "
                                                           "`vllm-offload create`",))
         if r.state != STALE:
             why = f" ({r.problems[-1].message})" if r.problems else ""
@@ -267,8 +271,11 @@ def claim(
                 engine_id=engine_id, code="region_not_stale")
         if dry_run:
             other = None if want is None else mismatch(r, want)
-            return ClaimResult(engine_id, path, WOULD_RECLAIM, first_state, (), tuple(r.paths),
-                               sum(s.size_bytes for s in r.segments), 0, free_bytes=None,
+            return ClaimResult(engine_id=engine_id, path=path, action=WOULD_RECLAIM,
+                               state_seen=first_state, engine_holders=(),
+                               reclaimed_paths=tuple(r.paths),
+                               reclaimed_bytes=sum(s.size_bytes for s in r.segments),
+                               needed_bytes=0, free_bytes=None,
                                notes=() if other is None else (f"another shape: {other}",))
         report = reclaim(inv, gc_report.GcOptions(dry_run=False, min_age=0.0),
                          engine_ids=[engine_id])
@@ -367,5 +374,7 @@ def _fits(engine_id: str, path: str, action: str, state: str | None,
         capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=engine_id)
         free = min(x for x in (cap.shm.free_bytes, cap.cgroup_free_bytes,
                                cap.mem_available_bytes) if x is not None)
-    return ClaimResult(engine_id, path, action, state, (), reclaimed, reclaimed_bytes,
-                       size_bytes or 0, free_bytes=free)
+    return ClaimResult(engine_id=engine_id, path=path, action=action, state_seen=state,
+                       engine_holders=(), reclaimed_paths=reclaimed,
+                       reclaimed_bytes=reclaimed_bytes,
+                       needed_bytes=size_bytes or 0, free_bytes=free)

@@ -27,7 +27,7 @@ from vllm_offload_cli.engine.shape import RegionShape
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RegionRequest:
     """The region one engine process is about to map, in vLLM's terms."""
 

@@ -35,7 +35,7 @@ SOCKET_ENV = "VLLM_OFFLOAD_SYSLOG_SOCKET"
 _MAX_FIELD = 512
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AuditResult:
     """What reached the system log: `sent` lines, `dropped` ones, and why if any dropped."""
 
@@ -120,17 +120,19 @@ def record_removals(removed: Sequence[RemovedRegion], *, command: str | None = N
     """Send one line per removed region to the system log; never raises, never blocks."""
     path = address or socket_path()
     if not removed:
-        return AuditResult(path, 0, 0)
+        return AuditResult(socket=path, sent=0, dropped=0)
     try:
         st = os.stat(path)
     except OSError as exc:
-        return AuditResult(path, 0, len(removed), f"no syslog socket: {exc.strerror}")
+        return AuditResult(socket=path, sent=0, dropped=len(removed),
+                           problem=f"no syslog socket: {exc.strerror}")
     if not stat.S_ISSOCK(st.st_mode):
-        return AuditResult(path, 0, len(removed), "not a socket")
+        return AuditResult(socket=path, sent=0, dropped=len(removed), problem="not a socket")
     try:
         handler = _NonBlockingSysLog(path)
     except OSError as exc:
-        return AuditResult(path, 0, len(removed), exc.strerror or str(exc))
+        return AuditResult(socket=path, sent=0, dropped=len(removed),
+                           problem=exc.strerror or str(exc))
     cmd = command_line() if command is None else command
     try:
         for r in removed:
@@ -138,5 +140,5 @@ def record_removals(removed: Sequence[RemovedRegion], *, command: str | None = N
                                              0, removal_line(r, command=cmd), None, None))
     finally:
         handler.close()
-    return AuditResult(path, len(removed) - handler.failures, handler.failures,
-                       handler.last_error)
+    return AuditResult(socket=path, sent=len(removed) - handler.failures, dropped=handler.failures,
+                       problem=handler.last_error)

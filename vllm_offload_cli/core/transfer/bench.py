@@ -67,7 +67,7 @@ TARGET_MIN_BLOCK = 64 * KiB
 Progress = Callable[[int, int], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     shm_dir: str
     device: str  # "cpu" or "cuda", resolved
@@ -82,7 +82,7 @@ class BenchConfig:
     huge_pages: bool = False  # also compare normal and huge pages (largest block size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Throughput:
     """One direction of one row: the worker and the memcpy baseline, measured interleaved."""
 
@@ -100,7 +100,7 @@ class Throughput:
         return doc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrefaultFigure:
     block_bytes: int
     bytes: int
@@ -110,7 +110,7 @@ class PrefaultFigure:
     threads: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BenchRow:
     block_bytes: int
     pattern: str
@@ -128,7 +128,7 @@ class BenchRow:
         return doc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HugePageRun:
     """Pre-fault and contiguous copies of one scratch region, normal or huge pages."""
 
@@ -138,7 +138,7 @@ class HugePageRun:
     load_gbps: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HugePageComparison:
     """Normal against huge pages in the same run; ratios are huge / normal."""
 
@@ -166,7 +166,7 @@ class HugePageComparison:
         return doc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BenchReport:
     engine_id: str
     shm_dir: str
@@ -390,8 +390,9 @@ class _Bench:
         best, median = _rates(nbytes * depth, walls)
         memcpy_best, memcpy_median = _rates(nbytes * depth, copies)
         paired = [c / w for c, w in zip(copies, walls, strict=True) if w > 0 and c > 0]
-        return Throughput(best, median, _rates(nbytes, inner)[1], memcpy_best, memcpy_median,
-                          method, statistics.median(paired) if paired else 0.0)
+        return Throughput(gbps=best, median_gbps=median, worker_gbps=_rates(nbytes, inner)[1],
+                          memcpy_gbps=memcpy_best, memcpy_median_gbps=memcpy_median,
+                          method=method, ratio=statistics.median(paired) if paired else 0.0)
 
     def measure(self, worker: CopyWorker, baseline: _Baseline, view: Tensor,
                 device_rows: Tensor, block: int, num_blocks: int, n: int, pattern: str,
@@ -400,7 +401,8 @@ class _Bench:
         store = self.direction(worker, baseline, True, dev_ids, reg_ids)
         load = self.direction(worker, baseline, False, reg_ids, dev_ids)
         verified = self.verify(worker, view, device_rows, dev_ids, reg_ids)
-        return BenchRow(block, pattern, mode, n, n * block, store, load, verified)
+        return BenchRow(block_bytes=block, pattern=pattern, mode=mode, blocks_per_transfer=n,
+                        transfer_bytes=n * block, store=store, load=load, verified=verified)
 
     def verify(self, worker: CopyWorker, view: Tensor, device_rows: Tensor, dev_ids: Tensor,
                reg_ids: Tensor) -> bool:
@@ -434,8 +436,9 @@ class _Bench:
         try:
             stats = region.populate_stats
             if stats is not None:
-                prefault.append(PrefaultFigure(block, stats.bytes, stats.seconds, stats.gbps,
-                                               stats.method, stats.threads))
+                prefault.append(PrefaultFigure(block_bytes=block, bytes=stats.bytes,
+                                               seconds=stats.seconds, gbps=stats.gbps,
+                                               method=stats.method, threads=stats.threads))
             device_rows = torch.full((num_blocks, block), 0x5A, dtype=torch.int8,
                                      device=c.device)
             views = [region.create_next_worker_view(block)]
@@ -468,14 +471,15 @@ class _Bench:
 
         support = thp_support(self.config.shm_dir)
         if not support.allowed:
-            return HugePageComparison(False, support.reason, block)
+            return HugePageComparison(available=False, reason=support.reason, block_bytes=block)
         # pre-fault is one short call: alternate fresh regions `repeat` times, keep the best
         best = {"never": 0.0, "always": 0.0}
         for _ in range(self.config.repeat):
             for mode in best:
                 best[mode] = max(best[mode], self.prefault_once(block, mode))
         runs = [self.huge_page_run(block, mode, best[mode]) for mode in ("never", "always")]
-        return HugePageComparison(True, support.reason, block, runs[0], runs[1])
+        return HugePageComparison(available=True, reason=support.reason, block_bytes=block,
+                                  normal=runs[0], huge=runs[1])
 
     def scratch(self, block: int, mode: str) -> SharedOffloadRegion:
         c = self.config
@@ -511,8 +515,9 @@ class _Bench:
                                 pin=self.modes[0] == "pinned")
             row = self.measure(worker, baseline, views[0], device_rows, block, num_blocks, n,
                                "contiguous", self.modes[0])
-            return HugePageRun(region.huge_page_bytes, prefault_gbps, row.store.gbps,
-                               row.load.gbps)
+            return HugePageRun(huge_page_bytes=region.huge_page_bytes, prefault_gbps=prefault_gbps,
+                               store_gbps=row.store.gbps,
+                               load_gbps=row.load.gbps)
         finally:
             if worker is not None:
                 worker.shutdown(cancel_pending=True)

@@ -67,7 +67,7 @@ class RowViews:
         return [views[i] for i in ids.tolist()]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class TensorPair:
     """One KV tensor: its device rows and its region rows, as words of the same width.
 

@@ -131,7 +131,7 @@ def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any
     _check_range(src, src_limit, label=f"{prefix}: source", holder=src_holder)
     if dst.size < 2:
         _check_range(dst, dst_limit, label=f"{prefix}: destination", holder=dst_holder)
-        return CopyJob(job_id, direction, src, dst)
+        return CopyJob(job_id=job_id, direction=direction, src_ids=src, dst_ids=dst)
     # Pairs are ordered by destination: destinations are unique, so the order
     # of the pairs does not change the result, and sorted ids reveal runs.
     step = _diff(dst)
@@ -149,7 +149,7 @@ def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any
             raise InvalidInputError(
                 f"{prefix}: destination block {block} appears more than once; two copies "
                 "into one block would race", code="duplicate_destination")
-    return CopyJob(job_id, direction, src, dst)
+    return CopyJob(job_id=job_id, direction=direction, src_ids=src, dst_ids=dst)
 
 
 def _diff(ids: Ids) -> Ids:
@@ -158,7 +158,7 @@ def _diff(ids: Ids) -> Ids:
     return step
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class CopyJob:
     """A validated job: pairs (src_ids[i] -> dst_ids[i]), destinations strictly ascending.
 

@@ -45,9 +45,10 @@ def _result(job: CopyJob, nbytes: int, seconds: float, method: str,
     if isinstance(error, BaseException):
         logger.warning("%s job %d failed: %s", job.direction.value, job.job_id, error)
         error = f"{type(error).__name__}: {error}"
-    return TransferResult(job.job_id, job.direction, error is None, nbytes,
-                          seconds if error is None else 0.0, job.num_blocks,
-                          method if error is None else "", error)
+    return TransferResult(job_id=job.job_id, direction=job.direction, success=error is None,
+                          bytes=nbytes,
+                          seconds=seconds if error is None else 0.0, blocks=job.num_blocks,
+                          method=method if error is None else "", error=error)
 
 
 class ThreadLane:
@@ -111,7 +112,7 @@ class ThreadLane:
             self._sink.add(_result(job, nbytes, time.perf_counter() - start, method, error))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class _Queued:
     job: CopyJob
     nbytes: int
@@ -137,7 +138,7 @@ class StreamLane:
 
     def submit(self, job: CopyJob) -> None:
         torch = import_torch()
-        entry = _Queued(job, self._job_bytes(job))
+        entry = _Queued(job=job, nbytes=self._job_bytes(job))
         stream = self.stream
         with torch.cuda.device(self._device):
             try:

@@ -33,7 +33,7 @@ def pin_chunks(total: int, row_stride: int, limit: int = MAX_PIN_CHUNK) -> list[
     return [(offset, min(step, total - offset)) for offset in range(0, total, step)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PinState:
     """What pinning achieved: the registered chunks, or why there are none."""
 
@@ -90,13 +90,14 @@ def pin(ptr: int, total: int, row_stride: int, *, device_index: int | None,
             if _code(rc) != 0:
                 for d_offset, _ in done:
                     rt.cudaHostUnregister(ptr + d_offset)
-                return PinState(False, ptr, (), device_index, warning=(
+                return PinState(pinned=False, ptr=ptr, chunks=(), device_index=device_index,
+                                warning=(
                     f"cudaHostRegister of {length} bytes at offset {offset} failed: "
                     f"{_describe(rt, rc)}; copies run from pageable memory, much slower "
                     "(check `ulimit -l` / RLIMIT_MEMLOCK and the container's locked-memory "
                     "limit)"))
             done.append((offset, length))
-        return PinState(True, ptr, tuple(done), device_index)
+        return PinState(pinned=True, ptr=ptr, chunks=tuple(done), device_index=device_index)
 
     state: PinState = _on_helper_thread(register)
     return state

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from vllm_offload_cli.core.transfer.jobs import Direction
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TransferResult:
     """One finished job. `bytes` is the job's size; `success` says whether all of it moved."""
 

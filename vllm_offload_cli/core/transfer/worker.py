@@ -126,7 +126,8 @@ class CopyWorker:
 
     def _pair(self, dev: torch.Tensor, reg: torch.Tensor) -> TensorPair:
         width = word_width(dev, reg)
-        return TensorPair(as_words(dev, width), as_words(reg, width), dev.shape[1],
+        return TensorPair(device=as_words(dev, width), region=as_words(reg, width),
+                          row_bytes=dev.shape[1],
                           one_device=dev.device == reg.device)
 
     def _copy(self, job: CopyJob, helper: Executor | None) -> str:
