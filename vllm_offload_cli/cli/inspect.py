@@ -24,7 +24,7 @@ from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
-from vllm_offload_cli.core.base.units import format_bytes, parse_duration
+from vllm_offload_cli.core.base.units import format_age, format_bytes, parse_duration
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
@@ -181,15 +181,6 @@ def _holders_text(r: RegionInfo, wide: bool) -> str:
     return ", ".join(parts)
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
-
-
 def owner_name(uid: int | None) -> str:
     """The user name of `uid` as `ls -l` shows it; the number when it has none."""
     if uid is None:
@@ -242,7 +233,7 @@ def render_table(out: Console, found: Inventory,
                          r.state, owner_name(r.uid), format_bytes(r.size_bytes, compact=True),
                          format_bytes(r.resident_bytes, compact=True), _layout_text(r),
                          _numa_text(where),
-                         _age(r.age_seconds), _holders_text(r, wide),
+                         format_age(r.age_seconds), _holders_text(r, wide),
                          ",".join(p.code for p in r.problems) or "-"])
         lines.append(text_table(headers, rows, right=(4, 5, 8)))
         for r in found.regions:

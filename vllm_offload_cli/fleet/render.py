@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.base.units import format_age, format_bytes
 from vllm_offload_cli.fleet.result import (
     ABSENT,
     ANSWERED,
@@ -34,15 +34,6 @@ def _say(out: Console, text: str) -> None:
 
 def _bytes(value: Any) -> str:
     return format_bytes(value) if isinstance(value, int) else "-"
-
-
-def _age(seconds: Any) -> str:
-    if not isinstance(seconds, (int, float)):
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
 
 
 def _holders(region: dict[str, Any]) -> str:
@@ -108,7 +99,7 @@ def render_inspect(out: Console, result: FleetResult) -> None:
                           "-" if r.get("dp_rank") is None else str(r["dp_rank"]),
                           f"[{_STATE_STYLE.get(state, '')}]{escape(state)}[/]",
                           _bytes(r.get("size_bytes")), _bytes(r.get("resident_bytes")),
-                          _age(r.get("age_seconds")), escape(_holders(r)),
+                          format_age(r.get("age_seconds")), escape(_holders(r)),
                           escape("; ".join(str(p.get("code")) for p in problems) or "-"))
             notes += [f"  {label} {r.get('engine_id')}: {p.get('message')}" for p in problems]
     if count:

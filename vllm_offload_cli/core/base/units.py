@@ -95,6 +95,16 @@ def format_duration(seconds: float) -> str:
     return "".join(parts)
 
 
+def format_age(seconds: object) -> str:
+    """An age for a table column: 42 -> '42s', 5400 -> '1.5h'; '-' when unknown."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
 def format_bytes(n: int | float | None, *, compact: bool = False) -> str:
     """1536 -> '1.5 KiB'; None -> '-'. `compact`: no space and no '.0' ('1.5KiB', '64MiB'),
     one field for awk, in a form parse_size reads back when it is whole."""
