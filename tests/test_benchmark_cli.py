@@ -55,7 +55,7 @@ def test_json_envelope_has_every_figure_and_the_region_is_gone(cli: Any, shm_dir
                for side in ("store", "load")}
     assert methods == {("contiguous", "store"): "slice", ("contiguous", "load"): "slice",
                        ("device-scattered", "store"): "gather",
-                       ("device-scattered", "load"): "batched",
+                       ("device-scattered", "load"): "scatter",
                        ("scattered", "store"): "batched", ("scattered", "load"): "batched"}
     assert "copy_costs" not in data
     assert list(shm_dir.iterdir()) == []

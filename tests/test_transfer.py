@@ -186,7 +186,7 @@ RULE_CASES: dict[str, tuple[list[int], list[int]]] = {
 RULE_OF = {"contiguous": ("slice", "slice"), "random": ("batched", "batched"),
            "runs": ("batched", "batched"), "repeated_sources": ("batched", "batched"),
            "one": ("slice", "slice"), "dst_run": ("gather", "batched"),
-           "src_run": ("batched", "batched")}  # no scatter rule: see transfer.copies
+           "src_run": ("scatter", "batched")}
 
 
 @pytest.mark.parametrize("case", sorted(RULE_CASES))
@@ -259,6 +259,36 @@ def test_rows_of_the_gather_limit_or_more_are_batched(monkeypatch: pytest.Monkey
         assert torch.equal(region_rows[dst], device_rows[src])
 
 
+@pytest.mark.parametrize("case", sorted(RULE_CASES))
+def test_nan_patterns_cross_every_rule_unchanged(case: str) -> None:
+    """16-byte words are complex128 elements: a copy must carry signalling and quiet NaN
+    payloads, infinities and negative zeros bit for bit, whichever rule moves them."""
+    import numpy as np
+
+    n_dev, n_reg, width = 40, 50, 64
+    words = np.array([0x7FF0000000000001, 0x7FF8000000000123, 0xFFF4000000000000,
+                      0x7FF0000000000000, 0x8000000000000000, 0xFFFFFFFFFFFFFFFF,
+                      0x7FF7FFFFFFFFFFFF, 0x0000000000000001], dtype=np.uint64)
+    device_rows = torch.from_numpy(np.resize(words, n_dev * width // 8).view(np.int8)
+                                   ).view(n_dev, width)
+    region_rows = torch.zeros(n_reg, width, dtype=torch.int8)
+    assert word_width(device_rows, region_rows) == 16
+    pair = TensorPair(device=as_words(device_rows, 16), region=as_words(region_rows, 16),
+                      row_bytes=width, one_device=True)
+    src, dst = (torch.tensor(ids) for ids in RULE_CASES[case])
+    if case == "repeated_sources":
+        src, dst = src[[0, 3, 4]], dst[[0, 3, 4]]
+    store = make_job(1, Direction.STORE, src, dst, device_blocks=n_dev, region_blocks=n_reg)
+    copy_job([pair], store)
+    assert torch.equal(region_rows[dst], device_rows[src])
+    back = torch.zeros_like(device_rows)
+    pair = TensorPair(device=as_words(back, 16), region=as_words(region_rows, 16),
+                      row_bytes=width, one_device=True)
+    load = make_job(2, Direction.LOAD, dst, src, device_blocks=n_dev, region_blocks=n_reg)
+    copy_job([pair], load)
+    assert torch.equal(back[src], device_rows[src])
+
+
 def test_one_batched_call_carries_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scattered on both sides, a job of three tensors is one call, however many blocks."""
     calls: list[int] = []
@@ -285,7 +315,7 @@ def test_one_batched_call_carries_every_tensor(monkeypatch: pytest.MonkeyPatch) 
 
 def test_word_views_are_as_wide_as_alignment_allows() -> None:
     rows = torch.zeros(4, 64, dtype=torch.int8)
-    assert word_width(rows, rows) == 8
+    assert word_width(rows, rows) == 16
     odd = torch.zeros(4 * 64 + 8, dtype=torch.int8).as_strided((4, 48), (64, 1), 8)
     assert word_width(rows[:, :48], odd) == 8
     assert word_width(torch.zeros(4, 42, dtype=torch.int8)) == 2

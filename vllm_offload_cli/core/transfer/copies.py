@@ -6,12 +6,14 @@ job is copied the same way on every host and in every run):
 * slice   - source and destination are one run each: one slice copy;
 * gather  - the destinations are one run of rows under GATHER_MAX_ROW_BYTES: one
             `index_select` into it (for larger rows the batched call is faster);
+* scatter - the sources are one run of rows (in any order): one `index_copy_`
+            from it. The kernel moves one element at a time, so rows are viewed
+            as 16-byte words where they align (see transfer.views); so viewed it
+            beat the batched call at every block size the benchmark measures;
 * batched - anything else: one piece per run of both sides (per block where
             rows are not adjacent), all tensors' pieces in one
             `torch._foreach_copy_` call over row views cached once per tensor.
 
-There is no scatter rule: torch's `index_copy_` moves one element at a time
-and lost to the batched call at every block size the benchmark measures.
 Indexed kernels need both sides on one device, so a pair of a GPU tensor and
 host memory uses slice (when each run is one span of bytes on both sides) or
 batched: one cudaMemcpyAsync per piece, issued in one C++ loop, as vLLM's
@@ -100,11 +102,13 @@ class TensorPair:
         return views
 
     def rule(self, job: CopyJob) -> str:
-        """How this tensor's part of `job` is copied: slice, gather or batched."""
+        """How this tensor's part of `job` is copied: slice, gather, scatter or batched."""
         if job.one_run and (self.one_device or self.dense):
             return "slice"
         if self.one_device and job.dst_one_run and self.row_bytes < GATHER_MAX_ROW_BYTES:
             return "gather"
+        if self.one_device and job.src_one_run:
+            return "scatter"
         return "batched"
 
 
@@ -177,6 +181,9 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
         elif rule == "gather":
             first = int(job.dst_ids[0])
             torch.index_select(src, 0, job.src, out=dst[first:first + n])
+        elif rule == "scatter":
+            first = int(job.src_ids.min())
+            dst.index_copy_(0, job.dst_by_source, src[first:first + n])
         else:
             _pieces(pair, job, dsts, srcs, sizes)
         if rule not in used:

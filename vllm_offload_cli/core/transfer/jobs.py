@@ -201,6 +201,32 @@ class CopyJob:
         return n == 0 or int(self.dst_ids[-1]) - int(self.dst_ids[0]) == n - 1
 
     @cached_property
+    def _by_source(self) -> Ids:
+        """The pair positions ordered by source id."""
+        import numpy as np
+
+        order: Ids = np.argsort(self.src_ids, kind="stable")
+        return order
+
+    @property
+    def src_one_run(self) -> bool:
+        """Are the sources, in some order, one run of distinct consecutive blocks?"""
+        n = self.num_blocks
+        if n < 2:
+            return True
+        ids = self.src_ids
+        if int(ids.max()) - int(ids.min()) != n - 1:
+            return False
+        return bool((_diff(ids[self._by_source]) == 1).all())
+
+    @cached_property
+    def dst_by_source(self) -> torch.Tensor:
+        """Destination ids in source order (for a job whose sources are one run), as an
+        int64 CPU tensor."""
+        ids: torch.Tensor = import_torch().from_numpy(self.dst_ids[self._by_source])
+        return ids
+
+    @cached_property
     def src(self) -> torch.Tensor:
         """Source ids as an int64 CPU tensor sharing the job's memory (destination order)."""
         ids: torch.Tensor = import_torch().from_numpy(self.src_ids)

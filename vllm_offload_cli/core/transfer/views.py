@@ -3,8 +3,13 @@
 A block of a device tensor is one row of it (everything after dim 0). Copies
 move bytes, never values, so each tensor is first viewed as int8 rows. The
 indexed copy kernels move one element per step, so rows are viewed again as
-the widest integer word their alignment allows (8 bytes: several times the
-speed of int8; wider float or complex words would risk NaN canonicalisation).
+the widest word their alignment allows: 16 bytes (complex128, the widest
+dtype torch has) where rows and addresses align, else 8, 4 or 2 bytes as
+integers. A copy only loads and stores words, never computes with them, so a
+complex or float word carries any bit pattern unchanged, NaN payloads
+included (tests copy signalling-NaN patterns through every rule); the views
+never carry a conjugate bit, the one flag under which torch's copy would
+change bits.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 # (bytes, torch dtype name), widest first
-_WORDS = ((8, "int64"), (4, "int32"), (2, "int16"))
+_WORDS = ((16, "complex128"), (8, "int64"), (4, "int32"), (2, "int16"))
 
 
 def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
