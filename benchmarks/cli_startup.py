@@ -6,6 +6,7 @@ directory on /dev/shm and times, as processes, in the same run (median of
 alike):
   python -c pass            the floor for any Python CLI
   python -c "import typer"  the floor for a typer CLI
+  python -c "import typer, psutil"  the floor for inspect (framework and process library)
   vllm-offload --version    target: within 1.5x of import typer
   inspect --json            on the N held regions; target: within 2.5x of lsof +D
   inspect --json --no-residency
@@ -27,7 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from scale_fixtures import HOLDER, stop_all  # benchmarks/, beside this script
+from scale_fixtures import HOLDER, installed_bytecode, stop_all  # benchmarks/, beside this script
+
+FLOOR = "python -c 'import typer, psutil'"
 
 
 def _cli() -> list[str]:
@@ -50,6 +53,7 @@ def main() -> None:
     if args.repeat < 11:
         ap.error("--repeat must be at least 11 (medians of at least 11 runs)")
     lsof = shutil.which("lsof")
+    bytecode = installed_bytecode()
     shm = tempfile.mkdtemp(prefix="vllm-offload-bench-", dir="/dev/shm")
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -63,6 +67,9 @@ def main() -> None:
         rows: list[tuple[str, list[str], str | None, float]] = [
             ("python -c pass", [sys.executable, "-c", "pass"], None, 0),
             ("python -c 'import typer'", [sys.executable, "-c", "import typer"], None, 0),
+            # what any inspect loads before reading a byte: its CLI framework and the
+            # process library (the floor under the inspect row)
+            (FLOOR, [sys.executable, "-c", "import typer, psutil"], None, 0),
             ("vllm-offload --version", [*cli, "--version"], "python -c 'import typer'", 1.5),
             ("inspect --json", [*cli, "inspect", "--json", "--shm-dir", shm], "lsof +D DIR",
              2.5),
@@ -72,6 +79,8 @@ def main() -> None:
         if lsof is not None:
             rows.append(("lsof +D DIR", [lsof, "-n", "-P", "+D", shm], None, 0))
         times: dict[str, list[float]] = {name: [] for name, *_ in rows}
+        for _, argv, _, _ in rows:  # warm-up, not timed: writes the bytecode
+            _time(argv)
         for _ in range(args.repeat):  # interleaved: a load spike costs every row alike
             for name, argv, _, _ in rows:
                 times[name].append(_time(argv))
@@ -82,6 +91,7 @@ def main() -> None:
     print(f"{args.regions} held regions, {os.cpu_count()} CPUs, load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; median of {args.repeat} runs each"
           f"{'' if lsof else '; lsof not installed'}")
+    print(bytecode)
     print(f"{'command':<32} {'median':>9} {'min':>9}  target")
     for name, _, against, factor in rows:
         target = ""
@@ -91,6 +101,11 @@ def main() -> None:
             target = f"{ratio:.2f}x {against} (<= {factor}x: {verdict})"
         print(f"{name:<32} {med[name] * 1000:6.1f} ms {min(times[name]) * 1000:6.1f} ms  "
               f"{target}".rstrip())
+    if "lsof +D DIR" in med:
+        lsof_ms, floor_ms = med["lsof +D DIR"] * 1000, med[FLOOR] * 1000
+        print(f"the floor ({FLOOR}) alone is {floor_ms / lsof_ms:.2f}x lsof +D DIR; "
+              f"inspect --json spends {(med['inspect --json'] - med[FLOOR]) * 1000:.0f} ms "
+              "above it (its own modules, the scan, JSON out)")
 
 
 if __name__ == "__main__":

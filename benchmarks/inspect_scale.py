@@ -23,7 +23,13 @@ import subprocess
 import sys
 import tempfile
 
-from scale_fixtures import HOLDER, explain, median_time, stop_all  # benchmarks/, beside this script
+from scale_fixtures import (  # benchmarks/, beside this script
+    HOLDER,
+    explain,
+    installed_bytecode,
+    median_time,
+    stop_all,
+)
 
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.host.observed_placement import observe_all
@@ -38,6 +44,7 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    bytecode = installed_bytecode()
     shm = tempfile.mkdtemp(prefix="vllm-offload-bench-", dir="/dev/shm")
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -68,6 +75,8 @@ def main() -> None:
         cli = [sys.executable, "-m", "vllm_offload_cli", "inspect", "--json", "--shm-dir", shm]
         imports = [sys.executable, "-c", "import vllm_offload_cli.cli.app, "
                    "vllm_offload_cli.cli.inspect, vllm_offload_cli.cli.params"]
+        for argv in (cli, imports):  # warm-up, not timed: writes the bytecode
+            subprocess.run(argv, check=True, capture_output=True)
         rows = [
             ("python-startup", median_time(
                 lambda: subprocess.run([sys.executable, "-c", "pass"], check=True),
@@ -86,7 +95,7 @@ def main() -> None:
     finally:
         stop_all(procs, shm)
     print(f"{len(found.regions)} regions ({states}), {nproc} processes in /proc, "
-          f"{os.cpu_count()} CPUs; median of {args.repeat}")
+          f"{os.cpu_count()} CPUs; median of {args.repeat}; {bytecode}")
     base = rows[0][1]
     for name, t in rows:
         print(f"{name:<16} {t * 1000:8.1f} ms   {t / base:5.2f}x python-startup")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import stat
 import sys
 from pathlib import Path
@@ -34,8 +33,14 @@ def new_registry() -> CollectorRegistry:
 
 
 def _temp_name(output: Path) -> Path:
-    # node_exporter reads only *.prom: a leftover of a killed writer is never scraped
-    return output.parent / f".{output.name}.{secrets.token_hex(8)}.tmp"
+    # node_exporter reads only *.prom: a leftover of a killed writer is never scraped.
+    # os.urandom is what secrets.token_hex reads; secrets would load hmac and OpenSSL
+    # into every gc and inspect for one name.
+    return output.parent / f".{output.name}.{_random_hex(8)}.tmp"
+
+
+def _random_hex(nbytes: int) -> str:
+    return os.urandom(nbytes).hex()
 
 
 def check_writable(output: Path) -> None:
