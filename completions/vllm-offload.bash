@@ -24,7 +24,7 @@ _vllm_offload() {
             --world-size) COMPREPLY=(); return ;;
             --blocks-per-transfer) COMPREPLY=(); return ;;
             --repeat) COMPREPLY=(); return ;;
-            --pattern) COMPREPLY=(); return ;;
+            --pattern) COMPREPLY=($(compgen -W "contiguous device-scattered scattered" -- "$cur")); return ;;
             --threads) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac

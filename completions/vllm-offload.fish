@@ -24,7 +24,7 @@ complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fi
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l world-size -x -d 'Worker slots per row (the benchmark fills slot 0).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l blocks-per-transfer -x -d 'Blocks per store/load job (the batch size).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l repeat -x -d 'Timed rounds per figure (each: a memcpy, 2 jobs in flight, a memcpy); the best round is shown, the median is also in --json.'
-complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l pattern -x -d 'Block-id patterns to measure (repeatable).'
+complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l pattern -x -a 'contiguous device-scattered scattered' -d 'Block-id patterns to measure (repeatable).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l threads -x -d 'Pre-fault threads.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l huge-pages -d 'Also measure pre-fault and contiguous copies with normal and with transparent huge pages (largest block size) and report the ratio.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l shm-dir -r -F -d 'Directory that holds the regions.'

@@ -60,6 +60,19 @@ def test_help_still_lists_every_command() -> None:
     assert "<bool>" not in proc.stdout and "<int>" not in proc.stdout
 
 
+@pytest.mark.parametrize("command", ["benchmark", "create", "garbage-collect", "inspect",
+                                     "preflight", "verify-rank-layout", "fleet inspect",
+                                     "fleet garbage-collect"])
+def test_help_names_values_as_a_system_tool_does(command: str) -> None:
+    """Metavars say what a value is (SIZE, N, DIR, DURATION), never a Python type."""
+    proc = subprocess.run([sys.executable, "-m", "vllm_offload_cli", *command.split(),
+                           "--help"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    for python_type in ("<bool>", "<int>", "<str>", "<float>", "<list[", "<path>"):
+        assert python_type not in proc.stdout.lower(), (command, python_type)
+
+
 def test_version_is_a_plain_flag() -> None:
     ok = subprocess.run([sys.executable, "-m", "vllm_offload_cli", "--version"],
                         capture_output=True, text=True, timeout=60)

@@ -79,6 +79,10 @@ def test_fish_offers_only_the_allowed_values() -> None:
     formats = [line for line in fish.splitlines() if "-l format" in line]
     assert formats and all("-x -a 'table json prometheus'" in line for line in formats)
     assert not [line for line in fish.splitlines() if " -r -a " in line]
+    # a repeatable choice too (list[Enum]): its values, not free text
+    patterns = [line for line in fish.splitlines() if "-l pattern" in line]
+    assert patterns and all("-x -a 'contiguous device-scattered scattered'" in line
+                            for line in patterns)
 
 
 @pytest.mark.parametrize(("shell", "rel", "check"), [

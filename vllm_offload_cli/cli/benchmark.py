@@ -83,9 +83,11 @@ def benchmark_cmd(
         "--device", help="Where the KV blocks live: auto picks cuda when a GPU is visible."
     )] = DeviceChoice.auto,
     size: Annotated[str, typer.Option(
-        "--size", help="Scratch region size per block size (e.g. 256MiB, 4GiB).")] = "256MiB",
+        "--size", metavar="SIZE",
+        help="Scratch region size per block size (e.g. 256MiB, 4GiB).")] = "256MiB",
     cpu_page_size: Annotated[list[str] | None, typer.Option(
-        "--cpu-page-size", help="Block size(s) to measure: one worker's bytes per block. "
+        "--cpu-page-size", metavar="SIZE",
+        help="Block size(s) to measure: one worker's bytes per block. "
         "Repeatable or comma-separated.", show_default=DEFAULT_SIZES)] = None,
     world_size: Annotated[int, typer.Option(
         "--world-size", min=1, help="Worker slots per row (the benchmark fills slot 0).")] = 1,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import sys
 import textwrap
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,10 @@ def _option(p: Any) -> Opt:
     info = p.type_descriptor.parameter_info
     choices: tuple[str, ...] = ()
     kind = ""
+    repeated = typing.get_args(annotation)  # list[E] | None: ((list[E]), None) ...
+    while repeated and typing.get_origin(annotation) is not None:
+        annotation = next((a for a in repeated if a is not type(None)), annotation)
+        repeated = typing.get_args(annotation)  # ... list[E]: (E,)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         choices = tuple(str(m.value) for m in annotation)
     elif annotation is Path or str(annotation) in ("pathlib.Path | None", "Optional[Path]"):

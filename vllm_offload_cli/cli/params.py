@@ -114,7 +114,10 @@ class PlainOption(TyperOption):
             return None
         if self.metavar is None and self.type_descriptor.annotation is int:
             return "N"
-        return self.metavar or super().display_type_rich(ctx)
+        shown = self.metavar or super().display_type_rich(ctx)
+        if shown and shown.startswith("<list[") and shown.endswith("]>"):
+            return f"<{shown[6:-2]}>"  # a repeatable choice: the choices, not a type
+        return shown
 
     def get_runtime_param(self) -> RuntimeParam:
         return _runtime(self)

@@ -29,7 +29,8 @@ def preflight(
     engine_id: Annotated[str, typer.Argument(help="The engine_id the engine will be given "
                                              "(the base id when --dp-size > 1).",
                                              show_default=False)],
-    size: Annotated[str, typer.Option("--size", help="Bytes each replica's region maps, "
+    size: Annotated[str, typer.Option("--size", metavar="SIZE",
+                                      help="Bytes each replica's region maps, "
                                       "e.g. 64GiB (vLLM's cpu_bytes_to_use).")],
     dp_size: Annotated[int, typer.Option("--dp-size", min=1, help="Data-parallel replicas: "
                                          "checks ENGINE_ID_dp0 .. _dp{N-1}.")] = 1,
