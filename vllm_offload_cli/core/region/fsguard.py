@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import pwd
-import secrets
 import stat
 import time
 from collections.abc import Collection
@@ -215,7 +214,7 @@ def unlink_if_same(path: str, fd: int, *, private_fd: int | None = None) -> bool
             return False
         return True
     want = FileId.of(os.fstat(fd))
-    moved = f"unlink.{os.getpid()}.{secrets.token_hex(8)}"
+    moved = f"unlink.{os.getpid()}.{os.urandom(8).hex()}"  # what secrets.token_hex reads
     try:
         os.rename(path, moved, dst_dir_fd=private_fd)
     except FileNotFoundError:
