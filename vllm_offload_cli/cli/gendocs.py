@@ -180,7 +180,7 @@ def man_page(cmds: list[Cmd]) -> str:
     out += _json_reference()
     out += [".SH EXIT STATUS"]
     for status in ExitStatus:
-        out += [".TP", f".B {status.value}", _roff(status.meaning, fill=False)]
+        out += [".TP", f".B {status.value}", _roff(status.meaning)]
     out += [".PP", _roff(precedence_text())]
     out += [".SH ENVIRONMENT", ".TP", ".B VLLM_OFFLOAD_SHM_DIR",
             _roff("Default for --shm-dir (otherwise /dev/shm)."),
