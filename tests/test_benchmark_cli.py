@@ -69,6 +69,12 @@ def test_table_on_stdout(cli: Any, shm_dir: Path) -> None:
     assert "Pre-fault" in out and "removed" in out and "world size 2" in out
     assert "scattered" in out and "contiguous" not in out
     assert "memcpy" in out and "Target" in out
+    # one line per row, never cut, whatever the width (COLUMNS is set by the fixture or not)
+    (header,) = [line for line in out.splitlines() if line.startswith("BLOCK ")]
+    assert header.split()[-4:] == ["STORED", "BY", "LOADED", "BY"]
+    rows = [line for line in out.splitlines() if line.split()[1:2] == ["scattered"]]
+    assert rows and all(line.split()[-2:] == ["batched", "batched"] for line in rows)
+    assert not [line for line in out.splitlines() if line != line.rstrip() or "…" in line]
     assert list(shm_dir.iterdir()) == []
 
 

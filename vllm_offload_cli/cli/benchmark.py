@@ -12,18 +12,25 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.common import (
+    Invocation,
+    Outcome,
+    shm_dir_checked,
+    subcommand,
+    text_table,
+    write_text,
+)
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.extras import COPY, require
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from vllm_offload_cli.core.transfer.bench import BenchReport
 
 DEFAULT_SIZES = "16KiB,64KiB,256KiB,1MiB,2MiB"  # mirrors core.bench.DEFAULT_BLOCK_SIZES
@@ -148,49 +155,47 @@ def _gbps(value: float) -> str:
 
 
 def _render(out: Console, report: BenchReport) -> None:
-    out.print(f"Device    {report.device}: {report.device_name}; torch {report.torch_version}, "
-              f"{report.torch_threads} intra-op thread(s)")
-    out.print(f"Region    {report.engine_id} in {report.shm_dir}: "
-              f"{format_bytes(report.size_bytes)} per block size, world size "
-              f"{report.world_size}; {'removed' if report.removed else 'NOT removed'}")
+    """Plain lines and a table of one line per row, never cut (as inspect and gc print)."""
+    lines = [f"Device    {report.device}: {report.device_name}; torch {report.torch_version}, "
+             f"{report.torch_threads} intra-op thread(s)",
+             f"Region    {report.engine_id} in {report.shm_dir}: "
+             f"{format_bytes(report.size_bytes)} per block size, world size "
+             f"{report.world_size}; {'removed' if report.removed else 'NOT removed'}"]
     if report.pinned is not None:
         pinned = "yes" if report.pinned else f"no ({report.pin_warning or 'pinning failed'})"
-        out.print(f"Pinned    {pinned}")
+        lines.append(f"Pinned    {pinned}")
     if report.prefault:
         figures = ", ".join(f"{format_bytes(p.block_bytes)} {p.gbps:.2f} GB/s"
                             for p in report.prefault)
         p0 = report.prefault[0]
-        out.print(f"Pre-fault {figures} ({p0.method}, {p0.threads} thread(s))")
-    out.print(f"Figures   GB/s, best of {report.repeat} rounds; memcpy = a plain copy of the "
-              "same bytes, measured interleaved" + (" (pinned d2h / h2d)"
-                                                    if report.device == "cuda" else "")
-              + "; ratio = median of the rounds' ratios")
-    table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    for title in ("block", "pattern", "mode", "blocks", "store", "memcpy", "ratio", "load",
-                  "memcpy", "ratio", "method"):
-        justify: Any = "left" if title in ("pattern", "mode", "method") else "right"
-        table.add_column(title, justify=justify)
-    for r in report.rows:
-        table.add_row(format_bytes(r.block_bytes), r.pattern, r.mode,
-                      str(r.blocks_per_transfer),
-                      _gbps(r.store.gbps), _gbps(r.store.memcpy_gbps), f"{r.store.ratio:.2f}x",
-                      _gbps(r.load.gbps), _gbps(r.load.memcpy_gbps), f"{r.load.ratio:.2f}x",
-                      f"{r.store.method}/{r.load.method}")
-    out.print(table)
+        lines.append(f"Pre-fault {figures} ({p0.method}, {p0.threads} thread(s))")
+    lines.append(f"Figures   GB/s, best of {report.repeat} rounds; memcpy = a plain copy of "
+                 "the same bytes, measured interleaved"
+                 + (" (pinned d2h / h2d)" if report.device == "cuda" else "")
+                 + "; ratio = median of the rounds' ratios")
+    headers = ["BLOCK", "PATTERN", "MODE", "BLOCKS", "STORE", "MEMCPY", "RATIO", "LOAD",
+               "MEMCPY", "RATIO", "STORED BY", "LOADED BY"]
+    rows = [[format_bytes(r.block_bytes, compact=True), r.pattern, r.mode,
+             str(r.blocks_per_transfer),
+             _gbps(r.store.gbps), _gbps(r.store.memcpy_gbps), f"{r.store.ratio:.2f}x",
+             _gbps(r.load.gbps), _gbps(r.load.memcpy_gbps), f"{r.load.ratio:.2f}x",
+             r.store.method, r.load.method] for r in report.rows]
+    lines.append(text_table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9)))
     huge = report.huge_pages
     if huge is not None:
         if not huge.available or huge.huge is None or huge.ratios is None:
-            out.print(f"Huge pages not measured: {huge.reason}", highlight=False, markup=False)
+            lines.append(f"Huge pages not measured: {huge.reason}")
         else:
             q = huge.ratios
-            out.print(f"Huge pages {format_bytes(huge.block_bytes)} blocks, huge / normal: "
-                      f"pre-fault {q['prefault']:.2f}x, store {q['store']:.2f}x, load "
-                      f"{q['load']:.2f}x ({format_bytes(huge.huge.huge_page_bytes)} mapped "
-                      "huge)", highlight=False, markup=False)
+            lines.append(f"Huge pages {format_bytes(huge.block_bytes)} blocks, huge / normal: "
+                         f"pre-fault {q['prefault']:.2f}x, store {q['store']:.2f}x, load "
+                         f"{q['load']:.2f}x ({format_bytes(huge.huge.huge_page_bytes)} mapped "
+                         "huge)")
     target = report.target
     if target:
         verdicts = "; ".join(
             f"{name} >= {v['ratio']:g}x {'met' if v['met'] else 'NOT met'} "
             f"(worst {v['min_ratio']:.2f}x)" for name, v in target["patterns"].items())
-        out.print(f"Target    memcpy ratio for blocks >= "
-                  f"{format_bytes(target['min_block_bytes'])}: {verdicts}")
+        lines.append(f"Target    memcpy ratio for blocks >= "
+                     f"{format_bytes(target['min_block_bytes'])}: {verdicts}")
+    write_text(out, "\n".join(lines))
