@@ -8,8 +8,8 @@ job is copied the same way on every host and in every run):
             `index_select` into it (for larger rows the batched call is faster);
 * scatter - the sources are one run of rows (in any order): one `index_copy_`
             from it. The kernel moves one element at a time, so rows are viewed
-            as 16-byte words where they align (see transfer.views); so viewed it
-            beat the batched call at every block size the benchmark measures;
+            as 16-byte words where they align (see transfer.views); so viewed,
+            it beat the batched call at every block size the benchmark measures;
 * batched - anything else: one piece per run of both sides (per block where
             rows are not adjacent), all tensors' pieces in one
             `torch._foreach_copy_` call over row views cached once per tensor.
@@ -52,7 +52,7 @@ class RowViews:
     """One view per row of a (rows, words) tensor, made on first use and kept.
 
     Making a view costs as much as copying a small block; cached, a job of
-    thousands of blocks picks its views by a list lookup each. Memory grows
+    thousands of blocks picks its views with one numpy take. Memory grows
     with the rows ever copied, one small tensor object each.
     """
 
