@@ -313,6 +313,40 @@ def test_one_batched_call_carries_every_tensor(monkeypatch: pytest.MonkeyPatch) 
         assert torch.equal(r[[28, 1, 14, 7]], t.view(20, -1).view(torch.int8)[[3, 17, 9, 0]])
 
 
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_batched_job_walks_the_region_upwards(direction: Direction,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces are issued in ascending order of the region's blocks, whichever side the
+    region is on (walking it upwards copies faster); the bytes are those of the pairs."""
+    seen: list[list[int]] = []
+    real = copies._copy_many
+
+    def record(dsts: list[Any], srcs: list[Any], non_blocking: bool) -> None:
+        region_side = dsts if direction is Direction.STORE else srcs
+        seen.append([t.data_ptr() for t in region_side])
+        real(dsts, srcs, non_blocking)
+
+    monkeypatch.setattr(copies, "_copy_many", record)
+    device_rows = torch.randint(-128, 128, (40, 64), dtype=torch.int8,
+                                generator=torch.Generator().manual_seed(8))
+    region_rows = torch.randint(-128, 128, (50, 64), dtype=torch.int8,
+                                generator=torch.Generator().manual_seed(9))
+    expected_region, expected_device = region_rows.clone(), device_rows.clone()
+    pair = TensorPair(device=as_words(device_rows, 16), region=as_words(region_rows, 16),
+                      row_bytes=64, one_device=True)
+    dev_ids, reg_ids = [37, 2, 19, 8, 33, 0, 12], [5, 44, 17, 29, 1, 38, 9]
+    src, dst = (dev_ids, reg_ids) if direction is Direction.STORE else (reg_ids, dev_ids)
+    job = make_job(1, direction, src, dst, device_blocks=40, region_blocks=50)
+    assert copy_job([pair], job) == "batched"
+    assert seen and seen[0] == sorted(seen[0])
+    if direction is Direction.STORE:
+        expected_region[reg_ids] = device_rows[dev_ids]
+    else:
+        expected_device[dev_ids] = region_rows[reg_ids]
+    assert torch.equal(region_rows, expected_region)
+    assert torch.equal(device_rows, expected_device)
+
+
 def test_word_views_are_as_wide_as_alignment_allows() -> None:
     rows = torch.zeros(4, 64, dtype=torch.int8)
     assert word_width(rows, rows) == 16

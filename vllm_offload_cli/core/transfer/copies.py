@@ -120,13 +120,23 @@ class TensorPair:
 
 def _pieces(pair: TensorPair, job: CopyJob, dsts: list[Tensor], srcs: list[Tensor],
             sizes: list[int]) -> None:
-    """Append one tensor's batched pieces: a cached row view per block, or, where rows
-    are dense, one view per run of both sides."""
+    """Append one tensor's batched pieces: a cached row view per block, in ascending
+    order of the region's blocks, or, where rows are dense, one view per run of both
+    sides.
+
+    Walking the region upwards is worth a tenth: loads of 64 KiB blocks scattered on
+    both sides, issued in the device's order, copied at 0.73x of memcpy where the
+    region's order reached 0.78-0.81x (and 0.54-0.58x against 0.62-0.79x when the
+    host's memory bandwidth was high).
+    """
     src, dst = pair.sides(job.direction)
     firsts_src, firsts_dst, lengths = job.runs
     if not pair.dense or lengths.size == job.num_blocks:
-        srcs += pair.rows(src).pick(job.src_ids)
-        dsts += pair.rows(dst).pick(job.dst_ids)
+        order = job.by_region
+        src_ids = job.src_ids if order is None else job.src_ids[order]
+        dst_ids = job.dst_ids if order is None else job.dst_ids[order]
+        srcs += pair.rows(src).pick(src_ids)
+        dsts += pair.rows(dst).pick(dst_ids)
         sizes += [pair.row_bytes] * job.num_blocks
         return
     first = len(srcs)

@@ -209,6 +209,12 @@ class CopyJob:
         return order
 
     @property
+    def by_region(self) -> Ids | None:
+        """Pair positions in ascending order of the region's blocks; None where the pairs
+        already are (a store: its destinations are the region's)."""
+        return None if self.direction is Direction.STORE else self._by_source
+
+    @property
     def src_one_run(self) -> bool:
         """Are the sources, in some order, one run of distinct consecutive blocks?"""
         n = self.num_blocks
