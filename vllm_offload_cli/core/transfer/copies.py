@@ -54,38 +54,39 @@ GATHER_MAX_ROW_BYTES = 512 << 10
 
 
 class RowViews:
-    """One view per row of a (rows, words) tensor, made on first use and kept.
+    """One view per row (or per part of a row) of a (rows, words) tensor, made on first
+    use and kept.
 
     Making a view costs as much as copying a small block; cached, a job of
-    thousands of blocks picks its views with one numpy take. Memory grows
-    with the rows ever copied, one small tensor object each.
+    thousands of blocks picks its views by a list lookup each. Memory grows
+    with the rows ever copied, one small tensor object per part. The views are
+    kept in plain lists: the store and load lanes pick from the same cache at
+    once, and with the views in a numpy object array the benchmark's own
+    shutdown test crashed the process about once in 80 runs.
     """
 
     def __init__(self, rows: Tensor, part: int) -> None:
         import numpy as np
 
         self._rows = rows
-        self._part = part  # elements per view: a row is cut into parts of this size
         words = rows.shape[1]
-        self.part_bytes = [min(part, words - i) * rows.element_size()
-                           for i in range(0, words, part)]
-        # an object array: picking thousands of views is one numpy take, a third of
-        # the time of a Python loop over the ids
-        self._views = np.empty((rows.shape[0], len(self.part_bytes)), dtype=object)
+        # where each view starts and how long it is: a row cut into parts of `part`
+        self._parts = [(start, min(part, words - start)) for start in range(0, words, part)]
+        self.part_bytes = [n * rows.element_size() for _, n in self._parts]
+        self._views: list[tuple[Tensor, ...]] = [()] * rows.shape[0]
         self._made = np.zeros(rows.shape[0], dtype=np.bool_)
 
     def pick(self, ids: Ids) -> list[Tensor]:
         """The views of rows `ids`, in order (each row's parts in order)."""
         views, made = self._views, self._made
         if not made[ids].all():
-            part, words = self._part, self._rows.shape[1]
             for i in ids[~made[ids]].tolist():
                 row = self._rows[i]
-                for j, start in enumerate(range(0, words, part)):
-                    views[i, j] = row[start:start + part]  # an element: never an array
+                views[i] = tuple(row[start:start + n] for start, n in self._parts)
             made[ids] = True
-        picked: list[Tensor] = views[ids].ravel().tolist()
-        return picked
+        if len(self._parts) == 1:
+            return [views[i][0] for i in ids.tolist()]
+        return [view for i in ids.tolist() for view in views[i]]
 
 
 @dataclass(eq=False, kw_only=True)
