@@ -7,13 +7,16 @@ the widest word their alignment allows: 16 bytes (complex128, the widest
 dtype torch has) where rows and addresses align, else 8, 4 or 2 bytes as
 integers. A copy only loads and stores words, never computes with them, so a
 complex or float word carries any bit pattern unchanged, NaN payloads
-included (tests copy signalling-NaN patterns through every rule); the views
-never carry a conjugate bit, the one flag under which torch's copy would
-change bits.
+included; the views never carry a conjugate bit, the one flag under which
+torch's copy would change bits. Tests copy signalling-NaN patterns through
+every rule, and each process proves it once on its own torch build before it
+uses 16-byte words (`complex_copies_exact`).
 """
 
 from __future__ import annotations
 
+import functools
+import struct
 from typing import TYPE_CHECKING
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
@@ -55,11 +58,41 @@ def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
     return raw
 
 
+@functools.cache
+def complex_copies_exact() -> bool:
+    """Do this build's copy kernels move complex128 elements bit for bit?
+
+    They should (plain loads and stores), but a float path that quiets a
+    signalling NaN would corrupt KV bytes silently; so it is proved once, on
+    NaN, denormal and negative-zero patterns, by every kernel the rules use.
+    """
+    torch = import_torch()
+    patterns = (0x7FF0000000000001, 0xFFF0000000000001, 0x7FF8000000000123,
+                0x7FF4000000000000, 0x0000000000000001, 0x8000000000000000,
+                0x7FF0000000000000, 0xFFFFFFFFFFFFFFFF)
+    row = b"".join(struct.pack("<Q", p) for p in patterns) * 1024  # 64 KiB per row
+    rows = 8
+    data = bytearray()
+    for i in range(rows):
+        data += bytes([i]) + row[1:]
+    src = torch.frombuffer(data, dtype=torch.int8).clone().view(rows, len(row))
+    perm = torch.tensor([3, 1, 0, 2, 7, 5, 4, 6])
+    words = src.view(torch.complex128)
+    copied = torch.empty_like(words)
+    copied.copy_(words)
+    scattered = torch.empty_like(words)
+    scattered.index_copy_(0, perm, words)
+    gathered = torch.index_select(words, 0, perm)
+    return bool(torch.equal(copied.view(torch.int8), src)
+                and torch.equal(scattered.view(torch.int8)[perm], src)
+                and torch.equal(gathered.view(torch.int8), src[perm]))
+
+
 def word_width(*rows: torch.Tensor) -> int:
     """Widest element size (bytes) every row view can be reinterpreted as."""
     page = rows[0].shape[1]
-    for width, _ in _WORDS:
-        if page % width:
+    for width, name in _WORDS:
+        if page % width or (name == "complex128" and not complex_copies_exact()):
             continue
         if all(r.stride(0) % width == 0 and r.storage_offset() % width == 0
                and r.data_ptr() % width == 0 for r in rows):
