@@ -15,13 +15,13 @@ from __future__ import annotations
 import enum
 import sys
 import textwrap
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm_offload_cli import __version__
 from vllm_offload_cli.cli import datadoc
+from vllm_offload_cli.cli.params import element_type
 from vllm_offload_cli.core.base.exit_status import PRECEDENCE, ExitStatus
 
 README = "README.md"
@@ -90,17 +90,13 @@ def _commands(group: Any, prefix: str) -> list[Cmd]:
 
 
 def _option(p: Any) -> Opt:
-    annotation = p.type_descriptor.annotation
+    annotation = element_type(p.type_descriptor.annotation)  # typer dropped `| None`
     info = p.type_descriptor.parameter_info
     choices: tuple[str, ...] = ()
     kind = ""
-    repeated = typing.get_args(annotation)  # list[E] | None: ((list[E]), None) ...
-    while repeated and typing.get_origin(annotation) is not None:
-        annotation = next((a for a in repeated if a is not type(None)), annotation)
-        repeated = typing.get_args(annotation)  # ... list[E]: (E,)
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         choices = tuple(str(m.value) for m in annotation)
-    elif annotation is Path or str(annotation) in ("pathlib.Path | None", "Optional[Path]"):
+    elif annotation is Path:
         kind = "dir" if getattr(info, "file_okay", True) is False else "file"
     takes_value = not (p.is_flag or p.count)
     long = next((o for o in p.opts if o.startswith("--")), p.opts[0])

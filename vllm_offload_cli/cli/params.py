@@ -25,10 +25,18 @@ _SCALARS = (str, int, float, Path, bool)
 _TRUE, _FALSE = {"1", "true", "yes", "on", "y", "t"}, {"0", "false", "no", "off", "n", "f"}
 
 
+def element_type(annotation: Any) -> Any:
+    """What one value of an option is: `E` for a repeatable `list[E]`, else the type."""
+    if get_origin(annotation) is list:
+        (inner,) = get_args(annotation)
+        return inner
+    return annotation
+
+
 def _leaf(annotation: Any) -> Any:
     """The element type this module converts, or None to leave it to typer."""
     if get_origin(annotation) is list:
-        (inner,) = get_args(annotation)
+        inner = element_type(annotation)
         return inner if inner is str else None
     if annotation in _SCALARS:
         return annotation
