@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -195,16 +196,10 @@ class _Source:
         self.module = module
         self.path = root / (module.replace(".", "/") + ".py")
         try:
-            with open(self.path, "rb") as f:
-                text = f.read(_MAX_SOURCE_BYTES + 1)
+            st = os.stat(self.path)
         except OSError as exc:
             raise UnsupportedVllm(f"{self.path} cannot be read ({exc.strerror})") from None
-        if len(text) > _MAX_SOURCE_BYTES:
-            raise UnsupportedVllm(f"{self.path} is over {_MAX_SOURCE_BYTES} bytes")
-        try:
-            self.tree = ast.parse(text, filename=str(self.path))
-        except (SyntaxError, ValueError) as exc:
-            raise UnsupportedVllm(f"{self.path} does not parse ({exc})") from None
+        self.tree = _parsed(str(self.path), st.st_mtime_ns, st.st_size)
 
     def where(self, what: str) -> str:
         return f"{self.module}.{what}"
@@ -242,6 +237,23 @@ class _Source:
             if os.path.samefile(file, self.path):
                 return getattr(module, name, None)
         return None
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(path: str, mtime_ns: int, size: int) -> ast.Module:
+    """A vLLM module's syntax tree, read and parsed once per process and file version:
+    the plugin and every spec's create_worker/get_manager ask for the same three."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(_MAX_SOURCE_BYTES + 1)
+    except OSError as exc:
+        raise UnsupportedVllm(f"{path} cannot be read ({exc.strerror})") from None
+    if len(text) > _MAX_SOURCE_BYTES:
+        raise UnsupportedVllm(f"{path} is over {_MAX_SOURCE_BYTES} bytes")
+    try:
+        return ast.parse(text, filename=path)
+    except (SyntaxError, ValueError) as exc:
+        raise UnsupportedVllm(f"{path} does not parse ({exc})") from None
 
 
 def _int_expr(node: ast.expr) -> int | None:
