@@ -57,7 +57,7 @@ class ProcessScan:
 
 class _Filter:
     """Which files a scan keeps: exact identities, and (with `name`) any file on the
-    devices whose path contains `name`; with neither, every file on the devices.
+    devices whose path contains `name`.
 
     What another user adds costs little: their maps text is tested as a whole
     (and line by line) with substring and regex searches before any line is
@@ -71,20 +71,19 @@ class _Filter:
         self.devs = {f.dev for f in self.ids} | ({dev} if dev is not None else set())
         self.name = name
         self._name_text = None if name is None else name.decode("utf-8", "surrogateescape")
-        self.every = not self.ids and name is None
         self.tokens = [procfs.maps_dev_token(d) for d in self.devs]
         self.inodes = re.compile(rb" (?:" + b"|".join(
             str(i).encode() for i in sorted({f.ino for f in self.ids})) + rb") ") \
             if self.ids else None
 
     def keeps(self, fid: FileId, path: str | None) -> bool:
-        if fid in self.ids or (self.every and fid.dev in self.devs):
+        if fid in self.ids:
             return True
         return (self._name_text is not None and path is not None and fid.dev in self.devs
                 and self._name_text in path)
 
     def _named(self, text: bytes) -> bool:
-        return (self.every or (self.inodes is not None and self.inodes.search(text) is not None)
+        return ((self.inodes is not None and self.inodes.search(text) is not None)
                 or (self.name is not None and self.name in text))
 
     def may_hold(self, maps: bytes) -> bool:
@@ -109,6 +108,8 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int],
         fid = FileId.of(st)
         if fid.dev not in want.devs or not stat.S_ISREG(st.st_mode):
             continue
+        if fid not in want.ids and want.name is None:
+            continue  # nothing its name could add: spare the readlink
         target = procfs.fd_target(pid, fd)
         if not want.keeps(fid, target):
             continue
