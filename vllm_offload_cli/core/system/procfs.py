@@ -43,9 +43,9 @@ def strip_deleted(path: str) -> tuple[str, bool]:
     return path, False
 
 
-def parse_dev(text: str | bytes) -> int:
+def parse_dev(text: str) -> int:
     """'00:1a' (hex major:minor, as maps and locks print it) -> st_dev."""
-    major, minor = (text.decode() if isinstance(text, bytes) else text).split(":")
+    major, minor = text.split(":")
     return os.makedev(int(major, 16), int(minor, 16))
 
 
@@ -205,8 +205,8 @@ def lock_entries() -> Iterator[LockEntry]:
             continue
         try:
             pid = int(fields[4])
-            major, minor, inode = fields[5].split(":")
-            fid = FileId(os.makedev(int(major, 16), int(minor, 16)), int(inode))
+            dev, inode = fields[5].rsplit(":", 1)
+            fid = FileId(parse_dev(dev), int(inode))
         except ValueError:
             continue
         yield LockEntry(kind=fields[1], exclusive=fields[3] == "WRITE", pid=pid, file_id=fid)
