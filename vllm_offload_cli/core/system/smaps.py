@@ -45,6 +45,8 @@ def read_smaps(pid: int, *, wanted: set[FileId] | None = None, start: int | None
                 m = _HEADER.match(line)
                 if m is not None:
                     addr = int(m.group(1), 16)
+                    if start is not None and addr > start:
+                        break  # mappings come in address order: the one wanted is read
                     fid = FileId(os.makedev(int(m.group(3), 16), int(m.group(4), 16)),
                                  int(m.group(5)))
                     keep = (wanted is None or fid in wanted) and (start is None or addr == start)
