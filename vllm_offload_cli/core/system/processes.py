@@ -1,4 +1,4 @@
-"""Processes through psutil: identity, state, owner, name, environment, affinity.
+"""Processes: identity and state from /proc/PID/stat, the rest through psutil.
 
 A pid alone is not an identity (pids are reused); the pair (pid, start time
 in clock ticks since boot) is, and its state is part of it: a zombie has
@@ -6,8 +6,8 @@ exited. It holds no mapping, no descriptor and no lock, and finishes nothing
 it was creating, whatever its /proc/PID/stat still says.
 
 The start time is kept in clock ticks, the unit /proc/PID/stat and the
-manifests written by earlier releases use, converted from psutil's
-create_time.
+manifests written by earlier releases use; both come from one read of it
+(procfs.stat_identity). psutil answers name, owner, environment and affinity.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import psutil
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-_EXITED = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
+from vllm_offload_cli.core.system import procfs
+
+_EXITED = frozenset("ZXx")  # zombie, dead
 
 
 def _process(pid: int) -> psutil.Process | None:
@@ -43,41 +44,25 @@ class ProcessRef:
 
     def alive(self) -> bool:
         """True when this exact process still runs: not gone, not reused, not a zombie."""
-        proc = _process(self.pid)
-        if proc is None:
+        now = procfs.stat_identity(self.pid)
+        if now is None:
             return False
-        try:
-            with proc.oneshot():
-                if self.start_ticks is not None and _ticks(proc) != self.start_ticks:
-                    return False
-                return proc.status() not in _EXITED
-        except psutil.Error:
+        state, ticks = now
+        if self.start_ticks is not None and ticks != self.start_ticks:
             return False
-
-
-def _ticks(proc: psutil.Process) -> int:
-    seconds: float = proc.create_time() - psutil.boot_time()
-    return round(seconds * _CLOCK_TICKS)
+        return state not in _EXITED
 
 
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot; None if it is gone."""
-    proc = _process(pid)
-    if proc is None:
-        return None
-    try:
-        return _ticks(proc)
-    except psutil.Error:
-        return None
+    now = procfs.stat_identity(pid)
+    return None if now is None else now[1]
 
 
 def running(pid: int) -> bool:
     """The pid names a process that has not exited (zombies have)."""
-    proc = _process(pid)
-    try:
-        return proc is not None and proc.status() not in _EXITED
-    except psutil.Error:
-        return False
+    now = procfs.stat_identity(pid)
+    return now is not None and now[0] not in _EXITED
 
 
 def comm(pid: int) -> str | None:

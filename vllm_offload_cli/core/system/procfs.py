@@ -3,7 +3,10 @@
 Mappings and descriptors are matched by (device, inode), which psutil's
 memory_maps() and open_files() cannot do (they give paths, and drop deleted
 or non-regular files); /proc/locks, the PID namespace and capability masks
-have no psutil reader at all.
+have no psutil reader at all. A process's identity (start time in clock
+ticks, and whether it has exited) is one read of /proc/PID/stat here: psutil
+gives the start as wall-clock seconds, and turning that back into ticks took
+two more reads of /proc/stat, whose boot time can move between them.
 
 Error policy: a process that vanished reads as `GONE`, one that refuses us
 as `DENIED`; nothing else escapes from a per-process read.
@@ -52,6 +55,24 @@ def parse_dev(text: str) -> int:
 def maps_dev_token(dev: int) -> bytes:
     """How /proc/PID/maps prints a device: ' 00:1a ' (hex major:minor)."""
     return f" {os.major(dev):02x}:{os.minor(dev):02x} ".encode()
+
+
+# -- /proc/PID/stat -------------------------------------------------------------------
+
+def stat_identity(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of `pid`; None if it is gone
+    or unreadable. A zombie's entry still reads: its state says it has exited."""
+    try:
+        with open(f"{PROC}/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses: the fields resume after the last ')'
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return fields[0].decode("ascii"), int(fields[19])  # fields 3 and 22 overall
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return None
 
 
 # -- /proc/PID/maps -------------------------------------------------------------------
