@@ -30,14 +30,6 @@ class RegionShape:
     cpu_page_size: int | None = None
     world_size: int | None = None
 
-    def describe(self) -> str:
-        parts = [format_bytes(self.size_bytes)]
-        if self.num_segments is not None:
-            parts.append(f"{self.num_segments} segment file(s)")
-        if self.num_blocks is not None:
-            parts.append(f"{self.num_blocks} blocks of {self.row_stride} bytes")
-        return ", ".join(parts)
-
 
 def mismatch(r: RegionInfo, want: RegionShape) -> str | None:
     """How the region `r` differs from `want`, in words; None when it fits."""

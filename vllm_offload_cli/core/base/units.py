@@ -27,7 +27,7 @@ def _multiple(unit: str) -> int | None:
     if unit in ("", "B"):
         return 1
     letter, rest = unit[0], unit[1:]
-    if letter.lower() not in _POWERS or (letter.islower() and letter not in "kmgt"):
+    if letter.lower() not in _POWERS:
         return None
     power = _POWERS[letter.lower()]
     if rest in ("", "iB"):
