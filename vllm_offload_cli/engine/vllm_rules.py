@@ -36,11 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_offload_cli.core.region.segments import (
-    SEGMENTED,
-    SINGLE_FILE,
-    effective_segments,
-)
+from vllm_offload_cli.core.region.segments import effective_segments, layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +95,7 @@ class VllmRules:
     @property
     def cpu_layout(self) -> str:
         """SEGMENTED where the CPU spec splits regions, else SINGLE_FILE."""
-        return SEGMENTED if self.cpu_worker.segments > 1 else SINGLE_FILE
+        return layout_of(self.cpu_worker.segments)
 
     @property
     def name(self) -> str:

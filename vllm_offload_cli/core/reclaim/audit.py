@@ -20,7 +20,7 @@ import socket
 import stat
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from logging.handlers import SysLogHandler
 
 from vllm_offload_cli.core.base.text import printable
@@ -45,8 +45,7 @@ class AuditResult:
     problem: str | None = None
 
     def to_dict(self) -> dict[str, object]:
-        return {"socket": self.socket, "sent": self.sent, "dropped": self.dropped,
-                "problem": self.problem}
+        return asdict(self)
 
 
 class _NonBlockingSysLog(SysLogHandler):
