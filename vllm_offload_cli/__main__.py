@@ -6,7 +6,7 @@ modules load is one line and exit 130, like one that lands later.
 
 import sys
 
-EXIT_INTERRUPTED = 130  # cli.common.EXIT_INTERRUPTED; not imported: it may be mid-import
+EXIT_INTERRUPTED = 130  # ExitStatus.INTERRUPTED; not imported: it may be mid-import
 
 
 def main() -> None:

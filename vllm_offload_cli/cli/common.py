@@ -311,8 +311,9 @@ def make_invocation(command: str, *, shm_dir: Path, json_output: bool, verbose: 
 class Subcommand:
     """A subcommand with the common options, ready for `cli.app` to add.
 
-    Subcommand modules only build these; `cli.app` imports them and registers
-    each, so imports run one way (app -> subcommands -> common).
+    Subcommand modules only build these; `cli.app` imports one when its name is
+    asked for and registers it, so imports run one way (app -> subcommands ->
+    common).
     """
 
     name: str
