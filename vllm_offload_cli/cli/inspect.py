@@ -27,6 +27,7 @@ from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_age, format_bytes, parse_duration
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
+from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
 
 if TYPE_CHECKING:
@@ -185,12 +186,8 @@ def owner_name(uid: int | None) -> str:
     """The user name of `uid` as `ls -l` shows it; the number when it has none."""
     if uid is None:
         return "-"
-    import pwd
-
-    try:
-        return printable(pwd.getpwuid(uid).pw_name)
-    except KeyError:
-        return str(uid)
+    name = fsguard.user_name(uid)
+    return str(uid) if name is None else printable(name)
 
 
 STATES = ("live", "creating", "persistent", "stale", "unknown")

@@ -8,6 +8,7 @@ file, owned by an allowed uid, no group/other bits, one link, the exact size.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pwd
 import stat
@@ -257,12 +258,20 @@ def private_dir_name(uid: int | None = None) -> str:
     return f"{PRIVATE_DIR_PREFIX}{os.geteuid() if uid is None else uid}"
 
 
+@functools.lru_cache(maxsize=256)
+def user_name(uid: int) -> str | None:
+    """The account name of `uid`, None when it has none (looked up once per uid: a table
+    of many regions asks for the same few owners)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
 def user_text(uid: int) -> str:
     """'uid 65534 (nobody)'."""
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
+    name = user_name(uid)
+    return f"uid {uid}" if name is None else f"uid {uid} ({name})"
 
 
 def private_dir(shm_dir: str | os.PathLike[str]) -> int:
