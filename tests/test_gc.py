@@ -564,6 +564,22 @@ def test_a_vanished_file_is_not_an_error(shm_dir: Path) -> None:
     assert report.vanished == ("fleeting",)
 
 
+def test_a_bug_while_opening_fails_instead_of_reading_as_unreadable(
+        shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only refusals become an "unreadable" region that gc keeps; a programming error
+    must surface, or no test would ever notice it."""
+    from vllm_offload_cli.core.region import fsguard
+
+    region_file(shm_dir, "buggy")
+
+    def broken(*args: object, **kwargs: object) -> int:
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(fsguard, "open_existing", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        discover(shm_dir)
+
+
 def test_two_gc_processes_at_once_never_fail_and_never_remove_twice(shm_dir: Path) -> None:
     for rnd in range(4):
         ids = [f"r{rnd}x{i}" for i in range(60)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
+    OffloadError,
     RegionBusyError,
     RegionNotFoundError,
 )
@@ -204,7 +205,7 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
                            size_bytes=lst.st_size, uid=lst.st_uid,
                            mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_mtime, linked=True,
                            resident_bytes=None), True
-    except Exception:
+    except (OffloadError, OSError):  # refused or unsafe; a bug is not "unreadable"
         problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids) or [
             Problem("unreadable", "cannot be opened by this user")]
         return SegmentFile(path=path, segment=segment, file_id=FileId.of(lst),
