@@ -51,6 +51,9 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("regions[].numa_nodes, huge_page_bytes, placement",
          "resident bytes per NUMA node, huge-page bytes, how they were observed (null with "
          "--no-residency)"),
+        ("measurement_errors", "{residency|numa: {regions, message}}: measurements a refused "
+         "system call (a seccomp filter) left unmade; also a warning, and the metric "
+         "vllm_offload_measurement_errors"),
         ("orphan_manifests[]", "manifests whose region is gone"),
         ("shm", "{total_bytes, free_bytes} of the shm filesystem"),
         ("uninspectable_processes", "processes whose /proc entries could not be read"),

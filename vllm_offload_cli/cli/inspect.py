@@ -25,6 +25,7 @@ from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundE
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_age, format_bytes, parse_duration
+from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region import fsguard
@@ -50,6 +51,25 @@ def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
         "uninspectable_processes": inv.uninspectable_processes,
         "visibility": inv.visibility.to_dict(),
     }
+
+
+MEASUREMENTS = ("residency", "numa")
+
+
+def measurement_errors(inv: Inventory, placed: dict[str, Placement] | None
+                       ) -> dict[str, dict[str, Any]]:
+    """Per measurement that a system call refusal left unmade: {regions, message}.
+
+    A seccomp filter (a unit's SystemCallFilter=) without mincore or move_pages must
+    show, not leave a silent `-` and an alert that can never fire."""
+    found: dict[str, list[str]] = {}
+    for r in inv.regions:
+        if r.resident_error is not None:
+            found.setdefault("residency", []).append(r.resident_error)
+        p = None if placed is None else placed.get(r.paths[0])
+        if p is not None and p.error is not None:
+            found.setdefault("numa", []).append(p.error)
+    return {what: {"regions": len(msgs), "message": msgs[0]} for what, msgs in found.items()}
 
 
 def vllm_layout(r: RegionInfo) -> str | None:
@@ -143,11 +163,16 @@ def inspect_cmd(
         inv.warn("uninspectable_processes",
                  f"{found.uninspectable_processes} process(es) could not be inspected "
                  "(permission denied); regions they use may show fewer holders")
+    refusals = measurement_errors(found, placed)
+    for what, e in refusals.items():
+        inv.warn("measurement_refused", f"{what} of {e['regions']} region(s) not measured: "
+                 f"{e['message']} ({residency.REFUSED_HINT})")
     data = inventory_data(found, placed)
+    data["measurement_errors"] = refusals
     data["not_found"] = missing
     shown: Callable[[Console], None] | None = None
     if fmt is Format.prometheus:
-        metrics.emit(_registry(found, placed), output)
+        metrics.emit(_registry(found, placed, refusals), output)
         if output is not None:
             data["output"] = str(output)
             shown = lambda out: out.print(f"Wrote {output}")  # noqa: E731
@@ -228,7 +253,9 @@ def render_table(out: Console, found: Inventory,
             where = None if placed is None else placed.get(r.paths[0])
             rows.append([printable(name), "-" if r.dp_rank is None else str(r.dp_rank),
                          r.state, owner_name(r.uid), format_bytes(r.size_bytes, compact=True),
-                         format_bytes(r.resident_bytes, compact=True), _layout_text(r),
+                         "?" if r.resident_error else format_bytes(r.resident_bytes,
+                                                                   compact=True),
+                         _layout_text(r),
                          _numa_text(where),
                          format_age(r.age_seconds), _holders_text(r, wide),
                          ",".join(p.code for p in r.problems) or "-"])
@@ -255,7 +282,8 @@ def _created_at(r: RegionInfo) -> float | None:
     return min(mtimes) if mtimes else None
 
 
-def _registry(found: Inventory, placed: dict[str, Placement] | None = None) -> Any:
+def _registry(found: Inventory, placed: dict[str, Placement] | None = None,
+              refusals: dict[str, dict[str, Any]] | None = None) -> Any:
     """Gauges by region; a textfile written once a minute stays true (no ages, no empty
     labels: a region without a DP rank has no `vllm_offload_region_dp_rank` sample)."""
     from prometheus_client import Gauge
@@ -310,6 +338,11 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None) -> A
           registry=registry).set(found.shm.free_bytes)
     Gauge("vllm_offload_uninspectable_processes", "Processes whose /proc could not be read.",
           registry=registry).set(found.uninspectable_processes)
+    errors = Gauge("vllm_offload_measurement_errors", "Regions whose measurement (residency: "
+                   "mincore; numa: move_pages) a refused system call left unmade: a seccomp "
+                   "filter or policy.", ["what"], registry=registry)
+    for what in MEASUREMENTS:
+        errors.labels(what).set((refusals or {}).get(what, {}).get("regions", 0))
     Gauge("vllm_offload_orphan_manifests", "Manifests whose region is gone.",
           registry=registry).set(len(found.orphan_manifests))
     return registry

@@ -76,6 +76,8 @@ class SegmentFile:
     linked: bool
     resident_bytes: int | None
     problems: tuple[Problem, ...] = ()
+    # why resident_bytes is None when the measurement was refused ("mincore: ...")
+    resident_error: str | None = None
     # the kernel's answer to "open anywhere else?", asked only when /proc may miss a holder
     sole_opener: openers.OpenersVerdict | None = None
 
@@ -103,6 +105,11 @@ class RegionInfo:
     @property
     def paths(self) -> list[str]:
         return [s.path for s in self.segments]
+
+    @property
+    def resident_error(self) -> str | None:
+        """Why residency is unknown when a system call was refused ("mincore: ...")."""
+        return next((s.resident_error for s in self.segments if s.resident_error), None)
 
     @property
     def persistent(self) -> bool:
@@ -218,13 +225,14 @@ def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
         if FileId.of(st) != FileId.of(lst):
             raise FileNotFoundError(path)  # replaced between lstat and open: rescan later
         problems = fsguard.stat_problems(st, allowed_uids=allowed_uids)
-        resident = _resident(fd) if measure else None
+        resident, refusal = _resident(fd) if measure else (None, None)
         locked = not locking.try_lock_exclusive(fd)
         return SegmentFile(path=path, segment=segment, file_id=FileId.of(st),
                            size_bytes=st.st_size, uid=st.st_uid,
                            mode=stat.S_IMODE(st.st_mode), mtime=max(st.st_mtime,
                                                                     st.st_ctime), linked=True,
                            resident_bytes=resident, problems=tuple(problems),
+                           resident_error=refusal,
                            sole_opener=None if locked or probe_if is None or not probe_if(st)
                            else openers.probe(fd, retry=_PROBE_RETRY)), locked
     finally:
@@ -243,12 +251,16 @@ def _needs_lease_probe(vis: Visibility, scan: ProcessScan) -> Callable[[os.stat_
     return needed
 
 
-def _resident(fd: int) -> int | None:
+def _resident(fd: int) -> tuple[int | None, str | None]:
+    """(resident bytes, None), or (None, why) when the system call was refused; (None,
+    None) where the file cannot be measured (no mmap on it, no memory to map it)."""
     try:
-        return residency.resident_bytes(fd)
+        return residency.resident_bytes(fd), None
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.ENODEV, errno.EINVAL, errno.ENOMEM):
-            return None
+        if residency.refused(exc):
+            return None, exc.strerror or str(exc)
+        if exc.errno in (errno.ENODEV, errno.EINVAL, errno.ENOMEM):
+            return None, None
         raise
 
 
@@ -423,7 +435,7 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
     parts = split_engine_id(engine_id)
     path = next(u.path for u in uses if u.path)
     size = max((u.size_hint or 0) for u in uses)
-    resident, uid, mode = None, None, None
+    resident, refusal, uid, mode = None, None, None, None
     st = _deleted_stat(fid, uses)
     if st is not None:
         size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
@@ -432,13 +444,13 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
         fd = procfs.open_fd(fd_use.pid, fd_use.fd, fid)
         if fd is not None:
             try:
-                resident = _resident(fd)
+                resident, refusal = _resident(fd)
             finally:
                 os.close(fd)
     parsed = parse_region_filename(os.path.basename(path))
     seg = SegmentFile(path=path, segment=0 if parsed is None else parsed.segment, file_id=fid,
                       size_bytes=size, uid=uid, mode=None, mtime=None,
-                      linked=False, resident_bytes=resident)
+                      linked=False, resident_bytes=resident, resident_error=refusal)
     return RegionInfo(
         engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
         segments=(seg,), linked=False, size_bytes=size, resident_bytes=resident, uid=uid,

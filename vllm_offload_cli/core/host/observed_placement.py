@@ -54,6 +54,8 @@ class Placement:
     source: str  # "numa_maps", "move_pages", "single_node" or "unknown"
     pid: int | None = None  # the holder whose maps were read
     sampled_pages: int | None = None  # move_pages: pages asked (fewer than resident: sampled)
+    error: str | None = None  # why it is unknown when a system call was refused
+
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -197,14 +199,15 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
     if not measure or not libc.numa_syscalls_available():
         return Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None, source="unknown",
                          pid=pid)
-    return _sample_files(files, pid) or Placement(numa_nodes=None,
+    return _sample_files(files, pid, no_huge) or Placement(numa_nodes=None,
                                                   huge_page_bytes=0 if no_huge else None,
                                                   source="unknown", pid=pid)
 
 
-def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
-                  ) -> Placement | None:
-    """Sample every segment through our own mapping; None when one cannot be read."""
+def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None,
+                  no_huge: bool) -> Placement | None:
+    """Sample every segment through our own mapping; None when one cannot be read, an
+    unknown placement with its `error` when a system call was refused."""
     totals: dict[int, int] = defaultdict(int)
     asked = 0
     huge: int | None = 0
@@ -216,8 +219,11 @@ def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None
             return None
         try:
             got = sample_resident(fd, size, sample=max(1, SAMPLE_PAGES // len(files)))
-        except OSError:  # no NUMA syscalls, denied, or truncated meanwhile (EFAULT)
-            return None
+        except OSError as exc:  # no NUMA syscalls, refused, or truncated meanwhile (EFAULT)
+            if not residency.refused(exc):
+                return None
+            return Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None,
+                             source="unknown", pid=pid, error=exc.strerror or str(exc))
         finally:
             os.close(fd)
         asked += got.asked

@@ -7,6 +7,7 @@ out. Mapping without touching allocates nothing, so measuring is harmless.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 from vllm_offload_cli.core.region.geometry import PAGESIZE
@@ -48,3 +49,16 @@ def resident_bytes(fd: int) -> int:
         return 0
     pages = page_map(fd, 0, size)
     return min(pages.count(1) * PAGESIZE, size)
+
+
+# A seccomp filter (a systemd unit's SystemCallFilter=, a container's profile) answers
+# EPERM; EACCES is a policy too. ENOSYS is a kernel without the call, not a refusal.
+# A refusal is said, never left a blank value.
+_REFUSALS = frozenset({errno.EPERM, errno.EACCES})
+REFUSED_HINT = ("a seccomp filter or security policy refused the system call; the shipped "
+                "systemd units allow it (SystemCallFilter= in contrib/systemd)")
+
+
+def refused(exc: OSError) -> bool:
+    """The system call was refused (not: this file cannot be measured)."""
+    return exc.errno in _REFUSALS

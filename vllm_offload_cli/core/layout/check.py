@@ -234,15 +234,23 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
                         f"region; "
                 "they pre-fault every slot, so residency cannot show which workers wrote"))
         if rows > 0:
-            slots, s_problems, s_notes = _slot_reports(fd, geometry, rows, workers)
-            problems += s_problems
-            notes += s_notes
-            slots = [_with_status(s, problems) for s in slots]
-            placed = affinity.check_workers(fd, geometry, rows, [
-                (w.pid, w.rank) for w in workers if 0 <= w.rank < geometry.world_size])
-            notes += [CheckProblem(code="numa_remote", message=affinity.remote_message(w),
-                                   ranks=(w.rank,),
-                                   pids=(w.pid,)) for w in placed if w.remote]
+            try:
+                slots, s_problems, s_notes = _slot_reports(fd, geometry, rows, workers)
+            except OSError as exc:
+                if not residency.refused(exc):
+                    raise
+                notes.append(CheckProblem(
+                    code="measurement_refused", message="slots not checked: their residency "
+                    f"was not measured: {exc.strerror} ({residency.REFUSED_HINT})"))
+            else:
+                problems += s_problems
+                notes += s_notes
+                slots = [_with_status(s, problems) for s in slots]
+                placed = affinity.check_workers(fd, geometry, rows, [
+                    (w.pid, w.rank) for w in workers if 0 <= w.rank < geometry.world_size])
+                notes += [CheckProblem(code="numa_remote", message=affinity.remote_message(w),
+                                       ranks=(w.rank,),
+                                       pids=(w.pid,)) for w in placed if w.remote]
 
     return LiveCheck(
         engine_id=engine_id, path=path,

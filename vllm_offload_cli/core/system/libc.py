@@ -11,6 +11,13 @@ import os
 import platform
 from functools import cache
 
+# The system calls made here on behalf of the read-only commands (inspect, gc and
+# verify-rank-layout measure residency and NUMA placement). The shipped systemd units
+# must allow each (tests/test_seccomp_units.py runs the commands under their filter);
+# mbind is made only by `create` and engines, which no unit runs.
+PROBE_CALLS = ("mmap", "munmap", "madvise", "mincore", "move_pages")
+WRITE_CALLS = ("mbind",)
+
 MADV_POPULATE_READ = 22  # Linux >= 5.14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
 MADV_HUGEPAGE = 14
