@@ -219,7 +219,7 @@ def test_a_squatted_name_is_refused_by_preflight_and_by_the_engine_alike(
                                         else "foreign_owner")
     assert "squatted" in doc["errors"][0]["message"]
     assert "nobody" in doc["errors"][0]["message"]
-    from vllm_offload_cli.engine.lease import RegionRequest, open_region
+    from vllm_offload_cli.engine.region_hold import RegionRequest, open_region
 
     request = RegionRequest(engine_id="sq2", num_blocks=4, rank=0, row_stride=8192,
                             cpu_page_size=4096, world_size=2)

@@ -197,7 +197,7 @@ def check_worker(doc: dict[str, Any], want: Geometry) -> None:
     assert doc["view_shape"] == [want.num_chunks, want.page]
     assert doc["view_stride"] == [want.row_stride, 1]
     assert doc["view_offset"] == rank * want.page
-    assert doc["same_inode"] and doc["lease_locked"]  # vLLM mapped the hook's file
+    assert doc["same_inode"] and doc["hold_locked"]  # vLLM mapped the hook's file
     padding = [0] if want.row_stride > TP * want.page else []
     # every row: rank r's slot holds r + 3 only, the padding zeros only
     assert doc["rows"] == [[[r + 3] for r in range(TP)] + [padding]]

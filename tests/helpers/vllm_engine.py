@@ -163,7 +163,7 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
         get_world_group().barrier()  # the peer may still be on its way; let it finish
         return
     region = got.kwargs["mmap_region"]
-    lease = getattr(spec, "_vllm_offload_lease", None)
+    hold = getattr(spec, "_vllm_offload_hold", None)
     view = region.create_next_worker_view(spec.cpu_page_size_per_worker)
     view.fill_(rank + 3)  # through vLLM's own strided view of its own mapping
     get_world_group().barrier()  # every rank wrote its slot
@@ -174,23 +174,23 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
         view_offset=view.storage_offset(), token_set=bool(os.environ.get(
             "VLLM_OFFLOAD_ENGINE_TOKEN")),
         name_linked=os.path.exists(f"/dev/shm/vllm_offload_{args['engine_id']}.mmap"),
-        hooked=lease is not None)
-    if lease is not None:
-        ours = lease.region
+        hooked=hold is not None)
+    if hold is not None:
+        ours = hold.region
         fid = FileId.of(os.fstat(ours.fd))
-        doc.update(hook_creator=lease.creator,
+        doc.update(hook_creator=hold.creator,
                    hook_files=vllm_stubs.mapped_files(vllm_stubs.address_of(ours.mmap_obj),
                                                       storage.nbytes()),
                    same_inode=fid.ino in {f["ino"] for f in doc["vllm_files"]}, ino=fid.ino,
-                   lease_locked=os.getpid() in [pid for pid, _ in flock_holders(fid)],
+                   hold_locked=os.getpid() in [pid for pid, _ in flock_holders(fid)],
                    rows=row_bytes(ours.mmap_obj, spec, args["tp"]))
     report(**doc)
     os.write(reported, b"r")
     os.read(commands, 1)  # hold the region until the engine core says so
     del view  # vLLM keeps a mapping while a view of it is alive
     region.cleanup()
-    if lease is not None:
-        lease.close()
+    if hold is not None:
+        hold.close()
 
 
 def row_bytes(mm: Any, spec: Any, world: int) -> list[list[int]]:
@@ -220,15 +220,15 @@ def scheduler(config: Any, kv_config: Any, args: dict[str, Any]) -> None:
     except Exception as exc:
         report(**doc, **failure(exc))
         return
-    lease = getattr(spec, "_vllm_offload_scheduler_lease", None)
-    doc.update(hooked=lease is not None,
+    hold = getattr(spec, "_vllm_offload_scheduler_hold", None)
+    doc.update(hooked=hold is not None,
                name_linked=os.path.exists(f"/dev/shm/vllm_offload_{args['engine_id']}.mmap"))
-    if lease is not None:  # vLLM's mapping of the file: the one that is not the hook's
-        ours = lease.region
+    if hold is not None:  # vLLM's mapping of the file: the one that is not the hook's
+        ours = hold.region
         ino = os.fstat(ours.fd).st_ino
         mine = vllm_stubs.address_of(ours.mmap_obj)
         theirs = [m for m in vllm_stubs.mappings_of(ino) if m[0] != mine]
-        doc.update(hook_creator=lease.creator, ino=ino, same_inode=len(theirs) == 1,
+        doc.update(hook_creator=hold.creator, ino=ino, same_inode=len(theirs) == 1,
                    rows=[] if len(theirs) != 1 else row_bytes(
                        ctypes.string_at(theirs[0][0], theirs[0][1] - theirs[0][0]), spec,
                        args["tp"]))

@@ -62,14 +62,14 @@ def main() -> None:
     try:
         if role == "worker":
             region = spec.get_worker(None).kwargs["mmap_region"]  # what vLLM hands its worker
-            lease = getattr(spec, "_vllm_offload_lease", None)  # None: plain vLLM's spec
+            hold = getattr(spec, "_vllm_offload_hold", None)  # None: plain vLLM's spec
             # vLLM's own view of its own mapping: where it starts, how long it is
             view = region.create_next_worker_view(page)
             storage = view.untyped_storage()
             vllm_start, length = storage.data_ptr(), storage.nbytes()
         else:
             spec.get_manager()
-            lease = spec._vllm_offload_scheduler_lease
+            hold = spec._vllm_offload_scheduler_hold
     except OffloadError as exc:
         print(json.dumps({"error": exc.message, "code": exc.code, "pid": exc.pid}), flush=True)
         sys.exit(3)
@@ -77,7 +77,7 @@ def main() -> None:
         "pid": os.getpid(), "spec": type(spec).__name__,
         "spec_bases": [b.__module__ + "." + b.__name__ for b in type(spec).__mro__[1:3]],
         "num_chunks": spec.num_chunks, "row_stride": spec.kv_bytes_per_chunk}
-    if lease is None:  # plain vLLM: what it mapped, and the slot its view starts at
+    if hold is None:  # plain vLLM: what it mapped, and the slot its view starts at
         doc.update(vllm_files=vllm_stubs.mapped_files(vllm_start, length),
                    vllm_slot=view.storage_offset() // page if view is not None else None,
                    name_linked=os.path.exists(path))
@@ -86,7 +86,7 @@ def main() -> None:
         view = None
         region.cleanup()
         return
-    ours = lease.region
+    ours = hold.region
     assert ours.mmap_obj is not None and ours.fd is not None
     ino = os.fstat(ours.fd).st_ino
     our_start = vllm_stubs.address_of(ours.mmap_obj)
@@ -95,7 +95,7 @@ def main() -> None:
         length = end - vllm_start
     vllm_files = vllm_stubs.mapped_files(vllm_start, length)
     doc.update(
-        hook_creator=lease.creator, slot=ours.rank,
+        hook_creator=hold.creator, slot=ours.rank,
         vllm_slot=view.storage_offset() // page if view is not None else None,
         vllm_files=vllm_files, hook_files=vllm_stubs.mapped_files(our_start, length),
         same_inode={f["ino"] for f in vllm_files} >= {ino},
@@ -117,7 +117,7 @@ def main() -> None:
     view = None
     if role == "worker":
         region.cleanup()
-    lease.close()
+    hold.close()
 
 
 if __name__ == "__main__":

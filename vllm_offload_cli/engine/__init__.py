@@ -11,7 +11,7 @@ from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
     engine_token,
 )
-from vllm_offload_cli.engine.lease import EngineLease, RegionRequest, open_region
+from vllm_offload_cli.engine.region_hold import RegionHold, RegionRequest, open_region
 
-__all__ = ["ENGINE_TOKEN_ENV", "ClaimResult", "EngineIdCollisionError", "EngineLease",
+__all__ = ["ENGINE_TOKEN_ENV", "ClaimResult", "EngineIdCollisionError", "RegionHold",
            "RegionRequest", "claim", "engine_token", "open_region", "startup_lock"]

@@ -38,7 +38,7 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV, valid_token
-from vllm_offload_cli.engine.lease import EngineLease, RegionRequest, open_region
+from vllm_offload_cli.engine.region_hold import RegionHold, RegionRequest, open_region
 from vllm_offload_cli.engine.vllm_rules import (
     DEVICE_MODULO,
     LOGICAL,
@@ -74,7 +74,7 @@ def _slot(spec: Any, call: RegionCall) -> tuple[int | None, int | None]:
     return int(spec.config.parallel.rank), None
 
 
-def _open(spec: Any, rules: VllmRules, call: RegionCall) -> EngineLease | None:
+def _open(spec: Any, rules: VllmRules, call: RegionCall) -> RegionHold | None:
     """Run the start-up steps for the region `spec` is about to build; None: skipped."""
     if spec.num_chunks <= 0 or not spec._uses_shared_region():
         return None  # vLLM uses no shared region here: nothing to guard
@@ -108,37 +108,37 @@ def _open(spec: Any, rules: VllmRules, call: RegionCall) -> EngineLease | None:
         return None
 
 
-def _leased(spec: Any, which: str, build: Callable[[], Any]
-            ) -> tuple[Any, EngineLease | None, RegionCall | None]:
-    """Open our lease first, then let vLLM build on it; never keep a lease vLLM failed on.
+def _held(spec: Any, which: str, build: Callable[[], Any]
+            ) -> tuple[Any, RegionHold | None, RegionCall | None]:
+    """Take our hold first, then let vLLM build on it; never keep a hold vLLM failed on.
 
     `which` names the RegionCall of VllmRules this build makes. Where vLLM's code
-    is not understood, vLLM builds alone (no lease, no call).
+    is not understood, vLLM builds alone (no hold, no call).
     """
     rules = _rules(spec)
     call: RegionCall | None = None if rules is None else getattr(rules, which)
-    lease = None if rules is None or call is None else _open(spec, rules, call)
+    hold = None if rules is None or call is None else _open(spec, rules, call)
     try:
         built = build()
     except BaseException:
-        if lease is not None:
-            lease.close()
+        if hold is not None:
+            hold.close()
         raise
-    return built, lease, call
+    return built, hold, call
 
 
 class HardenedCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     """vLLM's CPU spec (the files and slots of the vLLM in use), hardened."""
 
     def create_worker(self, kv_caches: Any) -> Any:
-        worker, lease, call = _leased(self, "cpu_worker", lambda: super(
+        worker, hold, call = _held(self, "cpu_worker", lambda: super(
             HardenedCPUOffloadingSpec, self).create_worker(kv_caches))
-        if lease is not None:
-            self._vllm_offload_lease = lease
-            if lease.creator and call is not None and call.barrier:
+        if hold is not None:
+            self._vllm_offload_hold = hold
+            if hold.creator and call is not None and call.barrier:
                 # vLLM's barrier has passed: every worker mapped the region. vLLM
                 # unlinks here too when it created the file; we created it.
-                lease.release_name()
+                hold.release_name()
         return worker
 
 
@@ -151,19 +151,19 @@ class HardenedTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc
     """
 
     def create_worker(self, kv_caches: Any) -> Any:
-        worker, lease, _ = _leased(self, "tiering_worker", lambda: super(
+        worker, hold, _ = _held(self, "tiering_worker", lambda: super(
             HardenedTieringOffloadingSpec, self).create_worker(kv_caches))
-        if lease is not None:
-            self._vllm_offload_lease = lease
+        if hold is not None:
+            self._vllm_offload_hold = hold
         return worker
 
     def get_manager(self) -> Any:
         if self._manager:
             return super().get_manager()
-        manager, lease, _ = _leased(self, "tiering_scheduler", lambda: super(
+        manager, hold, _ = _held(self, "tiering_scheduler", lambda: super(
             HardenedTieringOffloadingSpec, self).get_manager())
-        if lease is not None:
-            self._vllm_offload_scheduler_lease = lease
-            if not lease.creator:  # workers made it and mapped it: nobody needs the name
-                lease.release_name()
+        if hold is not None:
+            self._vllm_offload_scheduler_hold = hold
+            if not hold.creator:  # workers made it and mapped it: nobody needs the name
+                hold.release_name()
         return manager

@@ -4,7 +4,7 @@ The hook opens the region through the hardened core *before* vLLM does, so
 vLLM always takes its joiner path onto a file of exactly the right size that
 this engine made (or was pre-provisioned for it). The open happens under the
 start-up lock, right after the claim, so no other process can slip a region
-in between. Pre-faulting is left to vLLM. For the process's life the lease
+in between. Pre-faulting is left to vLLM. For the process's life the hold
 holds a shared flock on every file and an attachment (with the engine token)
 in the manifest, so `inspect` and `gc` can prove the region alive.
 """
@@ -60,7 +60,7 @@ class RegionRequest:
                            world_size=None if self.replicated else self.world_size)
 
 
-class EngineLease:
+class RegionHold:
     """The open region plus what the claim found; `close()` on shutdown."""
 
     def __init__(self, region: SharedOffloadRegion, claimed: ClaimResult) -> None:
@@ -118,7 +118,7 @@ def open_region(
     shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
     lock_timeout: float = 120.0,
     join_timeout: float = 30.0,
-) -> EngineLease:
+) -> RegionHold:
     """Claim the name, create or join the region through the core, check the slot."""
     with startup_lock(shm_dir, timeout=lock_timeout):
         claimed = claim(request.engine_id, shm_dir=shm_dir, token=token,
@@ -140,4 +140,4 @@ def open_region(
         except BaseException:
             region.cleanup()
             raise
-    return EngineLease(region, claimed)
+    return RegionHold(region, claimed)
