@@ -210,15 +210,17 @@ def test_the_token_is_made_once_and_inherited(monkeypatch: pytest.MonkeyPatch) -
         assert process_token(child.pid) == token  # what a sibling rank reads from /proc
     finally:
         child.communicate(b"\n")
-    from vllm_offload_cli.engine import identity
+    from vllm_offload_cli.core.system import processes
 
-    assert identity._environ_token(os.getpid()) is None  # set after exec: not in environ
+    env = processes.environ(os.getpid())  # set after exec: not in environ
+    assert env is not None and ENGINE_TOKEN_ENV not in env
     assert process_token(os.getpid()) == token  # ...but our beacon says it
 
 
 def test_a_worker_forked_after_the_token_was_set_is_still_this_engine() -> None:
     """vLLM forks its workers: /proc/PID/environ shows the parent's exec-time environment,
     without the token; the inherited beacon proves the worker is ours."""
+    from vllm_offload_cli.core.system import processes
     from vllm_offload_cli.engine import identity
 
     token = identity.engine_token()
@@ -230,7 +232,7 @@ def test_a_worker_forked_after_the_token_was_set_is_still_this_engine() -> None:
         os._exit(0)
     os.close(read)
     try:
-        assert identity._environ_token(pid) != token
+        assert (processes.environ(pid) or {}).get(identity.ENGINE_TOKEN_ENV) != token
         assert identity.process_token(pid) == token
     finally:
         os.close(write)

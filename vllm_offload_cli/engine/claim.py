@@ -25,13 +25,20 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vllm_offload_cli.core.base.errors import (
     OperationFailedError,
     RegionBusyError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.host.discovery import PERSISTENT, STALE, RegionInfo, discover
+from vllm_offload_cli.core.host.discovery import (
+    PERSISTENT,
+    STALE,
+    Inventory,
+    RegionInfo,
+    discover,
+)
 from vllm_offload_cli.core.host.procscan import flock_holders
 from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
@@ -43,8 +50,7 @@ from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 from vllm_offload_cli.core.system.processes import ProcessRef, comm
 from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
-    environ_readable,
-    process_token,
+    read_token,
 )
 from vllm_offload_cli.engine.shape import (
     RegionShape,
@@ -176,12 +182,12 @@ def classify_holders(r: RegionInfo, token: str | None) -> _Holders:
         elif creator_ours and m is not None and h.pid == m.creator_pid:
             ours.append(h.pid)
         else:
-            theirs = process_token(h.pid)
+            theirs, readable = read_token(h.pid)
             if theirs == token:
                 ours.append(h.pid)
             elif theirs is not None:
                 foreign.append((h.pid, "belongs to another engine"))
-            elif environ_readable(h.pid):
+            elif readable:
                 foreign.append((h.pid, "was not started by this engine"))
             else:
                 unknown.append(h.pid)
@@ -194,6 +200,37 @@ def _collision(engine_id: str, path: str, pid: int, why: str) -> EngineIdCollisi
         f"({path}); two engines with one engine_id would share KV bytes. Stop that "
         "engine or pick another engine_id", path=path, engine_id=engine_id, pid=pid,
     )
+
+
+@dataclass
+class _Progress:
+    """What one claim has seen and done so far, for its result."""
+
+    engine_id: str
+    path: str
+    state_seen: str | None = None
+    reclaimed_paths: list[str] = field(default_factory=list)
+    reclaimed_bytes: int = 0
+
+    def result(self, action: str, **rest: Any) -> ClaimResult:
+        fields: dict[str, Any] = {
+            "engine_holders": (), "needed_bytes": 0, "state_seen": self.state_seen,
+            "reclaimed_paths": tuple(self.reclaimed_paths),
+            "reclaimed_bytes": self.reclaimed_bytes}
+        return ClaimResult(engine_id=self.engine_id, path=self.path, action=action,
+                           **(fields | rest))
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What to do with the region under the name: JOIN, WAIT (undecided) or RECLAIM."""
+
+    action: str
+    holders: tuple[int, ...] = ()
+    note: str | None = None
+
+
+_WAIT, _RECLAIM = "wait", "reclaim"
 
 
 def claim(
@@ -218,85 +255,101 @@ def claim(
     validate_engine_id(engine_id)
     want = shape if shape is not None or size_bytes is None else RegionShape(
         size_bytes=size_bytes)
-    path = str(region_path(shm_dir, engine_id))
+    done = _Progress(engine_id, str(region_path(shm_dir, engine_id)))
     deadline = time.monotonic() + grace
-    reclaimed_paths: list[str] = []
-    reclaimed_bytes = 0
-    first_state: str | None = None
     for _ in range(100):
         inv = discover(shm_dir, engine_ids=[engine_id], measure_residency=False)
         _refuse_squatters(inv.regions, str(manifest_path(shm_dir, engine_id)), engine_id)
         if identity:
             _refuse_released_by_another_engine(_own(inv.regions), token, engine_id)
-        named = [r for r in inv.regions if r.linked]
-        if not named:
-            return _fits(engine_id, path, CREATE if not reclaimed_paths else RECLAIMED,
-                         first_state, tuple(reclaimed_paths), reclaimed_bytes, size_bytes,
-                         shm_dir, dry_run)
-        r = named[0]
-        first_state = first_state or r.state
-        held = bool(r.holders) or r.locked
-        if held:
-            who = classify_holders(r, token) if identity else _Holders(
-                tuple(h.pid for h in r.holders), (), ())
-            if who.foreign:
-                raise _collision(engine_id, path, *who.foreign[0])
-            if who.unknown or not r.holders:  # undecided, or only a lock we cannot place
-                if time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                if who.unknown:
-                    raise _collision(engine_id, path, who.unknown[0],
-                                     "holds it and cannot be told apart from another engine")
-                raise EngineIdCollisionError(
-                    f"{path} stays locked by a process this user cannot see (another pid "
-                    "namespace?); refusing to share it", path=path, engine_id=engine_id)
-            refuse_held_other_shape(r, want, path, who.ours)
-            return ClaimResult(engine_id=engine_id, path=path, action=JOIN, state_seen=first_state,
-                               engine_holders=who.ours,
-                               reclaimed_paths=tuple(reclaimed_paths),
-                               reclaimed_bytes=reclaimed_bytes, needed_bytes=0)
-        if r.state == PERSISTENT:
-            refuse_persistent_other_shape(r, want, path, shm_dir)
-            return ClaimResult(engine_id=engine_id, path=path, action=JOIN, state_seen=first_state,
-                               engine_holders=(), reclaimed_paths=tuple(reclaimed_paths),
-                               reclaimed_bytes=reclaimed_bytes, needed_bytes=0,
-                               notes=("pre-provisioned by "
-                                                          "`vllm-offload create`",))
-        if r.state != STALE:
-            why = f" ({r.problems[-1].message})" if r.problems else ""
-            raise UnsafeRegionError(
-                f"{path} is {r.state}: nothing proves it unused{why}, so it is neither joined "
-                "nor removed; `vllm-offload inspect` shows why", path=path,
-                engine_id=engine_id, code="region_not_stale")
+        r = next((r for r in inv.regions if r.linked), None)
+        if r is None:
+            return _fits(done, CREATE if not done.reclaimed_paths else RECLAIMED,
+                         size_bytes, shm_dir)
+        done.state_seen = done.state_seen or r.state
+        verdict = _classify(r, want, done.path, shm_dir, token, identity=identity,
+                            patient=time.monotonic() < deadline)
+        if verdict.action == _WAIT:
+            time.sleep(0.05)
+            continue
+        if verdict.action == JOIN:
+            return done.result(JOIN, engine_holders=verdict.holders,
+                               notes=() if verdict.note is None else (verdict.note,))
         if dry_run:
-            other = None if want is None else mismatch(r, want)
-            return ClaimResult(engine_id=engine_id, path=path, action=WOULD_RECLAIM,
-                               state_seen=first_state, engine_holders=(),
-                               reclaimed_paths=tuple(r.paths),
-                               reclaimed_bytes=sum(s.size_bytes for s in r.segments),
-                               needed_bytes=0, free_bytes=None,
-                               notes=() if other is None else (f"another shape: {other}",))
-        report = reclaim(inv, gc_report.GcOptions(dry_run=False, min_age=0.0),
-                         engine_ids=[engine_id])
-        audit.record_removals(report.removed)  # "what deleted my region?": this start-up
-        for removed in report.removed:
-            reclaimed_paths += removed.paths
-            reclaimed_bytes += removed.freed_bytes
-        for kept in report.kept:
-            if kept.code in _UNSAFE_KEPT:
-                raise UnsafeRegionError(f"cannot reclaim the leftover {path}: {kept.reason}",
-                                        path=path, engine_id=engine_id, code=kept.code)
-        if report.errors:
-            raise OperationFailedError(report.errors[0].message, path=path,
-                                       engine_id=engine_id)
-        if report.removed and not report.kept and not os.path.lexists(path):
+            return _would_reclaim(done, r, want)
+        if _reclaim_once(inv, done):
             # the name is free again: no second /proc pass (the next creator's O_EXCL
             # settles any race, as it would after a second look)
-            return _fits(engine_id, path, RECLAIMED, first_state, tuple(reclaimed_paths),
-                         reclaimed_bytes, size_bytes, shm_dir, dry_run)
-    raise OperationFailedError(f"{path} kept changing while starting; is something "
-                               "recreating it?", path=path, engine_id=engine_id)
+            return _fits(done, RECLAIMED, size_bytes, shm_dir)
+    raise OperationFailedError(f"{done.path} kept changing while starting; is something "
+                               "recreating it?", path=done.path, engine_id=engine_id)
+
+
+def _classify(r: RegionInfo, want: RegionShape | None, path: str,
+              shm_dir: str | os.PathLike[str], token: str | None, *, identity: bool,
+              patient: bool) -> _Verdict:
+    """Join, wait or reclaim the named region `r`; refuse (raise) what is neither.
+
+    Held: joined when every holder is this engine's and the shape fits; a
+    holder not yet told apart is waited for while `patient`. Persistent: joined
+    when the shape fits. Stale: reclaimed. Anything else is never touched.
+    """
+    engine_id = r.engine_id
+    if r.holders or r.locked:
+        who = classify_holders(r, token) if identity else _Holders(
+            tuple(h.pid for h in r.holders), (), ())
+        if who.foreign:
+            raise _collision(engine_id, path, *who.foreign[0])
+        if who.unknown or not r.holders:  # undecided, or only a lock we cannot place
+            if patient:
+                return _Verdict(_WAIT)
+            if who.unknown:
+                raise _collision(engine_id, path, who.unknown[0],
+                                 "holds it and cannot be told apart from another engine")
+            raise EngineIdCollisionError(
+                f"{path} stays locked by a process this user cannot see (another pid "
+                "namespace?); refusing to share it", path=path, engine_id=engine_id)
+        refuse_held_other_shape(r, want, path, who.ours)
+        return _Verdict(JOIN, who.ours)
+    if r.state == PERSISTENT:
+        refuse_persistent_other_shape(r, want, path, shm_dir)
+        return _Verdict(JOIN, note="pre-provisioned by `vllm-offload create`")
+    if r.state != STALE:
+        why = f" ({r.problems[-1].message})" if r.problems else ""
+        raise UnsafeRegionError(
+            f"{path} is {r.state}: nothing proves it unused{why}, so it is neither joined "
+            "nor removed; `vllm-offload inspect` shows why", path=path,
+            engine_id=engine_id, code="region_not_stale")
+    return _Verdict(_RECLAIM)
+
+
+def _would_reclaim(done: _Progress, r: RegionInfo, want: RegionShape | None) -> ClaimResult:
+    """A dry run's answer for a stale region: what the reclaim would free."""
+    other = None if want is None else mismatch(r, want)
+    return done.result(WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
+                       reclaimed_bytes=sum(s.size_bytes for s in r.segments),
+                       notes=() if other is None else (f"another shape: {other}",))
+
+
+def _reclaim_once(inv: Inventory, done: _Progress) -> bool:
+    """Remove the stale region by gc's own rules, audit-logged; True when its name is free.
+
+    A leftover gc keeps for a reason no retry changes is refused here.
+    """
+    engine_id, path = done.engine_id, done.path
+    report = reclaim(inv, gc_report.GcOptions(dry_run=False, min_age=0.0),
+                     engine_ids=[engine_id])
+    audit.record_removals(report.removed)  # "what deleted my region?": this start-up
+    for removed in report.removed:
+        done.reclaimed_paths += removed.paths
+        done.reclaimed_bytes += removed.freed_bytes
+    for kept in report.kept:
+        if kept.code in _UNSAFE_KEPT:
+            raise UnsafeRegionError(f"cannot reclaim the leftover {path}: {kept.reason}",
+                                    path=path, engine_id=engine_id, code=kept.code)
+    if report.errors:
+        raise OperationFailedError(report.errors[0].message, path=path, engine_id=engine_id)
+    return bool(report.removed) and not report.kept and not os.path.lexists(path)
 
 
 def _own(regions: Iterable[RegionInfo]) -> list[RegionInfo]:
@@ -365,16 +418,13 @@ def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str
             raise _collision(engine_id, r.paths[0] + " (deleted)", pid, why)
 
 
-def _fits(engine_id: str, path: str, action: str, state: str | None,
-          reclaimed: tuple[str, ...], reclaimed_bytes: int, size_bytes: int | None,
-          shm_dir: str | os.PathLike[str], dry_run: bool) -> ClaimResult:
+def _fits(done: _Progress, action: str, size_bytes: int | None,
+          shm_dir: str | os.PathLike[str]) -> ClaimResult:
+    """The name is free: check that `size_bytes` fit (exit 5 when not)."""
     free = None
     if size_bytes is not None:
         cap = capacity.measure(Path(shm_dir))
-        capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=engine_id)
+        capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=done.engine_id)
         free = min(x for x in (cap.shm.free_bytes, cap.cgroup_free_bytes,
                                cap.mem_available_bytes) if x is not None)
-    return ClaimResult(engine_id=engine_id, path=path, action=action, state_seen=state,
-                       engine_holders=(), reclaimed_paths=reclaimed,
-                       reclaimed_bytes=reclaimed_bytes,
-                       needed_bytes=size_bytes or 0, free_bytes=free)
+    return done.result(action, needed_bytes=size_bytes or 0, free_bytes=free)

@@ -75,12 +75,18 @@ def _hold_beacon(token: str) -> None:
 def process_token(pid: int) -> str | None:
     """Another process's token: from its initial environment, else from a beacon it holds;
     None if it has neither or they cannot be read."""
-    return _environ_token(pid) or _beacon_token(pid)
+    return read_token(pid)[0]
 
 
-def _environ_token(pid: int) -> str | None:
-    value = processes.environ_value(pid, ENGINE_TOKEN_ENV)
-    return value if valid_token(value) else None
+def read_token(pid: int) -> tuple[str | None, bool]:
+    """(token, readable): the token as `process_token` finds it, and whether the
+    process's environment could be read at all (False: nothing can be told).
+    One read of the environment."""
+    env = processes.environ(pid)
+    value = None if env is None else env.get(ENGINE_TOKEN_ENV)
+    if valid_token(value):
+        return value, True
+    return _beacon_token(pid), env is not None
 
 
 def _beacon_token(pid: int) -> str | None:
@@ -92,8 +98,3 @@ def _beacon_token(pid: int) -> str | None:
         if found:
             return found.group(1)
     return None
-
-
-def environ_readable(pid: int) -> bool:
-    """Whether `process_token` can tell anything about this process."""
-    return processes.environ_readable(pid)

@@ -88,21 +88,13 @@ def uids(pid: int) -> frozenset[int] | None:
         return None
 
 
-def environ_value(pid: int, key: str) -> str | None:
-    """One variable of the environment the process was exec'd with; None if unreadable."""
+def environ(pid: int) -> dict[str, str] | None:
+    """The environment the process was exec'd with; None if it cannot be read."""
     proc = _process(pid)
     try:
-        return None if proc is None else proc.environ().get(key)
+        return None if proc is None else proc.environ()
     except (psutil.Error, OSError):
         return None
-
-
-def environ_readable(pid: int) -> bool:
-    proc = _process(pid)
-    try:
-        return proc is not None and isinstance(proc.environ(), dict)
-    except (psutil.Error, OSError):
-        return False
 
 
 def allowed_cpus(pid: int) -> frozenset[int] | None:
