@@ -500,7 +500,7 @@ def test_a_user_that_appears_after_discovery_is_seen_under_the_lock(
 
     assert report.removed == ()
     assert (report.kept[0].code, report.kept[0].pid) == ("live", h.pid)
-    assert "after locking" in report.kept[0].reason
+    assert "after locking" in report.kept[0].message
     assert path.exists()
 
 

@@ -367,9 +367,9 @@ def warn_useless_waiver(inv: Invocation, waived: bool) -> None:
     """--shm-private-to-namespace outside a PID namespace is a misunderstanding: say so."""
     if not waived:
         return
-    from vllm_offload_cli.core.host.visibility import namespace_blind_spots
+    from vllm_offload_cli.core.host.visibility import PID_NAMESPACE, namespace_blind_spots
 
-    if not any(b.waivable for b in namespace_blind_spots()):
+    if not any(b.code == PID_NAMESPACE for b in namespace_blind_spots()):
         inv.warn("waiver_unused", "--shm-private-to-namespace has no effect: this process "
                  "runs in the host's PID namespace")
 

@@ -19,6 +19,7 @@ from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
+from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.units import format_bytes, parse_duration
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
@@ -38,13 +39,13 @@ def report_data(report: GcReport) -> dict[str, Any]:
         "include_persistent": o.include_persistent,
         "all_users": o.all_users,
         "removed": [r.to_dict() for r in report.removed],
-        "kept": [k.to_dict() for k in report.kept],
+        "kept": [_kept_dict(k) for k in report.kept],
         "freed_bytes": report.freed_bytes,
         "orphan_manifests_removed": list(report.orphan_manifests_removed),
         "temp_files_removed": list(report.temp_files_removed),
         "vanished": list(report.vanished),
         "not_found": list(report.not_found),
-        "failures": [e.to_dict() for e in report.errors],
+        "failures": [e.to_dict("path", "engine_id") for e in report.errors],
         "regions_seen": report.regions_seen,
         "uninspectable_processes": report.uninspectable_processes,
         "visibility": {
@@ -56,6 +57,13 @@ def report_data(report: GcReport) -> dict[str, Any]:
         "started_at": round(report.started_at, 3),
         "duration_seconds": round(report.duration_seconds, 6),
     }
+
+
+def _kept_dict(k: Problem) -> dict[str, object]:
+    """A kept region's sentence is its `reason`, and every key is there even when empty."""
+    doc = k.to_dict("paths", "pid", "linked", "blind_spot")
+    return {"engine_id": k.engine_id, **{"reason" if key == "message" else key: value
+                                         for key, value in doc.items()}}
 
 
 @subcommand("garbage-collect", aliases=("gc",),
@@ -131,7 +139,7 @@ def garbage_collect(
         from vllm_offload_cli.core.reclaim import audit
 
         logged = audit.record_removals(report.removed)
-        data["syslog"] = logged.to_dict()
+        data["syslog"] = jsonable(logged)
         if logged.problem is not None:
             inv.info(f"system log: {logged.dropped} line(s) not recorded ({logged.socket}: "
                      f"{logged.problem})")
@@ -193,9 +201,10 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
         pids = report.uninspectable_pids
         who = (f"pid(s) {', '.join(str(p) for p in pids[:5])}{' ...' if len(pids) > 5 else ''}"
                if pids else "processes this run cannot inspect")
+        names = ", ".join(str(k.engine_id) for k in hidden[:3])
         out.append({"code": HIDDEN_HOLDERS, "message": (
             f"kept {len(hidden)} region(s) that {who}, not inspectable, could hold "
-            f"({', '.join(k.engine_id for k in hidden[:3])}{', ...' if len(hidden) > 3 else ''})"
+            f"({names}{', ...' if len(hidden) > 3 else ''})"
             "; run gc as root (with CAP_SYS_PTRACE and CAP_LEASE) to prove them unused")})
     return out
 
@@ -221,7 +230,7 @@ def _render(inv: Invocation, out: Console, report: GcReport,
             f"{format_bytes(r.bytes)} file size")
     if not quiet:
         for k in report.kept:
-            say(f"Kept {k.engine_id}: {k.reason}")
+            say(f"Kept {k.engine_id}: {k.message}")
     for path in report.orphan_manifests_removed:
         say(f"{verb} orphaned manifest {path}")
     for path in report.temp_files_removed:

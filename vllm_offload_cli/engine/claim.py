@@ -345,7 +345,7 @@ def _reclaim_once(inv: Inventory, done: _Progress) -> bool:
         done.reclaimed_bytes += removed.freed_bytes
     for kept in report.kept:
         if kept.code in _UNSAFE_KEPT:
-            raise UnsafeRegionError(f"cannot reclaim the leftover {path}: {kept.reason}",
+            raise UnsafeRegionError(f"cannot reclaim the leftover {path}: {kept.message}",
                                     path=path, engine_id=engine_id, code=kept.code)
     if report.errors:
         raise OperationFailedError(report.errors[0].message, path=path, engine_id=engine_id)

@@ -1,14 +1,57 @@
-"""A finding about a region: a stable machine code and a sentence for people."""
+"""One record for every finding: a stable machine code, a sentence for people, and what
+it is about.
+
+A region's problem, a layout flaw, a blind spot of /proc, a region gc kept and
+a removal that failed are all a `Problem`; the details name what each is about.
+JSON shows code, message and the details a finding has (`to_dict`), so every
+kind keeps its documented keys. `jsonable` turns any frozen record into JSON.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """Worker `worker` (its rank) of data-parallel replica `replica`."""
+
+    replica: int
+    worker: int
 
 
 @dataclass(frozen=True)
 class Problem:
     code: str
     message: str
+    _: KW_ONLY
+    workers: tuple[WorkerRef, ...] = ()
+    replicas: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
+    pids: tuple[int, ...] = ()
+    slot: int | None = None
+    path: str | None = None
+    engine_id: str | None = None
+    device: str | None = None
+    paths: tuple[str, ...] = ()
+    pid: int | None = None
+    linked: bool | None = None  # a kept region: is its name still there
+    blind_spot: str | None = None  # a region kept as "unknown": what may hide a holder
 
-    def to_dict(self) -> dict[str, str]:
-        return {"code": self.code, "message": self.message}
+    def to_dict(self, *always: str) -> dict[str, Any]:
+        """code, message and the details it has, plus those in `always` even when empty."""
+        return {k: v for k, v in jsonable(self).items()
+                if k in always or (v is not None and v != [])}
+
+
+def jsonable(record: Any) -> Any:
+    """A record (dataclass, tuple, dict) as JSON types: lists, and string keys in order."""
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        return {f.name: jsonable(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    if isinstance(record, (tuple, list)):
+        return [jsonable(v) for v in record]
+    if isinstance(record, dict):
+        return {str(k): jsonable(v) for k, v in sorted(record.items())}
+    return record

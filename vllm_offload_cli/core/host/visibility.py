@@ -4,7 +4,7 @@ A holder found in /proc proves a region is in use; no holder found proves
 nothing unless /proc showed every process that could use it. Three things
 break that:
 
-- **Host-wide** (`BlindSpot`): we run in a PID namespace that is not the
+- **Host-wide** (a blind spot, a `Problem`): we run in a PID namespace that is not the
   host's (a container without hostPID), /proc is mounted from another
   namespace, or /proc hides processes (`hidepid=`, `subset=pid`). Then any
   number of processes are missing and pid-based facts (is that creator still
@@ -26,6 +26,7 @@ import os
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.system import mounts, processes, procfs
 
 # The initial PID namespace's inode number (PROC_PID_INIT_INO, fixed since Linux 3.8).
@@ -41,18 +42,6 @@ FOREIGN_PROC = "proc_foreign_namespace"
 HIDEPID = "proc_hidepid"
 PROC_SUBSET = "proc_subset"
 HIDDEN_HOLDERS = "hidden_holders"
-
-
-@dataclass(frozen=True)
-class BlindSpot:
-    """A reason the whole /proc view is incomplete."""
-
-    code: str
-    message: str
-    waivable: bool = False  # only by --shm-private-to-namespace
-
-    def to_dict(self) -> dict[str, object]:
-        return {"code": self.code, "message": self.message}
 
 
 @dataclass(frozen=True)
@@ -73,14 +62,16 @@ class HiddenProcess:
 class Visibility:
     """Everything that may hide a holder from this run's /proc scans."""
 
-    blind_spots: tuple[BlindSpot, ...]
+    blind_spots: tuple[Problem, ...]  # reasons the whole /proc view is incomplete
     hidden: tuple[HiddenProcess, ...]
     namespace_waived: bool = False
 
     @property
-    def effective(self) -> tuple[BlindSpot, ...]:
-        """Host-wide blind spots that still apply after the operator's waiver."""
-        return tuple(b for b in self.blind_spots if not (b.waivable and self.namespace_waived))
+    def effective(self) -> tuple[Problem, ...]:
+        """Host-wide blind spots that still apply after the operator's waiver (which
+        --shm-private-to-namespace gives for the PID namespace only)."""
+        return tuple(b for b in self.blind_spots
+                     if not (b.code == PID_NAMESPACE and self.namespace_waived))
 
     @property
     def blind(self) -> bool:
@@ -99,16 +90,16 @@ class Visibility:
         }
 
 
-def namespace_blind_spots() -> list[BlindSpot]:
+def namespace_blind_spots() -> list[Problem]:
     """Are we, and is /proc, in the host's initial PID namespace?"""
     if not procfs.proc_shows_self():
-        return [BlindSpot(FOREIGN_PROC, "/proc is mounted from another PID namespace than "
+        return [Problem(FOREIGN_PROC, "/proc is mounted from another PID namespace than "
                           "this process's, so it does not show the processes that matter")]
     if procfs.pid_namespace_inode() == PROC_PID_INIT_INO:
         return []
-    return [BlindSpot(PID_NAMESPACE, "this process runs in a PID namespace that is not the "
+    return [Problem(PID_NAMESPACE, "this process runs in a PID namespace that is not the "
                       "host's (a container without hostPID?), so processes outside it that "
-                      "map a region are invisible", waivable=True)]
+                      "map a region are invisible")]
 
 
 @dataclass(frozen=True)
@@ -130,22 +121,22 @@ def proc_mount(table: list[mounts.Mount]) -> ProcMount | None:
                      int(gid) if gid and gid.isdigit() else None)
 
 
-def mount_blind_spots(mount: ProcMount | None, groups: Collection[int]) -> list[BlindSpot]:
+def mount_blind_spots(mount: ProcMount | None, groups: Collection[int]) -> list[Problem]:
     """hidepid hides processes we may not ptrace; subset=pid hides /proc/locks."""
     if mount is None:
         return []
     spots = []
     if mount.hidepid not in (None, "0", "off") and not (
             mount.gid is not None and mount.gid in groups):
-        spots.append(BlindSpot(HIDEPID, f"/proc is mounted with hidepid={mount.hidepid}, so "
+        spots.append(Problem(HIDEPID, f"/proc is mounted with hidepid={mount.hidepid}, so "
                                "processes this user may not inspect are hidden or unreadable"))
     if mount.subset == "pid":
-        spots.append(BlindSpot(PROC_SUBSET, "/proc is mounted with subset=pid, which hides "
+        spots.append(Problem(PROC_SUBSET, "/proc is mounted with subset=pid, which hides "
                                "/proc/locks (who holds a region's lock)"))
     return spots
 
 
-def host_blind_spots() -> list[BlindSpot]:
+def host_blind_spots() -> list[Problem]:
     """Every host-wide blind spot of this process, read afresh."""
     groups = {os.getegid(), *os.getgroups()}
     return namespace_blind_spots() + mount_blind_spots(proc_mount(mounts.mounts()), groups)
@@ -171,7 +162,7 @@ def assess(denied_pids: Iterable[int], *, namespace_waived: bool = False) -> Vis
     return Visibility(tuple(host_blind_spots()), tuple(hidden), namespace_waived)
 
 
-def advice(spots: Iterable[BlindSpot]) -> str:
+def advice(spots: Iterable[Problem]) -> str:
     """What an operator can do about these blind spots."""
     codes = {b.code for b in spots}
     tips = []

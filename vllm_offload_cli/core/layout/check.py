@@ -17,7 +17,7 @@ import os
 import stat
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm_offload_cli.core.base.errors import (
@@ -25,6 +25,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionNotFoundError,
     UnsafeRegionError,
 )
+from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
@@ -34,27 +35,6 @@ from vllm_offload_cli.core.region.naming import manifest_path, region_path, vali
 from vllm_offload_cli.core.region.ranks import RANK_SOURCES
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckProblem:
-    """A finding about a live region, naming the ranks, pids and slot involved."""
-
-    code: str
-    message: str
-    ranks: tuple[int, ...] = ()
-    pids: tuple[int, ...] = ()
-    slot: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.ranks:
-            out["ranks"] = list(self.ranks)
-        if self.pids:
-            out["pids"] = list(self.pids)
-        if self.slot is not None:
-            out["slot"] = self.slot
-        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,8 +102,8 @@ class LiveCheck:
     rankless_openers: int
     stale_attachments: int
     slots: tuple[SlotReport, ...]
-    problems: tuple[CheckProblem, ...]
-    notes: tuple[CheckProblem, ...] = field(default_factory=tuple)
+    problems: tuple[Problem, ...]
+    notes: tuple[Problem, ...] = field(default_factory=tuple)
     placement: tuple[affinity.WorkerPlacement, ...] = field(default_factory=tuple)
 
     @property
@@ -182,7 +162,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeRegionError(f"{path} is not a regular file; it is no region",
                                 path=path, engine_id=engine_id, code="not_regular_file")
-    problems = [CheckProblem(code=p.code, message=f"{path} {p.message}")
+    problems = [Problem(code=p.code, message=f"{path} {p.message}")
                 for p in fsguard.stat_problems(st, allowed_uids=allowed_uids)]
     manifest, mproblem = _manifest_for(mpath, st, allowed_uids)
     if mproblem is not None:
@@ -199,7 +179,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
                 "--world-size and --cpu-page-size", path=path, engine_id=engine_id,
                 code="geometry_unknown")
         geometry, rows, source = None, 0, None
-        gproblems = [CheckProblem(code="geometry_unknown",
+        gproblems = [Problem(code="geometry_unknown",
                                   message="without a usable manifest the geometry "
                                   "is unknown; pass --world-size and --cpu-page-size")]
     else:
@@ -210,7 +190,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
 
     workers: list[AttachedWorker] = []
     rankless = stale = 0
-    notes: list[CheckProblem] = []
+    notes: list[Problem] = []
     if manifest is not None:
         for a in manifest.attachments:
             if not ProcessRef(a.pid, a.start_ticks).alive():
@@ -228,7 +208,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
         problems += w_problems
         notes += w_notes
         if rankless:
-            notes.append(CheckProblem(
+            notes.append(Problem(
                 code="rankless_opener",
                 message=f"{rankless} rank-less opener(s) (the scheduler, or `create`) hold the "
                         f"region; "
@@ -239,7 +219,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
             except OSError as exc:
                 if not residency.refused(exc):
                     raise
-                notes.append(CheckProblem(
+                notes.append(Problem(
                     code="measurement_refused", message="slots not checked: their residency "
                     f"was not measured: {exc.strerror} ({residency.REFUSED_HINT})"))
             else:
@@ -248,7 +228,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
                 slots = [_with_status(s, problems) for s in slots]
                 placed = affinity.check_workers(fd, geometry, rows, [
                     (w.pid, w.rank) for w in workers if 0 <= w.rank < geometry.world_size])
-                notes += [CheckProblem(code="numa_remote", message=affinity.remote_message(w),
+                notes += [Problem(code="numa_remote", message=affinity.remote_message(w),
                                        ranks=(w.rank,),
                                        pids=(w.pid,)) for w in placed if w.remote]
 
@@ -264,22 +244,22 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
 
 
 def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: Collection[int] | None
-                  ) -> tuple[manifest_io.Manifest | None, CheckProblem | None]:
+                  ) -> tuple[manifest_io.Manifest | None, Problem | None]:
     """The manifest, if it exists, parses, and describes this very file."""
     m, problem = manifest_io.read_matching(mpath, FileId.of(st),
                                            allowed_uids=allowed_uids, owner_uid=st.st_uid)
-    return m, None if problem is None else CheckProblem(code=problem.code, message=problem.message)
+    return m, None if problem is None else problem
 
 
 def _stride_problems(row_stride: int, cpu_page_size: int, world_size: int
-                     ) -> list[CheckProblem]:
+                     ) -> list[Problem]:
     problems = []
     if row_stride % PAGESIZE:
-        problems.append(CheckProblem(
+        problems.append(Problem(
             code="row_stride_unaligned",
             message=f"row stride {row_stride} is not a multiple of the page size {PAGESIZE}"))
     if world_size * cpu_page_size > row_stride:
-        problems.append(CheckProblem(
+        problems.append(Problem(
             code="row_stride_too_small",
             message=f"{world_size} slots of {cpu_page_size} bytes need "
                     f"{world_size * cpu_page_size} "
@@ -290,17 +270,17 @@ def _stride_problems(row_stride: int, cpu_page_size: int, world_size: int
 
 def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int | None,
                             cpu_page_size: int | None, mpath: str
-                            ) -> tuple[Geometry | None, int, list[CheckProblem]]:
+                            ) -> tuple[Geometry | None, int, list[Problem]]:
     """The manifest's geometry, and how many of its rows the file really holds."""
     g = m.geometry
     problems = []
     if world_size is not None and g.world_size is not None and world_size != g.world_size:
-        problems.append(CheckProblem(
+        problems.append(Problem(
             code="geometry_mismatch",
             message=f"the manifest records world size {g.world_size}, --world-size says "
                     f"{world_size}"))
     if cpu_page_size is not None and cpu_page_size != g.cpu_page_size:
-        problems.append(CheckProblem(
+        problems.append(Problem(
             code="geometry_mismatch",
             message=f"the manifest records cpu_page_size {g.cpu_page_size}, --cpu-page-size says "
             f"{cpu_page_size}"))
@@ -310,7 +290,7 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
             f"manifest {mpath} does not record the world size; pass --world-size",
             path=mpath, code="geometry_unknown")
     if size != g.size_bytes:
-        problems.append(CheckProblem(
+        problems.append(Problem(
             code="size_mismatch",
             message=f"the file is {size} bytes but its manifest geometry needs {g.size_bytes} "
             f"({g.num_blocks} rows of {g.row_stride} bytes)"))
@@ -324,23 +304,23 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
 
 
 def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, path: str
-                             ) -> tuple[Geometry | None, int, list[CheckProblem]]:
+                             ) -> tuple[Geometry | None, int, list[Problem]]:
     """vLLM's layout for these arguments: row_stride = round_up(W * slot, PAGESIZE)."""
     row_stride = default_row_stride(world_size, cpu_page_size)
     rows, rest = divmod(size, row_stride)
     hint = "wrong --world-size or --cpu-page-size?"
     if size == 0:
-        return None, 0, [CheckProblem(code="size_mismatch",
+        return None, 0, [Problem(code="size_mismatch",
                                       message=f"{path} is empty; its creator never "
                                    "sized it (crashed between open and ftruncate?)")]
     if rows == 0:
-        return None, 0, [CheckProblem(
+        return None, 0, [Problem(
             code="size_mismatch",
             message=f"{path} is {size} bytes, smaller than one row of {row_stride} "
             f"bytes ({world_size} slot(s) of {cpu_page_size}); {hint}")]
     problems = []
     if rest:
-        problems.append(CheckProblem(
+        problems.append(Problem(
             code="size_mismatch",
             message=f"{path} is {size} bytes, not a whole number of rows of {row_stride} bytes "
             f"({world_size} slot(s) of {cpu_page_size}, rounded up to a page): {rows} rows "
@@ -350,23 +330,23 @@ def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, pat
 
 
 def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manifest: bool
-                   ) -> tuple[list[CheckProblem], list[CheckProblem]]:
+                   ) -> tuple[list[Problem], list[Problem]]:
     """Each rank in range, each rank once, all ranks present, no two on one device."""
-    problems: list[CheckProblem] = []
-    notes: list[CheckProblem] = []
+    problems: list[Problem] = []
+    notes: list[Problem] = []
     if not has_manifest:
-        return problems, [CheckProblem(
+        return problems, [Problem(
             code="no_manifest",
             message="no manifest records who attached (a region made by vLLM); only "
             "size and residency are checked")]
     if not workers:
-        return problems, [CheckProblem(
+        return problems, [Problem(
             code="no_workers",
             message="no live worker is attached (pre-provisioned, or the engine is "
             "down); only size and residency are checked")]
     for w in workers:
         if not 0 <= w.rank < world_size:
-            problems.append(CheckProblem(
+            problems.append(Problem(
                 code="rank_out_of_range",
                 message=f"pid {w.pid} is attached as rank {w.rank}, outside [0, {world_size}) "
                 f"({_origin(w)}); it writes past the row's slots, into another worker's slot "
@@ -376,7 +356,7 @@ def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manif
         by_rank[w.rank].append(w)
     for rank, same in sorted(by_rank.items()):
         if len(same) > 1:
-            problems.append(CheckProblem(
+            problems.append(Problem(
                 code="rank_duplicate",
                 message=f"rank {rank} is attached {len(same)} times: pids "
                         f"{_and(w.pid for w in same)} "
@@ -384,14 +364,14 @@ def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manif
                 ranks=(rank,), pids=tuple(w.pid for w in same), slot=rank))
     missing = [r for r in range(world_size) if r not in by_rank]
     if missing:
-        problems.append(CheckProblem(
+        problems.append(Problem(
             code="rank_missing",
             message=f"no live worker is attached as rank {_and(missing, 'or')} of {world_size}; a "
             "worker never attached, or computed another rank", ranks=tuple(missing)))
     problems += _device_checks(workers, notes)
     sources = sorted({w.rank_source for w in workers if w.rank_source is not None})
     if len(sources) > 1:
-        problems.append(CheckProblem(
+        problems.append(Problem(
             code="mixed_rank_sources",
             message=f"live workers computed their ranks with different sources "
                     f"({', '.join(sources)}); "
@@ -400,8 +380,8 @@ def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manif
     return problems, notes
 
 
-def _device_checks(workers: Sequence[AttachedWorker], notes: list[CheckProblem]
-                   ) -> list[CheckProblem]:
+def _device_checks(workers: Sequence[AttachedWorker], notes: list[Problem]
+                   ) -> list[Problem]:
     """One device index for two workers: proof of a shared slot only for device-based sources.
 
     The recorded index is what each process sees; where each worker process
@@ -420,14 +400,14 @@ def _device_checks(workers: Sequence[AttachedWorker], notes: list[CheckProblem]
         pids = tuple(w.pid for w in same)
         device_based = all(_device_based(w.rank_source) for w in same)
         if device_based:
-            problems.append(CheckProblem(
+            problems.append(Problem(
                 code="device_shared",
                 message=f"pids {_and(pids)} all report device index {device} and derive their "
                         f"rank from "
                 "it, so they compute the same slot", ranks=tuple(w.rank for w in same),
                 pids=pids))
         else:
-            notes.append(CheckProblem(
+            notes.append(Problem(
                 code="device_index_shared",
                 message=f"pids {_and(pids)} all report device index {device}; fine when each "
                         f"worker "
@@ -437,7 +417,7 @@ def _device_checks(workers: Sequence[AttachedWorker], notes: list[CheckProblem]
 
 
 def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWorker]
-                  ) -> tuple[list[SlotReport], list[CheckProblem], list[CheckProblem]]:
+                  ) -> tuple[list[SlotReport], list[Problem], list[Problem]]:
     """Residency per slot over the first `rows` rows (those the file really holds).
 
     Computed per page column: every row has the same page pattern, so slot
@@ -472,7 +452,7 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
         reports.append(report)
         where = f"bytes {rng.start}..{rng.end} of each of {rows} rows"
         if report.pages == 0:
-            notes.append(CheckProblem(
+            notes.append(Problem(
                 code="slot_unmeasurable",
                 message=f"slot {slot} ({where}) shares every page with a neighbouring slot "
                 f"(cpu_page_size {g.cpu_page_size} is not page aligned), so residency cannot "
@@ -482,7 +462,7 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
             who = (f"rank {slot} is attached (pid {_and(w.pid for w in claim)}) but never "
                    "wrote there" if claim else
                    "no live worker claims it; a worker never attached, or wrote elsewhere")
-            problems.append(CheckProblem(
+            problems.append(Problem(
                 code="slot_unpopulated",
                 message=f"slot {slot} ({where}) was never populated: none of its "
                 f"{report.pages} page(s) is resident; {who}", slot=slot,
@@ -490,15 +470,12 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
     return reports, problems, notes
 
 
-def _with_status(s: SlotReport, problems: Iterable[CheckProblem]) -> SlotReport:
+def _with_status(s: SlotReport, problems: Iterable[Problem]) -> SlotReport:
     codes = tuple(dict.fromkeys(p.code for p in problems
                                 if p.slot == s.slot or s.slot in p.ranks))
     if not codes and s.pages == 0:
         codes = ("unmeasurable",)
-    return SlotReport(slot=s.slot, start=s.start, end=s.end, workers=s.workers, pages=s.pages,
-                      resident_pages=s.resident_pages,
-                      shared_pages=s.shared_pages, shared_resident_pages=s.shared_resident_pages,
-                      status=codes)
+    return replace(s, status=codes)
 
 
 def _device_based(name: str | None) -> bool:

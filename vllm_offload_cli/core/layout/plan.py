@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.problems import Problem, WorkerRef
 from vllm_offload_cli.core.region.ranks import RankSource, WorkerPlace
 
 MAX_WORKERS = 65536  # a plan bigger than any host is a typo, not a layout
@@ -160,40 +161,6 @@ def _from_environment(environ: Mapping[str, str]) -> DeviceLayout:
     return DeviceLayout(ENV, (visible,), spec=raw)
 
 
-@dataclass(frozen=True)
-class WorkerRef:
-    replica: int
-    worker: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {"replica": self.replica, "worker": self.worker}
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanProblem:
-    """A layout flaw, naming exactly the workers (or replicas) involved."""
-
-    code: str
-    message: str
-    workers: tuple[WorkerRef, ...] = ()
-    replicas: tuple[int, ...] = ()
-    slot: int | None = None
-    engine_id: str | None = None
-    device: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.workers:
-            out["workers"] = [w.to_dict() for w in self.workers]
-        if self.replicas:
-            out["replicas"] = list(self.replicas)
-        for key in ("slot", "engine_id", "device"):
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = value
-        return out
-
-
 @dataclass(frozen=True, kw_only=True)
 class WorkerPlan:
     replica: int
@@ -233,7 +200,7 @@ class LayoutPlan:
     devices: DeviceLayout
     dp_suffix: bool
     replicas: tuple[ReplicaPlan, ...]
-    problems: tuple[PlanProblem, ...]
+    problems: tuple[Problem, ...]
     unused_devices: tuple[str, ...] = ()
 
     @property
@@ -315,7 +282,7 @@ def _require_count(option: str, value: int) -> None:
                                 code="invalid_layout")
 
 
-def _engine_id_collisions(engine_ids: Sequence[str], dp_suffix: bool) -> list[PlanProblem]:
+def _engine_id_collisions(engine_ids: Sequence[str], dp_suffix: bool) -> list[Problem]:
     by_id: dict[str, list[int]] = defaultdict(list)
     for k, engine_id in enumerate(engine_ids):
         by_id[engine_id].append(k)
@@ -325,7 +292,7 @@ def _engine_id_collisions(engine_ids: Sequence[str], dp_suffix: bool) -> list[Pl
             continue
         why = ("" if dp_suffix else
                " (no _dp suffix: the multiprocessing path before vLLM PR 47987)")
-        problems.append(PlanProblem(
+        problems.append(Problem(
             code="engine_id_collision",
             message=f"replicas {_and(replicas)} would all use engine_id {engine_id}{why}: one "
                     f"region "
@@ -342,7 +309,7 @@ def _why(source: RankSource, ref: WorkerRef, device: Device) -> str:
 
 def _slot_collisions(slots: Mapping[WorkerRef, int], engine_ids: Sequence[str],
                      device_of: Mapping[WorkerRef, Device], source: RankSource
-                     ) -> list[PlanProblem]:
+                     ) -> list[Problem]:
     """Workers of one region file that compute one slot."""
     by_slot: dict[tuple[str, int], list[WorkerRef]] = defaultdict(list)
     for ref, slot in slots.items():
@@ -354,7 +321,7 @@ def _slot_collisions(slots: Mapping[WorkerRef, int], engine_ids: Sequence[str],
         reasons = list(dict.fromkeys(f"{_why(source, r, device_of[r])} -> {slot}"
                                      for r in refs))
         via = reasons[0] + " for each" if len(reasons) == 1 else ", ".join(reasons)
-        problems.append(PlanProblem(
+        problems.append(Problem(
             code="slot_collision",
             message=f"{_name_workers(refs)} {_both(refs)} -> slot {slot} of {engine_id} "
             f"({source.name}: {via}); they would overwrite each other's KV blocks",
@@ -364,12 +331,12 @@ def _slot_collisions(slots: Mapping[WorkerRef, int], engine_ids: Sequence[str],
 
 def _out_of_range(slots: Mapping[WorkerRef, int], world_size: int, engine_ids: Sequence[str],
                   device_of: Mapping[WorkerRef, Device], source: RankSource
-                  ) -> list[PlanProblem]:
+                  ) -> list[Problem]:
     problems = []
     for ref, slot in slots.items():
         if 0 <= slot < world_size:
             continue
-        problems.append(PlanProblem(
+        problems.append(Problem(
             code="slot_out_of_range",
             message=f"{_name_workers([ref])} -> slot {slot}, outside [0, {world_size}) "
             f"({source.name}: {_why(source, ref, device_of[ref])} -> {slot}); its bytes fall "
@@ -379,14 +346,14 @@ def _out_of_range(slots: Mapping[WorkerRef, int], world_size: int, engine_ids: S
     return problems
 
 
-def _shared_devices(device_of: Mapping[WorkerRef, Device]) -> list[PlanProblem]:
+def _shared_devices(device_of: Mapping[WorkerRef, Device]) -> list[Problem]:
     """Two workers on one physical device: a typo in the layout, whatever the rank source."""
     by_label: dict[str, list[WorkerRef]] = defaultdict(list)
     for ref, device in device_of.items():
         if device.label is not None:
             by_label[device.label].append(ref)
     return [
-        PlanProblem(code="device_shared",
+        Problem(code="device_shared",
                     message=f"{_name_workers(refs)} are {_both(refs)} on device {label}",
                     workers=tuple(refs), device=label)
         for label, refs in by_label.items() if len(refs) > 1

@@ -20,7 +20,7 @@ import socket
 import stat
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from logging.handlers import SysLogHandler
 
 from vllm_offload_cli.core.base.text import printable
@@ -43,9 +43,6 @@ class AuditResult:
     sent: int
     dropped: int
     problem: str | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 class _NonBlockingSysLog(SysLogHandler):

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field, replace
 
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.errors import InvalidInputError, OffloadError
+from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
@@ -67,7 +68,7 @@ from vllm_offload_cli.core.host.discovery import (
     holders_of,
 )
 from vllm_offload_cli.core.host.procscan import FileUse, flock_holders, users_of
-from vllm_offload_cli.core.host.visibility import BlindSpot, Visibility
+from vllm_offload_cli.core.host.visibility import Visibility
 from vllm_offload_cli.core.reclaim.report import (
     BUSY,
     CHANGED,
@@ -79,14 +80,13 @@ from vllm_offload_cli.core.reclaim.report import (
     NOT_REGULAR,
     OTHER_FILESYSTEM,
     PERSISTENT,
+    REMOVE_FAILED,
     SYMLINK,
     TOO_YOUNG,
     UNKNOWN,
     UNREADABLE,
-    GcFailure,
     GcOptions,
     GcReport,
-    KeptRegion,
     RemovedRegion,
 )
 from vllm_offload_cli.core.region import fsguard, locking, openers, untrusted_json
@@ -168,8 +168,8 @@ def reclaim(
                 run.orphan_manifests(inventory.orphan_manifests)
                 run.temp_files(None if engine_ids is None else set(engine_ids))
             except deadline.DeadlineExpiredError as exc:
-                run.errors.append(GcFailure(path="", message=f"{exc.message} before every "
-                                            "orphaned manifest was looked at", code=exc.code))
+                run.errors.append(Problem(exc.code, f"{exc.message} before every orphaned "
+                                          "manifest was looked at", path=""))
         run.settle()
     finally:
         run.close()
@@ -192,7 +192,7 @@ def reclaim(
     )
 
 
-def _effective(spots: Sequence[BlindSpot], options: GcOptions) -> tuple[BlindSpot, ...]:
+def _effective(spots: Sequence[Problem], options: GcOptions) -> tuple[Problem, ...]:
     vis = Visibility(tuple(spots), (), options.shm_private_to_namespace)
     return vis.effective
 
@@ -225,13 +225,13 @@ class _Run:
     inventory: Inventory
     options: GcOptions
     removed: list[RemovedRegion] = field(default_factory=list)
-    kept: list[KeptRegion] = field(default_factory=list)
+    kept: list[Problem] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     temps: list[str] = field(default_factory=list)
     vanished: list[str] = field(default_factory=list)
-    errors: list[GcFailure] = field(default_factory=list)
+    errors: list[Problem] = field(default_factory=list)
     denied: set[int] = field(default_factory=set)
-    blind: tuple[BlindSpot, ...] = ()
+    blind: tuple[Problem, ...] = ()
     expired: bool = False
 
     def __post_init__(self) -> None:
@@ -289,13 +289,12 @@ class _Run:
                 self._batch(candidates[start:start + _BATCH])
             except deadline.DeadlineExpiredError as exc:
                 left = len(candidates) - start
-                self.errors.append(GcFailure(path="", message=f"{exc.message}; {left} "
-                                             "candidate region(s) were not examined",
-                                             code=exc.code))
+                self.errors.append(Problem(exc.code, f"{exc.message}; {left} candidate "
+                                           "region(s) were not examined", path=""))
                 self.expired = True
                 return
 
-    def _precheck(self, r: RegionInfo) -> KeptRegion | None:
+    def _precheck(self, r: RegionInfo) -> Problem | None:
         """What discovery already proves: cheap reasons to keep, before any lock."""
         if not r.linked:
             users = _holders_text(r.holders) or "a process this run cannot name"
@@ -498,7 +497,7 @@ class _Run:
         why.append(f"unchanged for {age:.0f} s (--min-age {self.options.min_age:g} s)")
         return "; ".join(why)
 
-    def _opened_elsewhere(self, r: RegionInfo, suspects: list[int]) -> KeptRegion:
+    def _opened_elsewhere(self, r: RegionInfo, suspects: list[int]) -> Problem:
         if suspects:
             return self._kept(r, LIVE, "open or mapped by a process that cannot be inspected "
                               f"(one of {_pids_text(suspects)}): the kernel refused a lease")
@@ -506,7 +505,7 @@ class _Run:
                           "just now, or another gc or inspect probing it); looked at again "
                           "next run")
 
-    def _blind_kept(self, r: RegionInfo, spots: Sequence[BlindSpot]) -> KeptRegion:
+    def _blind_kept(self, r: RegionInfo, spots: Sequence[Problem]) -> Problem:
         return self._kept(r, UNKNOWN, f"not proven unused: {spots[0].message}; "
                           f"{visibility.advice(spots)}", blind_spot=spots[0].code)
 
@@ -632,19 +631,18 @@ class _Run:
         still = []
         for k in self.kept:
             if k.linked and not any(os.path.lexists(p) for p in k.paths):
-                self.vanished.append(k.engine_id)
+                self.vanished.append(str(k.engine_id))  # a kept region has one
             else:
                 still.append(k)
         self.kept = still
 
     def _kept(self, r: RegionInfo, code: str, reason: str, pid: int | None = None, *,
-              blind_spot: str | None = None) -> KeptRegion:
-        return KeptRegion(engine_id=r.engine_id, code=code, reason=reason, paths=tuple(r.paths),
-                          pid=pid, linked=r.linked,
-                          blind_spot=blind_spot)
+              blind_spot: str | None = None) -> Problem:
+        return Problem(code, reason, engine_id=r.engine_id, paths=tuple(r.paths), pid=pid,
+                       linked=r.linked, blind_spot=blind_spot)
 
-    def _keep(self, kept: KeptRegion) -> None:
-        logger.debug("keeping %s: %s", kept.engine_id, kept.reason)
+    def _keep(self, kept: Problem) -> None:
+        logger.debug("keeping %s: %s", kept.engine_id, kept.message)
         self.kept.append(kept)
 
     def _fail(self, path: str, exc: OSError, engine_id: str | None) -> None:
@@ -652,11 +650,11 @@ class _Run:
             if engine_id is not None:
                 self.vanished.append(engine_id)
             return
-        self.errors.append(GcFailure(path=path,
-                                     message=f"cannot remove {path}: {exc.strerror or exc}",
-                                     engine_id=engine_id))
+        self.errors.append(Problem(REMOVE_FAILED,
+                                   f"cannot remove {path}: {exc.strerror or exc}",
+                                   path=path, engine_id=engine_id))
 
-    def _lock_refused(self, r: RegionInfo, fid: FileId | None) -> KeptRegion:
+    def _lock_refused(self, r: RegionInfo, fid: FileId | None) -> Problem:
         """LOCK_EX refused: a user's shared lock, or another collector's probe."""
         holders = [] if fid is None else flock_holders(fid)
         exclusive = [pid for pid, excl in holders if excl and pid != os.getpid()]
@@ -673,7 +671,7 @@ class _Run:
         return self._kept(r, BUSY, "was locked a moment ago and released since (another gc "
                           "or inspect run?); looked at again next run")
 
-    def _creating(self, r: RegionInfo, m: Manifest) -> KeptRegion:
+    def _creating(self, r: RegionInfo, m: Manifest) -> Problem:
         return self._kept(r, CREATION_RUNNING, f"pid {m.creator_pid} is still creating it "
                           "(sizing or pre-faulting)", m.creator_pid)
 

@@ -1,14 +1,16 @@
 """What a garbage collection did: frozen results the CLI renders and scripts read.
 
-Every kept region carries a stable `code` (for metrics labels and scripts)
-and a `reason` sentence for people.
+Every kept region is a `Problem` with a stable `code` (for metrics labels and
+scripts), a sentence for people (`reason` in JSON), its engine_id, paths and
+the pid that holds it, if one does; a removal the system refused is a `Problem`
+with its path (the run exits 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.host.visibility import BlindSpot
+from vllm_offload_cli.core.base.problems import Problem, jsonable
 
 DEFAULT_MIN_AGE = 60.0
 
@@ -57,42 +59,10 @@ class RemovedRegion:
     hidden_pids: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
-        return {"engine_id": self.engine_id, "paths": list(self.paths), "bytes": self.bytes,
-                "freed_bytes": self.freed_bytes, "manifest": self.manifest,
-                "age_seconds": round(self.age_seconds, 3), "uid": self.uid,
-                "reason": self.reason, "hidden_pids": list(self.hidden_pids)}
+        return {**jsonable(self), "age_seconds": round(self.age_seconds, 3)}
 
 
-@dataclass(frozen=True, kw_only=True)
-class KeptRegion:
-    """A region left in place, and why."""
-
-    engine_id: str
-    code: str
-    reason: str
-    paths: tuple[str, ...]
-    pid: int | None = None
-    linked: bool = True
-    blind_spot: str | None = None  # with code "unknown": what may hide a holder
-
-    def to_dict(self) -> dict[str, object]:
-        return {"engine_id": self.engine_id, "code": self.code, "reason": self.reason,
-                "paths": list(self.paths), "pid": self.pid, "linked": self.linked,
-                "blind_spot": self.blind_spot}
-
-
-@dataclass(frozen=True, kw_only=True)
-class GcFailure:
-    """A removal the system refused: the run exits 1."""
-
-    path: str
-    message: str
-    engine_id: str | None = None
-    code: str = "remove_failed"
-
-    def to_dict(self) -> dict[str, object]:
-        return {"code": self.code, "message": self.message, "path": self.path,
-                "engine_id": self.engine_id}
+REMOVE_FAILED = "remove_failed"  # the code of a removal the system refused
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,18 +70,18 @@ class GcReport:
     shm_dir: str
     options: GcOptions
     removed: tuple[RemovedRegion, ...]
-    kept: tuple[KeptRegion, ...]
+    kept: tuple[Problem, ...]
     orphan_manifests_removed: tuple[str, ...]
     temp_files_removed: tuple[str, ...]
     vanished: tuple[str, ...]  # engine_ids whose files disappeared while we looked
     not_found: tuple[str, ...]  # named engine_ids with nothing to collect
-    errors: tuple[GcFailure, ...]
+    errors: tuple[Problem, ...]  # removals the system refused: the run exits 1
     regions_seen: int
     uninspectable_processes: int
     started_at: float
     duration_seconds: float
     # host-wide blind spots that stopped this run from removing anything
-    blind_spots: tuple[BlindSpot, ...] = ()
+    blind_spots: tuple[Problem, ...] = ()
     uninspectable_pids: tuple[int, ...] = ()
 
     @property
@@ -123,7 +93,7 @@ class GcReport:
         return sum(r.freed_bytes for r in self.removed)
 
     @property
-    def refused(self) -> tuple[KeptRegion, ...]:
+    def refused(self) -> tuple[Problem, ...]:
         """Regions kept only because a holder could be hidden: the run exits 6."""
         return tuple(k for k in self.kept if k.code == UNKNOWN)
 
