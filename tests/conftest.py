@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -76,6 +77,22 @@ def nobody() -> Iterator[OtherUser]:
         if isinstance(user, str):
             require_root(user, granted=False)
         yield user
+
+
+@pytest.fixture
+def tiny_tmpfs() -> Iterator[Path]:
+    """A real 1 MiB tmpfs, to fill up (needs root and mount rights)."""
+    path = Path(tempfile.mkdtemp(prefix="vllm-offload-test-tiny-", dir="/dev/shm"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs",
+                              str(path)], capture_output=True).returncode == 0
+    try:
+        require_root("cannot mount a tmpfs here (needs root and mount rights)",
+                     granted=mounted)
+        yield path
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=True)
+        path.rmdir()
 
 
 @pytest.fixture

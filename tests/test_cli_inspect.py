@@ -170,9 +170,11 @@ def test_prometheus_textfile_is_written_atomically(cli: Any, shm_dir: Path,
             str(shm_dir), "--json")
     assert r.exit_code == 0 and r.json["data"]["output"] == str(out)
     text = out.read_text()
+    ino = os.stat(shm_dir / "vllm_offload_p_dp2.mmap").st_ino
     assert 'vllm_offload_region_state{base_engine_id="p",engine_id="p_dp2",' \
-           'state="stale"} 1.0' in text
-    assert 'vllm_offload_region_dp_rank{base_engine_id="p",engine_id="p_dp2"} 2.0' in text
+           f'inode="{ino}",state="stale"}} 1.0' in text
+    assert ('vllm_offload_region_dp_rank{base_engine_id="p",engine_id="p_dp2",'
+            f'inode="{ino}"}} 2.0') in text
     assert "vllm_offload_shm_free_bytes" in text
     assert sorted(os.listdir(tmp_path)) == ["vllm_offload.prom"], "no temp file left"
     stdout = cli("inspect", "--format", "prometheus", "--shm-dir", str(shm_dir))

@@ -7,32 +7,13 @@ failed with VLLM_OFFLOAD_REQUIRE_ROOT=1).
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import require_root
 from vllm_offload_cli.core.base.errors import InsufficientSpaceError
 from vllm_offload_cli.core.region import SharedOffloadRegion
-
-
-@pytest.fixture
-def tiny_tmpfs() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="vllm-offload-test-tiny-", dir="/dev/shm"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs",
-                              str(path)], capture_output=True).returncode == 0
-    try:
-        require_root("cannot mount a tmpfs here (needs root and mount rights)",
-                     granted=mounted)
-        yield path
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(path)], check=True)
-        path.rmdir()
 
 
 def test_preflight_refuses_before_touching_anything(tiny_tmpfs: Path, cli: Any) -> None:

@@ -3,6 +3,7 @@ late, one system-log line per removal, and no noise on a clean run (issue 20).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -209,3 +210,20 @@ def test_a_clean_run_says_nothing(shm_dir: Path, holders: Any, dry: bool) -> Non
     assert "Kept live" in doc["stdout"]
     code, doc, err = gc(shm_dir, "-q", *(["--dry-run"] if dry else []))
     assert code == 0 and err == "" and doc["stdout"] == ""
+
+
+def test_a_full_textfile_filesystem_with_nothing_removed_is_exit_5(
+        shm_dir: Path, tiny_tmpfs: Path) -> None:
+    """It exited 1, which says a removal failed; nothing was removed: the disk is full."""
+    with open(tiny_tmpfs / "filler", "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+    proc = subprocess.run([*CLI, "gc", "--shm-dir", str(shm_dir), "--no-syslog",
+                           "--prometheus", str(tiny_tmpfs / "gc.prom"), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 5 and doc["exit_code"] == 5, proc.stderr
+    [error] = doc["errors"]
+    assert error["code"] == "output_failed" and "No space left" in error["message"]
+    assert "removal" not in error["message"]

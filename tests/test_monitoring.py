@@ -10,6 +10,7 @@ ships it) and skip without it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -240,3 +241,78 @@ def test_gc_textfile_carries_its_exit_status(cli: Any, shm_dir: Path, tmp_path: 
     missing = cli("gc", "nosuch", "--prometheus", str(prom), "--shm-dir", str(shm_dir))
     assert missing.exit_code == 2
     assert "vllm_offload_gc_exit_code 2.0" in prom.read_text().splitlines()
+
+
+# -- every region its own series -----------------------------------------------------
+
+
+def test_two_regions_of_one_engine_id_are_two_series(shm_dir: Path, holders: Any) -> None:
+    """A live unlinked ghost beside a stale named region of the same engine_id (the
+    dp_collision case): two label sets, each with its own size and state, and the
+    per-state counts are the sums of the per-region state series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.conftest import run_cli_subprocess
+    from tests.region_files import region_file
+
+    holders("vllm-unlink", str(shm_dir), "ghost", "4", "0", "8192", "4096", "2")
+    region_file(shm_dir, "ghost", size=4096)
+    out = run_cli_subprocess("inspect", "--format", "prometheus", "--shm-dir", str(shm_dir))
+    assert out.exit_code == 0, out.stderr
+    samples = [(m.name, s.name, s.labels, s.value)
+               for m in text_string_to_metric_families(out.stdout) for s in m.samples]
+    sizes = {s[2]["inode"]: s[3] for s in samples if s[1] == "vllm_offload_region_size_bytes"}
+    assert len(sizes) == 2 and sorted(sizes.values()) == [4096.0, 32768.0]
+    states = {s[2]["inode"]: s[2]["state"] for s in samples
+              if s[1] == "vllm_offload_region_state" and s[3] == 1}
+    assert sorted(states.values()) == ["live", "stale"]
+    named = os.stat(shm_dir / "vllm_offload_ghost.mmap").st_ino
+    assert states[str(named)] == "stale" and sizes[str(named)] == 4096.0
+    counts = {s[2]["state"]: s[3] for s in samples if s[1] == "vllm_offload_regions"}
+    for state in STATES:
+        assert counts[state] == sum(s[3] for s in samples if s[1] == "vllm_offload_region_state"
+                                    and s[2]["state"] == state)
+
+
+# -- gc's counters -------------------------------------------------------------------
+
+
+def _totals(prom: Path) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for m in text_string_to_metric_families(prom.read_text())
+            if m.type == "counter" for s in m.samples}
+
+
+def test_gc_counters_carry_over_runs(cli: Any, shm_dir: Path, tmp_path: Path) -> None:
+    """increase(vllm_offload_gc_removals_total[1h]) works: each run adds to the last file's
+    counters; a file that is not gc's own (garbage, another user's) starts them again."""
+    from tests.region_files import SIZE, region_file
+
+    prom = tmp_path / "gc.prom"
+    gc = ("gc", "--min-age", "0", "--no-syslog", "--prometheus", str(prom), "--shm-dir",
+          str(shm_dir))
+    region_file(shm_dir, "one")
+    assert cli(*gc).exit_code == 0
+    region_file(shm_dir, "two")
+    region_file(shm_dir, "three")
+    assert cli(*gc).exit_code == 0
+    assert cli(*gc, "--dry-run").exit_code == 0
+    totals = _totals(prom)
+    assert totals == {"vllm_offload_gc_runs_total": 3.0,
+                      "vllm_offload_gc_removals_total": 3.0,
+                      "vllm_offload_gc_freed_bytes_total": 3.0 * SIZE,
+                      "vllm_offload_gc_refusals_total": 0.0,
+                      "vllm_offload_gc_failures_total": 0.0}
+    assert "vllm_offload_gc_regions_removed 0.0" in prom.read_text()  # the gauge: this run
+    assert "_created" not in prom.read_text()
+
+    prom.write_text("# TYPE vllm_offload_gc_runs_total counter\nvllm_offload_gc_runs_total NaN\n"
+                    "vllm_offload_gc_removals_total{x=\"y\"} 9\ngarbage{\n")
+    assert cli(*gc).exit_code == 0
+    assert _totals(prom)["vllm_offload_gc_runs_total"] == 1.0
+    if os.geteuid() == 0:  # a file another user could have written is not believed
+        prom.write_text(prom.read_text().replace("runs_total 1.0", "runs_total 500.0"))
+        os.chown(prom, 65534, 65534)
+        assert cli(*gc).exit_code == 0
+        assert _totals(prom)["vllm_offload_gc_runs_total"] == 1.0

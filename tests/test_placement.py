@@ -414,8 +414,9 @@ def test_inspect_shows_placement_of_held_unheld_and_empty_regions(
     table = cli("inspect", "--shm-dir", str(shm_dir))
     assert "NUMA" in table.stdout and f"n{FIRST_NODE}:100%" in table.stdout
     prom = cli("inspect", "--shm-dir", str(shm_dir), "--format", "prometheus")
+    ino = os.stat(shm_dir / "vllm_offload_full.mmap").st_ino
     assert (f'vllm_offload_region_numa_bytes{{base_engine_id="full",'
-            f'engine_id="full",node="{FIRST_NODE}"}}') in prom.stdout
+            f'engine_id="full",inode="{ino}",node="{FIRST_NODE}"}}') in prom.stdout
 
 
 # -- verify-rank-layout: affinity ------------------------------------------------------------------

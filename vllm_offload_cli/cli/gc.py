@@ -115,7 +115,8 @@ def garbage_collect(
     that matches no region or manifest (the others are still collected), 6 when
     it refused to judge because a holder could be hidden, 7 (partial) when it
     removed regions but could not write --prometheus afterwards (the removals
-    are still reported in full). After --timeout it stops between regions,
+    are still reported in full), 5 when nothing was removed and --prometheus could not be
+    written for lack of space (1 for another write error). After --timeout it stops between regions,
     reports what it removed, and exits 1.
     """
     min_age_s = parse_duration(str(min_age), what="--min-age")  # the fleet may pass 0.0
@@ -152,6 +153,7 @@ def garbage_collect(
                 f"{engine_id} in {report.shm_dir}; `vllm-offload inspect` lists them all"}
                for engine_id in report.not_found]
     output: list[dict[str, str]] = []
+    output_status = ExitStatus.SUCCESS
     changed = not dry_run and bool(report.removed or report.orphan_manifests_removed
                                    or report.temp_files_removed)
     code = most_important(status for status, present in (
@@ -160,13 +162,17 @@ def garbage_collect(
     if prometheus is not None:
         pause_at("gc_before_outputs")  # tests break the output here, after the removals
         try:
-            metrics.emit(_registry(report, code), prometheus)
+            metrics.emit(_registry(report, code, metrics.previous_totals(prometheus, TOTALS)),
+                          prometheus)
             data["prometheus"] = str(prometheus)
         except OffloadError as exc:  # after removals: report them all, and say so
             output.append({"code": OUTPUT_FAILED, "message": exc.message + (
                 "; the removals above were made" if changed else "")})
+            output_status = exc.exit_status
     if output:  # the textfile is not written then: it cannot carry this status
-        code = most_important((code, ExitStatus.PARTIAL if changed else ExitStatus.FAILED))
+        # nothing removed: the write's own status (5 on a full filesystem), not 1,
+        # which says a removal failed
+        code = most_important((code, ExitStatus.PARTIAL if changed else output_status))
     return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
                    render=lambda out: _render(inv, out, report, output + refusals + missing))
 
@@ -248,14 +254,35 @@ def _render(inv: Invocation, out: Console, report: GcReport,
         f"{len(report.kept)} of {report.regions_seen} seen{failed}{dry}.")
 
 
-def _registry(report: GcReport, code: ExitStatus) -> Any:
-    """Gauges describing this run: node_exporter's textfile collector keeps the last one.
+TOTALS = {
+    "vllm_offload_gc_runs_total": "Garbage collections that wrote this textfile.",
+    "vllm_offload_gc_removals_total": "Regions removed (dry runs remove none).",
+    "vllm_offload_gc_freed_bytes_total": "tmpfs memory given back by removals.",
+    "vllm_offload_gc_refusals_total": "Regions kept because a holder could be hidden (a "
+    "blind spot), summed over runs.",
+    "vllm_offload_gc_failures_total": "Removals that failed, summed over runs.",
+}
+
+
+def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) -> Any:
+    """Gauges describing this run (node_exporter's textfile collector keeps the last one),
+    and `*_total` counters carried over from the file's `previous` values.
 
     `code` is the run's exit status (an unwritable textfile cannot report itself: it
     leaves the previous file, whose timestamp then ages)."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
+    real = not report.dry_run
+    this_run = {
+        "vllm_offload_gc_runs_total": 1,
+        "vllm_offload_gc_removals_total": len(report.removed) if real else 0,
+        "vllm_offload_gc_freed_bytes_total": report.freed_bytes if real else 0,
+        "vllm_offload_gc_refusals_total": len(report.refused),
+        "vllm_offload_gc_failures_total": len(report.errors),
+    }
+    metrics.add_totals(registry, {name: (doc, previous.get(name, 0) + this_run[name])
+                                  for name, doc in TOTALS.items()})
 
     def gauge(name: str, doc: str, value: float) -> None:
         Gauge(name, doc, registry=registry).set(value)

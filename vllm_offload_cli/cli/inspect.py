@@ -274,6 +274,12 @@ def render_table(out: Console, found: Inventory,
     write_text(out, "\n".join(lines))
 
 
+def region_inode(r: RegionInfo) -> str:
+    """The inode of the region's first file: its identity among regions of one name."""
+    fid = next((s.file_id for s in r.segments if s.file_id is not None), None)
+    return "0" if fid is None else str(fid.ino)
+
+
 def _created_at(r: RegionInfo) -> float | None:
     """When the region was made: its manifest says; else its oldest segment's mtime."""
     if r.manifest is not None:
@@ -285,11 +291,15 @@ def _created_at(r: RegionInfo) -> float | None:
 def _registry(found: Inventory, placed: dict[str, Placement] | None = None,
               refusals: dict[str, dict[str, Any]] | None = None) -> Any:
     """Gauges by region; a textfile written once a minute stays true (no ages, no empty
-    labels: a region without a DP rank has no `vllm_offload_region_dp_rank` sample)."""
+    labels: a region without a DP rank has no `vllm_offload_region_dp_rank` sample).
+
+    Every region is its own series: `inode` (of its first file) tells apart two regions
+    of one engine_id (a restarted replica's named file beside its unlinked ghost), so
+    the per-state counts are the sums of the per-region state series."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
-    labels = ["engine_id", "base_engine_id"]
+    labels = ["engine_id", "base_engine_id", "inode"]
 
     def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
         return Gauge(name, doc, [*labels, *extra], registry=registry)
@@ -309,7 +319,7 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None,
                        ("node",))
     huge = gauge("vllm_offload_region_huge_page_bytes", "Bytes mapped with huge pages.")
     for r in found.regions:
-        key = (r.engine_id, r.base_engine_id)
+        key = (r.engine_id, r.base_engine_id, region_inode(r))
         size.labels(*key).set(r.size_bytes)
         if r.resident_bytes is not None:
             resident.labels(*key).set(r.resident_bytes)

@@ -12,18 +12,81 @@ changes anything (gc removes nothing it could not then report).
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
 import os
 import stat
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.errors import (
+    InsufficientSpaceError,
+    InvalidInputError,
+    OperationFailedError,
+)
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# a textfile of ours is a few KiB; a bigger one is not ours to parse
+_PREVIOUS_MAX_BYTES = 1 << 20
+
+
+def previous_totals(output: Path, names: Iterable[str]) -> dict[str, float]:
+    """The `*_total` counters this command wrote into `output` last time, so they keep
+    counting across runs (Prometheus' increase() needs counters, not per-run gauges).
+
+    Read only from a regular file (not through a link) that this user owns, of a few
+    KiB; a counter that is missing, unparsable, negative or not finite starts again at
+    0, which increase() reads as a counter reset. Two runs writing one file at once can
+    lose one run's counts (the schedules never overlap: the timer waits, cron locks).
+    """
+    wanted = set(names)
+    try:
+        fd = os.open(output, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or st.st_size > _PREVIOUS_MAX_BYTES):
+            return {}
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            text = f.read(_PREVIOUS_MAX_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if (family.type == "counter" and sample.name in wanted and not sample.labels
+                        and math.isfinite(sample.value) and sample.value >= 0):
+                    found[sample.name] = sample.value
+    except ValueError:  # not the exposition format: start again
+        return {}
+    return found
+
+
+def add_totals(registry: CollectorRegistry, totals: Mapping[str, tuple[str, float]]) -> None:
+    """Counters `{name_total: (help, value)}` without `_created` samples: a textfile
+    rewritten every minute has no process start to report."""
+    from prometheus_client.core import CounterMetricFamily
+
+    class Totals:
+        def collect(self) -> Iterable[CounterMetricFamily]:
+            for name, (doc, value) in totals.items():
+                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
+
+    registry.register(Totals())
 
 
 def new_registry() -> CollectorRegistry:
@@ -86,6 +149,9 @@ def emit(registry: CollectorRegistry, output: Path | None) -> None:
     try:
         write_atomically(output, text)
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # exit 5, not "the operation failed"
+            raise InsufficientSpaceError(f"cannot write {output}: {exc.strerror}",
+                                         path=str(output)) from exc
         raise OperationFailedError(f"cannot write {output}: {exc.strerror}",
                                    path=str(output)) from exc
 
