@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +203,31 @@ def test_joiner_gives_up_on_a_stub_nobody_sizes(shm_dir: Path) -> None:
     with pytest.raises(RegionTimeoutError, match="never sized it"):
         make(shm_dir, 0, join_timeout=0.3)
     assert listing(shm_dir) == ["vllm_offload_eng.mmap"]
+
+
+def test_manifest_updates_give_up_on_a_stopped_lock_holder(shm_dir: Path) -> None:
+    """A gc stopped while it holds a manifest's lock fails an attach, never stalls it."""
+    with make(shm_dir, 0, world_size=2) as region:
+        path = region.manifest_path
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import fcntl, os, signal, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+            "os.kill(os.getpid(), signal.SIGSTOP)"), path], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+            before = Path(path).read_bytes()
+            with pytest.raises(RegionTimeoutError, match="kept it locked"):
+                manifest_io.update(path, lambda m: m, timeout=0.2)
+            with pytest.raises(RegionTimeoutError, match="kept it locked"):
+                manifest_io.remove(path, timeout=0.2)
+            assert Path(path).read_bytes() == before  # nothing half-done
+        finally:
+            holder.kill()
+            holder.wait(timeout=10)
+            if holder.stdout is not None:
+                holder.stdout.close()
+        # the holder's death dropped its lock: the same calls now go through
+        assert manifest_io.detach(path, os.getpid(), 0).attachments == ()
 
 
 def test_joiner_refuses_another_geometry_of_the_same_size(shm_dir: Path) -> None:

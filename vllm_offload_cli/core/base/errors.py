@@ -76,9 +76,10 @@ class UnsafeRegionError(OffloadError):
 
 
 class RegionTimeoutError(OffloadError, TimeoutError):
-    """A joiner waited too long for the creator to size the file."""
+    """A wait on another process ran out: a creator that never sized its file, a lock
+    nobody let go. (`timeout` is the command's own --timeout: DeadlineExpiredError.)"""
 
-    code = "timeout"
+    code = "wait_timeout"
 
 
 class OperationFailedError(OffloadError):

@@ -525,8 +525,7 @@ class _Run:
         if self.options.dry_run:
             self.removed.append(planned)
             return
-        with deadline.shielded():
-            self._unlink_region(held, planned)
+        self._unlink_region(held, planned)
 
     def _unlink_region(self, held: _Locked, planned: RemovedRegion) -> None:
         """Remove what `planned` names; record what really went."""

@@ -12,9 +12,9 @@ import functools
 import os
 import pwd
 import stat
-import time
 from collections.abc import Collection
 
+from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.errors import (
     InsufficientSpaceError,
     OperationFailedError,
@@ -116,25 +116,15 @@ _HINTS = {
 _LEASE_WAIT_SECONDS = 5.0
 
 
-def _open_waiting_out_leases(path: str, flags: int) -> int:
-    deadline = time.monotonic() + _LEASE_WAIT_SECONDS
-    while True:
-        try:
-            return os.open(path, flags)
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.002)
-
-
 def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None = None) -> int:
     """Open an existing name without creating it and without following a link."""
+    def attempt() -> int | None:
+        try:
+            return os.open(path, flags | OPEN_EXISTING_FLAGS)
+        except BlockingIOError:
+            return None
     try:
-        return _open_waiting_out_leases(path, flags | OPEN_EXISTING_FLAGS)
-    except BlockingIOError:
-        raise RegionBusyError(f"{path} stayed leased by another process for "
-                              f"{_LEASE_WAIT_SECONDS:.0f} s (a stuck garbage collection?)",
-                              path=path, engine_id=engine_id) from None
+        fd = poll_until(attempt, _LEASE_WAIT_SECONDS, backoff=(0.002, 0.002))
     except FileNotFoundError:
         raise RegionNotFoundError(f"{path} does not exist", path=path,
                                   engine_id=engine_id) from None
@@ -153,6 +143,11 @@ def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None 
                                     code="foreign_owner") from None
         raise OperationFailedError(f"cannot open {path}: {exc.strerror}", path=path,
                                    engine_id=engine_id) from exc
+    if fd is None:
+        raise RegionBusyError(f"{path} stayed leased by another process for "
+                              f"{_LEASE_WAIT_SECONDS:.0f} s (a stuck garbage collection?)",
+                              path=path, engine_id=engine_id)
+    return fd
 
 
 def create_exclusive(path: str, flags: int = os.O_RDWR, *, engine_id: str | None = None

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import time
 from collections.abc import Callable
 
+from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.errors import RegionTimeoutError
 
 
-def try_lock_exclusive(fd: int) -> bool:
-    """Take LOCK_EX without waiting; False when any other holder exists."""
+def try_lock(fd: int, operation: int = fcntl.LOCK_EX) -> bool:
+    """flock(fd, operation) without waiting; False when another holder is in the way."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return False
@@ -26,23 +26,17 @@ def try_lock_exclusive(fd: int) -> bool:
     return True
 
 
+def try_lock_exclusive(fd: int) -> bool:
+    """Take LOCK_EX without waiting; False when any other holder exists."""
+    return try_lock(fd, fcntl.LOCK_EX)
+
+
 def lock_waiting(fd: int, operation: int, *, timeout: float,
                  timed_out: Callable[[], Exception]) -> None:
-    """flock(fd, operation) polled with back-off (1 ms doubling to 50 ms) rather than
-    blocking in the kernel, so the wait can end at `timeout`: then `timed_out()` is raised."""
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, operation | fcntl.LOCK_NB)
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-        if time.monotonic() > deadline:
-            raise timed_out()
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+    """flock(fd, operation) polled with back-off rather than blocking in the kernel,
+    so the wait can end at `timeout`: then `timed_out()` is raised."""
+    if poll_until(lambda: try_lock(fd, operation) or None, timeout) is None:
+        raise timed_out()
 
 
 def lock_shared(fd: int, *, timeout: float, path: str = "") -> None:

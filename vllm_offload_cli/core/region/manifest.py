@@ -13,22 +13,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
-import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
+from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.errors import (
     OffloadError,
     OperationFailedError,
     RegionNotFoundError,
+    RegionTimeoutError,
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import Problem
-from vllm_offload_cli.core.region import fsguard, page_policy
+from vllm_offload_cli.core.region import fsguard, locking, page_policy
 from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.naming import (
@@ -47,6 +47,7 @@ LAYOUT_BASES = ("vllm", "newest", "requested")
 MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
 # Two-phase creation: `creating` until the region is sized and pre-faulted.
 CREATING, READY = "creating", "ready"
+T = TypeVar("T")
 
 
 class ManifestError(UnsafeRegionError):
@@ -343,41 +344,48 @@ def write(path: str, manifest: Manifest) -> None:
         raise
 
 
+def _locked(path: str, timeout: float, work: Callable[[int], T | None], doing: str) -> T:
+    """`work(fd)` under LOCK_EX on the manifest named `path` right now (lock-then-verify).
+
+    The lock is tried, never waited for in the kernel, and `work` returns None
+    when the name was replaced meanwhile: both are retried until `timeout`, so a
+    stopped holder (a SIGSTOPped gc) fails the caller instead of stalling it.
+    """
+    def attempt() -> T | None:
+        fd = fsguard.open_existing(path, os.O_RDONLY)
+        try:
+            return work(fd) if locking.try_lock(fd) else None
+        finally:
+            os.close(fd)
+    done = poll_until(attempt, timeout)
+    if done is None:
+        raise RegionTimeoutError(f"gave up {doing} manifest {path} after {timeout:g} s: "
+                                 "another process kept it locked (a stopped gc?)", path=path)
+    return done
+
+
 def update(path: str, change: Callable[[Manifest], Manifest],
            *, allowed_uids: Collection[int] | None = None, timeout: float = 10.0) -> Manifest:
     """Read-modify-write under the lock-then-verify protocol described above."""
-    deadline = time.monotonic() + timeout
-    while True:
-        fd = fsguard.open_existing(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if fsguard.same_file_at(path, fd):
-                new = change(_parse(fd, path, allowed_uids))
-                write(path, new)
-                return new
-        finally:
-            os.close(fd)
-        # replaced by a concurrent writer while we waited: lock the new file
-        if time.monotonic() > deadline:
-            raise OperationFailedError(f"gave up updating manifest {path}", path=path)
+    def work(fd: int) -> Manifest | None:
+        if not fsguard.same_file_at(path, fd):
+            return None  # replaced by a concurrent writer: lock the new file
+        new = change(_parse(fd, path, allowed_uids))
+        write(path, new)
+        return new
+    return _locked(path, timeout, work, "updating")
 
 
 def remove(path: str, *, timeout: float = 10.0) -> None:
     """Unlink under the same lock `update` takes, so no update resurrects it by rename."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fd = fsguard.open_existing(path, os.O_RDONLY)
-        except OffloadError:
-            return  # already gone, or not a file we would ever have written
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if fsguard.unlink_if_same(path, fd) or not os.path.lexists(path):
-                return
-        finally:
-            os.close(fd)
-        if time.monotonic() > deadline:
-            raise OperationFailedError(f"gave up removing manifest {path}", path=path)
+    def work(fd: int) -> bool | None:
+        return fsguard.unlink_if_same(path, fd) or not os.path.lexists(path) or None
+    try:
+        _locked(path, timeout, work, "removing")
+    except RegionTimeoutError:
+        raise
+    except OffloadError:
+        return  # already gone, or not a file we would ever have written
 
 
 def attach(path: str, attachment: Attachment, *, ready: bool = False, **kw: Any) -> Manifest:

@@ -12,9 +12,10 @@ gc/inspect is probing it this instant: callers retry briefly).
 The kernel grants a lease only to the file's owner or to CAP_LEASE, while
 leases are enabled (`fs.leases-enable`); otherwise the answer is "cannot tell".
 While we hold a lease, another process's open() of the file waits (up to
-`fs.lease-break-time`) and we would get SIGIO, whose default action kills:
-so SIGIO is ignored while a lease is held, and leases are held only for
-moments, only in the main thread (where a signal disposition can be changed).
+`fs.lease-break-time`) and the kernel signals us: SIGIO by default, whose
+default action kills. Each leased descriptor is set (F_SETSIG) to signal
+SIGURG instead, whose default action is to ignore it, so no process-wide
+signal disposition changes, and leases are held only for moments.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from vllm_offload_cli.core.base.deadline import poll_until
 
 # A refused lease is retried this long: another collector's or inspect's probe
 # holds its descriptor for microseconds, a real user for as long as it lives.
@@ -42,30 +43,10 @@ class OpenersVerdict:
     why: str = ""
 
 
-_sigio_depth = 0
-_sigio_saved: object = None
-
-
-@contextmanager
-def _sigio_ignored() -> Iterator[None]:
-    global _sigio_depth, _sigio_saved
-    if _sigio_depth == 0:
-        _sigio_saved = signal.signal(signal.SIGIO, signal.SIG_IGN)
-    _sigio_depth += 1
-    try:
-        yield
-    finally:
-        _sigio_depth -= 1
-        if _sigio_depth == 0:
-            # None: the old handler was not set from Python; the default is what it was
-            restore = signal.SIG_DFL if _sigio_saved is None else _sigio_saved
-            signal.signal(signal.SIGIO, restore)  # type: ignore[arg-type]
-
-
 def _try_lease(fd: int, retry: float) -> OpenersVerdict:
-    deadline = time.monotonic() + retry
-    delay = 0.005
-    while True:
+    fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)  # a lease break must not kill us
+
+    def attempt() -> OpenersVerdict | None:
         try:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
             return OpenersVerdict(True)
@@ -75,10 +56,8 @@ def _try_lease(fd: int, retry: float) -> OpenersVerdict:
             if exc.errno != errno.EAGAIN:
                 return OpenersVerdict(None, f"lease refused: {exc.strerror}"
                                       " (fs.leases-enable=0?)")
-        if time.monotonic() >= deadline:
-            return OpenersVerdict(False)
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+        return None
+    return poll_until(attempt, retry, backoff=(0.005, 0.05)) or OpenersVerdict(False)
 
 
 def _release(fd: int) -> None:
@@ -99,22 +78,18 @@ def sole_opener(fds: list[int], *, retry: float = _RETRY_SECONDS
     our own second open would wait on our own lease). The verdict is True only
     if every file is open nowhere else; leases are released on exit.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield OpenersVerdict(None, "lease test runs only in the main thread")
-        return
-    with _sigio_ignored():
-        taken: list[int] = []
-        try:
-            verdict = OpenersVerdict(True)
-            for fd in fds:
-                verdict = _try_lease(fd, retry)
-                if verdict.sole is not True:
-                    break
-                taken.append(fd)
-            yield verdict
-        finally:
-            for fd in taken:
-                _release(fd)
+    taken: list[int] = []
+    try:
+        verdict = OpenersVerdict(True)
+        for fd in fds:
+            verdict = _try_lease(fd, retry)
+            if verdict.sole is not True:
+                break
+            taken.append(fd)
+        yield verdict
+    finally:
+        for fd in taken:
+            _release(fd)
 
 
 def still_sole(fd: int) -> bool:

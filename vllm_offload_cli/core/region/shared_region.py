@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OffloadError,
@@ -307,27 +308,30 @@ class SharedOffloadRegion:
         fsguard.raise_if_unsafe(st, self.mmap_path, engine_id=self.engine_id,
                                 allowed_uids=self._allowed_uids)
         locking.lock_shared(fd, timeout=timeout, path=self.mmap_path)
-        deadline = time.monotonic() + timeout
-        while True:
+        expected = self.segments[0].length
+
+        def sized() -> bool | None:
+            """True once the creator sized it; False when unlinked or replaced."""
             if not fsguard.same_file_at(self.mmap_path, fd):
-                os.close(fd)  # unlinked (failed creator, gc) or replaced: retry
-                self.fd = None
                 return False
-            size = os.fstat(fd).st_size
-            expected = self.segments[0].length
-            if size == expected:
-                break
-            if size != 0:
-                fsguard.raise_if_unsafe(os.fstat(fd), self.mmap_path, engine_id=self.engine_id,
-                                        allowed_uids=self._allowed_uids,
-                                        expected_size=expected)
-            if time.monotonic() > deadline:
-                raise RegionTimeoutError(
-                    f"{self.mmap_path} is still {size} bytes after {timeout:.0f} s; its creator "
-                    "never sized it (crashed?). `vllm-offload inspect` shows who holds it",
-                    path=self.mmap_path, engine_id=self.engine_id,
-                )
-            time.sleep(0.005)
+            st = os.fstat(fd)
+            if st.st_size == expected:
+                return True
+            if st.st_size != 0:
+                fsguard.raise_if_unsafe(st, self.mmap_path, engine_id=self.engine_id,
+                                        allowed_uids=self._allowed_uids, expected_size=expected)
+            return None
+        found = poll_until(sized, timeout, backoff=(0.005, 0.005))
+        if found is None:
+            raise RegionTimeoutError(
+                f"{self.mmap_path} is still {os.fstat(fd).st_size} bytes after {timeout:.0f} s; "
+                "its creator never sized it (crashed?). `vllm-offload inspect` shows who holds it",
+                path=self.mmap_path, engine_id=self.engine_id,
+            )
+        if not found:
+            os.close(fd)  # unlinked (failed creator, gc) or replaced: retry
+            self.fd = None
+            return False
         self._check_manifest_geometry()
         self._join_segments(timeout)
         logger.info("joined %s", self.mmap_path)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction
 from vllm_offload_cli.core.transfer.result import ResultSink, TransferResult
@@ -183,23 +185,21 @@ class StreamLane:
         return _result(entry.job, entry.nbytes, seconds, entry.method, entry.error)
 
     def wait(self, job_ids: set[int], timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        def done() -> bool | None:
             self.poll()
             with self._lock:
                 ahead = list(self._queued)
             last = max((i for i, e in enumerate(ahead) if e.job.job_id in job_ids), default=-1)
             if last < 0:
                 return True
-            if deadline is None:
+            if timeout is None:
                 for entry in ahead[:last + 1]:  # on one stream the last would do
                     if entry.end is not None:
                         with contextlib.suppress(Exception):  # an error is a failed job
                             entry.end.synchronize()
-                continue
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.0002)
+            return None
+        return poll_until(done, math.inf if timeout is None else timeout,
+                          backoff=(0.0002, 0.0002)) is not None
 
     def close(self, cancel: bool) -> None:
         """Queued GPU work cannot be recalled: wait for it, then report it."""
