@@ -464,7 +464,7 @@ def test_remote_slot_rule_with_real_page_nodes(shm_dir: Path, holders: Any) -> N
         (near,) = affinity.check_workers(fd, g, 4, [(worker.pid, 0)], topo=TOPO)
     finally:
         os.close(fd)
-    assert far.cpu_nodes == (other,) and far.slot_nodes == {FIRST_NODE: 4 * PAGE}
+    assert far.cpu_nodes == (other,) and far.slot_numa_nodes == {FIRST_NODE: 4 * PAGE}
     assert far.remote and f"node(s) {FIRST_NODE}" in affinity.remote_message(far)
     assert near.remote is (not TOPO.nodes_of_cpus(cpus) >= {FIRST_NODE})
 

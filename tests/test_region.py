@@ -19,6 +19,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
+from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.region import SharedOffloadRegion, locking
@@ -47,7 +48,7 @@ def test_creator_then_joiner_share_one_file(shm_dir: Path) -> None:
         st = os.stat(a.mmap_path)
         assert (st.st_mode & 0o777, st.st_nlink) == (0o600, 1)
         m = manifest_io.read(a.manifest_path)
-        assert m.geometry.to_dict() == {"num_blocks": 8, "row_stride": ROW,
+        assert jsonable(m.geometry) == {"num_blocks": 8, "row_stride": ROW,
                                         "cpu_page_size": 2 * PAGESIZE, "world_size": 2}
         assert sorted(x.rank for x in m.attachments) == [0, 1]
         assert {x.pid for x in m.attachments} == {os.getpid()}

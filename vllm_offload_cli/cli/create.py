@@ -12,6 +12,7 @@ import typer
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionBusyError
+from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
@@ -263,7 +264,7 @@ def create(
         "paths": region.segment_paths,
         "manifest": region.manifest_path,
         "size_bytes": geometry.size_bytes,
-        "geometry": geometry.to_dict(),
+        "geometry": jsonable(geometry),
         "populated": stats is not None,
         "populate_seconds": None if stats is None else round(stats.seconds, 6),
         "populate_gbps": None if stats is None else round(stats.gbps, 3),

@@ -23,6 +23,7 @@ from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus
+from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_age, format_bytes, parse_duration
 from vllm_offload_cli.core.host import residency
@@ -93,7 +94,8 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None) -> dict[str
         return doc
     p = placed.get(r.paths[0])
     if p is not None:
-        pd = p.to_dict()
+        pd = jsonable(p)
+        del pd["error"]  # said once for all regions, in measurement_errors
         doc["numa_nodes"] = pd.pop("numa_nodes")
         doc["huge_page_bytes"] = pd.pop("huge_page_bytes")
         doc["placement"] = {**pd, "requested": None if r.manifest is None

@@ -14,6 +14,7 @@ import typer
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region import capacity
 from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
@@ -81,7 +82,7 @@ def preflight(
         "needed_bytes": needed,
         "free_bytes": cap.shm.free_bytes,
         "dry_run": dry_run,
-        "replicas": [r.to_dict() for r in results],
+        "replicas": jsonable(results),
     }
     return Outcome(data=data, render=lambda out: _render(out, data))
 

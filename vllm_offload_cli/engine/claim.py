@@ -83,13 +83,6 @@ class ClaimResult:
     free_bytes: int | None = None  # tightest limit after the reclaim (None: not checked)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def to_dict(self) -> dict[str, object]:
-        return {"engine_id": self.engine_id, "path": self.path, "action": self.action,
-                "state_seen": self.state_seen, "engine_holders": list(self.engine_holders),
-                "reclaimed_paths": list(self.reclaimed_paths),
-                "reclaimed_bytes": self.reclaimed_bytes, "needed_bytes": self.needed_bytes,
-                "free_bytes": self.free_bytes, "notes": list(self.notes)}
-
 
 STARTUP_LOCK_NAME = "startup.lock"
 

@@ -47,11 +47,14 @@ class Problem:
 
 
 def jsonable(record: Any) -> Any:
-    """A record (dataclass, tuple, dict) as JSON types: lists, and string keys in order."""
+    """A record (dataclass, tuple, dict) as JSON types; numeric keys (NUMA nodes) become
+    strings, in numeric order."""
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return {f.name: jsonable(getattr(record, f.name)) for f in dataclasses.fields(record)}
     if isinstance(record, (tuple, list)):
         return [jsonable(v) for v in record]
     if isinstance(record, dict):
-        return {str(k): jsonable(v) for k, v in sorted(record.items())}
+        numeric = all(isinstance(k, int) for k in record)
+        return {str(k): jsonable(v)
+                for k, v in (sorted(record.items()) if numeric else record.items())}
     return record

@@ -25,7 +25,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionBusyError,
     RegionNotFoundError,
 )
-from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
 from vllm_offload_cli.core.host.visibility import Visibility
@@ -57,9 +57,6 @@ class Holder:
     name: str | None
     rank: int | None
     via: tuple[str, ...]  # "map", "fd", "lock"
-
-    def to_dict(self) -> dict[str, object]:
-        return {"pid": self.pid, "name": self.name, "rank": self.rank, "via": list(self.via)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,9 +127,9 @@ class RegionInfo:
             "uid": self.uid,
             "mode": self.mode,
             "age_seconds": None if self.age_seconds is None else round(self.age_seconds, 3),
-            "geometry": None if self.geometry is None else self.geometry.to_dict(),
+            "geometry": jsonable(self.geometry),
             "manifest": self.manifest_path,
-            "holders": [h.to_dict() for h in self.holders],
+            "holders": jsonable(self.holders),
             "state": self.state,
             "persistent": self.persistent,
             "problems": [p.to_dict() for p in self.problems],

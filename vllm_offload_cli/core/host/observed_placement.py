@@ -57,17 +57,6 @@ class Placement:
     error: str | None = None  # why it is unknown when a system call was refused
 
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "numa_nodes": None if self.numa_nodes is None else {
-                str(n): b for n, b in sorted(self.numa_nodes.items())},
-            "huge_page_bytes": self.huge_page_bytes,
-            "source": self.source,
-            "pid": self.pid,
-            "sampled_pages": self.sampled_pages,
-        }
-
-
 def merge(pid: int, found: dict[FileId, HolderPages] | None,
           ids: Iterable[FileId]) -> HolderPages | None:
     """One region's share of a scan_holder() result (its segments added up)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from vllm_offload_cli.core.host import observed_placement, residency
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
@@ -24,15 +23,8 @@ class WorkerPlacement:
     pid: int
     rank: int
     cpu_nodes: tuple[int, ...] | None  # None: affinity unreadable (process gone, denied)
-    slot_nodes: dict[int, int] | None  # node -> resident bytes of the slot; None: unknown
+    slot_numa_nodes: dict[int, int] | None  # node -> resident bytes of the slot; None: unknown
     remote: bool  # some of its slot's pages are on a node its CPUs are not
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "rank": self.rank,
-                "cpu_nodes": None if self.cpu_nodes is None else list(self.cpu_nodes),
-                "slot_numa_nodes": None if self.slot_nodes is None else {
-                    str(n): b for n, b in sorted(self.slot_nodes.items())},
-                "remote": self.remote}
 
 
 def _own_columns(g: Geometry, rank: int) -> list[int]:
@@ -78,13 +70,14 @@ def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, 
         nodes = slot_nodes(fd, g, rows, rank, resident, topo)
         remote = bool(cpu_nodes and nodes and any(
             n not in cpu_nodes for n, b in nodes.items() if b))
-        out.append(WorkerPlacement(pid=pid, rank=rank, cpu_nodes=cpu_nodes, slot_nodes=nodes,
+        out.append(WorkerPlacement(pid=pid, rank=rank, cpu_nodes=cpu_nodes, slot_numa_nodes=nodes,
                                    remote=remote))
     return out
 
 
 def remote_message(w: WorkerPlacement) -> str:
-    far = sorted(n for n, b in (w.slot_nodes or {}).items() if b and n not in (w.cpu_nodes or ()))
+    far = sorted(n for n, b in (w.slot_numa_nodes or {}).items()
+                 if b and n not in (w.cpu_nodes or ()))
     nodes = ",".join(str(n) for n in w.cpu_nodes or ())
     return (f"rank {w.rank} (pid {w.pid}) runs on CPUs of NUMA node(s) {nodes} but its slot's "
             f"pages are (partly) on node(s) {','.join(str(n) for n in far)}: every copy crosses "

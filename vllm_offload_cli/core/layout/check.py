@@ -25,7 +25,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionNotFoundError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
@@ -46,10 +46,6 @@ class AttachedWorker:
     device_index: int | None
     rank_source: str | None
     host: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "rank": self.rank, "device_index": self.device_index,
-                "rank_source": self.rank_source, "host": self.host}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +76,7 @@ class SlotReport:
         fraction = self.populated_fraction
         return {
             "slot": self.slot, "start": self.start, "end": self.end,
-            "workers": [w.to_dict() for w in self.workers],
+            "workers": jsonable(self.workers),
             "pages": self.pages, "resident_pages": self.resident_pages,
             "shared_pages": self.shared_pages,
             "shared_resident_pages": self.shared_resident_pages,
@@ -114,14 +110,14 @@ class LiveCheck:
         return {
             "engine_id": self.engine_id, "path": self.path, "manifest": self.manifest_path,
             "size_bytes": self.size_bytes,
-            "geometry": None if self.geometry is None else self.geometry.to_dict(),
+            "geometry": jsonable(self.geometry),
             "geometry_source": self.geometry_source, "rank_source": self.rank_source,
-            "workers": [w.to_dict() for w in self.workers],
+            "workers": jsonable(self.workers),
             "rankless_openers": self.rankless_openers,
             "stale_attachments": self.stale_attachments,
             "slots": [s.to_dict() for s in self.slots],
             "notes": [n.to_dict() for n in self.notes],
-            "numa": [w.to_dict() for w in self.placement],
+            "numa": jsonable(self.placement),
         }
 
 

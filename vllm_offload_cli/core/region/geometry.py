@@ -7,7 +7,7 @@ Everything here is pure arithmetic and validation; no I/O.
 from __future__ import annotations
 
 import mmap
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 
@@ -71,9 +71,6 @@ class Geometry:
         """Byte range of worker `rank` inside every row."""
         check_rank(self, rank)
         return SlotRange(rank, rank * self.cpu_page_size, (rank + 1) * self.cpu_page_size)
-
-    def to_dict(self) -> dict[str, int | None]:
-        return asdict(self)
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -27,7 +27,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.region import fsguard, locking, page_policy
 from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.geometry import Geometry
@@ -113,7 +113,7 @@ class Manifest:
             "engine_id": self.engine_id,
             "base_engine_id": self.base_engine_id,
             "dp_rank": self.dp_rank,
-            "geometry": self.geometry.to_dict(),
+            "geometry": jsonable(self.geometry),
             "layout": self.layout,
             "rank_source": self.rank_source,
             "persistent": self.persistent,

@@ -41,6 +41,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
+from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import capacity, fsguard, locking, page_policy
@@ -377,8 +378,8 @@ class SharedOffloadRegion:
             )
         if differs:
             raise UnsafeRegionError(
-                f"{self.mmap_path} was created with geometry {theirs.to_dict()} but this opener "
-                f"expects {mine.to_dict()}; joining would misplace every slot",
+                f"{self.mmap_path} was created with geometry {jsonable(theirs)} but this opener "
+                f"expects {jsonable(mine)}; joining would misplace every slot",
                 path=self.mmap_path, engine_id=self.engine_id, code="geometry_mismatch",
             )
         if not ProcessRef(m.creator_pid, m.creator_start_ticks).alive() and not m.persistent:

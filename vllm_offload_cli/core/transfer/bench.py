@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base.errors import (
@@ -34,6 +34,7 @@ from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OperationFailedError,
 )
+from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region.geometry import default_row_stride
 from vllm_offload_cli.core.region.naming import manifest_path, region_path
@@ -94,11 +95,6 @@ class Throughput:
     method: str  # the copy rules the worker used (transfer.copies)
     ratio: float = 0.0  # median over rounds of (worker / baseline) in the same round
 
-    def to_dict(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["ratio"] = round(self.ratio, 3)
-        return doc
-
 
 @dataclass(frozen=True, kw_only=True)
 class PrefaultFigure:
@@ -120,12 +116,6 @@ class BenchRow:
     store: Throughput
     load: Throughput
     verified: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["store"] = self.store.to_dict()
-        doc["load"] = self.load.to_dict()
-        return doc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,11 +150,6 @@ class HugePageComparison:
                 "store": ratio(self.huge.store_gbps, self.normal.store_gbps),
                 "load": ratio(self.huge.load_gbps, self.normal.load_gbps)}
 
-    def to_dict(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["ratio"] = self.ratios
-        return doc
-
 
 @dataclass(frozen=True, kw_only=True)
 class BenchReport:
@@ -188,10 +173,13 @@ class BenchReport:
     huge_pages: HugePageComparison | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["rows"] = [r.to_dict() for r in self.rows]
-        doc["patterns"] = list(self.patterns)
-        doc["huge_pages"] = None if self.huge_pages is None else self.huge_pages.to_dict()
+        """Every field, ratios rounded, and the huge-page ratios."""
+        doc: dict[str, Any] = jsonable(self)
+        for row in doc["rows"]:
+            for way in ("store", "load"):
+                row[way]["ratio"] = round(row[way]["ratio"], 3)
+        if self.huge_pages is not None:
+            doc["huge_pages"]["ratio"] = self.huge_pages.ratios
         return doc
 
 
