@@ -7,12 +7,20 @@ fresh private shm directory, in the same run:
   stale   the hook again, after a SIGKILLed engine left its region: one rank reclaims it
 Reported: wall time until every rank has its region (median of --repeat), no pre-fault
 (vLLM does that after the hook). The hook serialises ranks, so its cost grows with W.
+
+With --hostile-procs P, P processes of another user (nobody, when run as root) each
+hold --hostile-files unlinked region-named files in the shm directory throughout
+(issue 30's attack on start-up), and the claim's look at its name is timed too, in
+this process: `discover(engine_ids=[id])` (what each rank's claim did before: a walk
+of every process) against `discover_engine` (what it does now).
 Usage: python benchmarks/engine_startup.py [--world-size 8] [--repeat 3]
+       [--hostile-procs 20 --hostile-files 19900]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import shutil
 import statistics
@@ -34,11 +42,58 @@ if mode == "plain":
     r = SharedOffloadRegion("bench", {BLOCKS}, rank, stride, {PAGE}, shm_dir=shm,
                             world_size=world, populate_pages=False)
 else:
-    r = open_region(RegionRequest("bench", {BLOCKS}, rank, stride, {PAGE}, world),
+    r = open_region(RegionRequest(engine_id="bench", num_blocks={BLOCKS}, rank=rank,
+                                  row_stride=stride, cpu_page_size={PAGE}, world_size=world),
                     token=os.environ["VLLM_OFFLOAD_ENGINE_TOKEN"], shm_dir=shm).region
 print(time.monotonic(), flush=True)
 sys.stdin.read()
 """
+
+
+# argv: DIR COUNT; creates COUNT region-named files, unlinks each, keeps it open
+HOSTILE = """
+import os, resource, sys
+d, n = sys.argv[1], int(sys.argv[2])
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (n + 50 if hard < 0 else min(n + 50, hard), hard))
+held = []
+for i in range(n):
+    path = os.path.join(d, f"vllm_offload_atk{os.getpid()}x{i}.mmap")
+    held.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    os.unlink(path)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def hostile(shm: str, procs: int, files: int) -> list[subprocess.Popen[str]]:
+    """`procs` processes of nobody (when we are root) holding `files` unlinked files each."""
+    os.chmod(shm, 0o1777)  # like /dev/shm: anyone may make names in it
+    drop = (["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+            if os.geteuid() == 0 else [])
+    started = [subprocess.Popen([*drop, sys.executable, "-S", "-c", HOSTILE, shm, str(files)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for _ in range(procs)]
+    for p in started:
+        if p.stdout is None or p.stdout.readline().strip() != "ready":
+            sys.exit("a hostile process failed to start")
+    return started
+
+
+def looks(shm: str, repeat: int) -> None:
+    """The claim's look at its name, before (a walk of every process) and now."""
+    from vllm_offload_cli.core.host.discovery import discover, discover_engine
+
+    for name, look in (("before", lambda: discover(shm, engine_ids=["bench"],
+                                                  measure_residency=False)),
+                       ("now", lambda: discover_engine(shm, "bench"))):
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            look()
+            times.append(time.perf_counter() - t0)
+        print(f"claim's look {name:6s} {statistics.median(times) * 1000:9.1f} ms "
+              f"(median of {repeat})")
 
 
 def start(mode: str, shm: str, world: int, token: str) -> tuple[float, list[subprocess.Popen[str]]]:
@@ -64,11 +119,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--hostile-procs", type=int, default=0)
+    parser.add_argument("--hostile-files", type=int, default=19900)
     args = parser.parse_args()
     results: dict[str, list[float]] = {"plain": [], "hook": [], "stale": []}
     for _ in range(args.repeat):
         shm = tempfile.mkdtemp(prefix="vllm-offload-bench-", dir="/dev/shm")
+        attackers = hostile(shm, args.hostile_procs, args.hostile_files)
         try:
+            if attackers and not results["plain"]:
+                print(f"{len(attackers)} processes of another user hold "
+                      f"{args.hostile_files} unlinked region-named files each")
+                looks(shm, args.repeat)
             for mode in ("plain", "hook"):
                 seconds, procs = start(mode, shm, args.world_size, secrets.token_hex(16))
                 results[mode].append(seconds)
@@ -77,6 +139,9 @@ def main() -> None:
             results["stale"].append(seconds)
             stop(procs)
         finally:
+            for p in attackers:
+                p.kill()
+                p.wait()
             shutil.rmtree(shm, ignore_errors=True)
     base = statistics.median(results["plain"])
     for mode, values in results.items():

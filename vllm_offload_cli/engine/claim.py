@@ -37,7 +37,7 @@ from vllm_offload_cli.core.host.discovery import (
     STALE,
     Inventory,
     RegionInfo,
-    discover,
+    discover_engine,
 )
 from vllm_offload_cli.core.host.procscan import flock_holders
 from vllm_offload_cli.core.reclaim import audit
@@ -251,7 +251,7 @@ def claim(
     done = _Progress(engine_id, str(region_path(shm_dir, engine_id)))
     deadline = time.monotonic() + grace
     for _ in range(100):
-        inv = discover(shm_dir, engine_ids=[engine_id], measure_residency=False)
+        inv = discover_engine(shm_dir, engine_id)
         _refuse_squatters(inv.regions, str(manifest_path(shm_dir, engine_id)), engine_id)
         if identity:
             _refuse_released_by_another_engine(_own(inv.regions), token, engine_id)

@@ -35,8 +35,10 @@ from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import (
+    manifest_path,
     parse_manifest_filename,
     parse_region_filename,
+    region_filename,
     region_kind,
     split_engine_id,
     validate_engine_id,
@@ -280,8 +282,13 @@ def holders_of(uses: Iterable[FileUse], manifest: Manifest | None = None
 
 def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
                   ) -> dict[str, dict[FileId, list[FileUse]]]:
-    """Regions known only from /proc: unlinked names still mapped or open."""
+    """Regions known only from /proc: unlinked names still mapped or open.
+
+    The directory a holder's /proc entry names is shm_dir when it is the same
+    directory (device and inode), whatever mount path the holder opened it by.
+    """
     found: dict[str, dict[FileId, list[FileUse]]] = defaultdict(dict)
+    same_dir = _same_directory(shm_dir)
     for fid, uses in scan.uses.items():
         if fid in linked_ids:
             continue
@@ -290,10 +297,30 @@ def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
             continue  # only a lock entry: nothing tells us its name
         directory, name = os.path.split(named[0].path)
         parsed = parse_region_filename(name)
-        if parsed is None or directory != shm_dir:
+        if parsed is None or not same_dir(directory):
             continue
         found[parsed.engine_id][fid] = uses
     return found
+
+
+def _same_directory(shm_dir: str) -> Callable[[str], bool]:
+    """A test for "this path names shm_dir": by path, else by (device, inode), cached."""
+    try:
+        st = os.stat(shm_dir)
+        want: FileId | None = FileId(st.st_dev, st.st_ino)
+    except OSError:
+        want = None
+    seen: dict[str, bool] = {shm_dir: True}
+
+    def same(directory: str) -> bool:
+        if directory not in seen:
+            try:
+                st = os.stat(directory)
+                seen[directory] = FileId(st.st_dev, st.st_ino) == want
+            except (OSError, ValueError):  # not there from our mount namespace
+                seen[directory] = False
+        return seen[directory]
+    return same
 
 
 def discover(
@@ -309,10 +336,7 @@ def discover(
     `shm_private_to_namespace`: the operator states that no process outside
     this PID namespace uses shm_dir, which waives that one blind spot.
     """
-    shm = os.path.realpath(shm_dir)
-    if not os.path.isdir(shm):
-        raise InvalidInputError(f"shm directory {shm_dir} does not exist or is not a directory",
-                                path=str(shm_dir), code="bad_shm_dir")
+    shm = _shm_dir(shm_dir)
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
     allowed_uids = fsguard.inspection_uids(allowed_uids)
     now = time.time()
@@ -362,6 +386,14 @@ def discover(
         shm=shm_usage(shm), uninspectable_processes=scan.denied,
         scanned_processes=scan.scanned, visibility=vis,
     )
+
+
+def _shm_dir(shm_dir: str | os.PathLike[str]) -> str:
+    shm = os.path.realpath(shm_dir)
+    if not os.path.isdir(shm):
+        raise InvalidInputError(f"shm directory {shm_dir} does not exist or is not a directory",
+                                path=str(shm_dir), code="bad_shm_dir")
+    return shm
 
 
 def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: ProcessScan,
@@ -549,3 +581,67 @@ def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | N
                                       uid=st.st_uid,
                                       mtime=st.st_mtime))
     return orphans
+
+
+# vLLM makes at most 32 segment files; a number past this is never one of ours
+MAX_SEGMENT = 64
+
+
+def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventory:
+    """One engine_id's regions, looked for only where they can be: for the start-up
+    claim, which every rank runs under the start-up lock.
+
+    Its names are looked up (bare file, segments, manifest), never listed, and
+    only processes that could have opened a file of this user by themselves
+    (`visibility.may_open`: one of their uids, or a capability that overrides
+    file permissions) are read, each skipped on one read of its status. So the
+    cost is set by this user's processes, not by how many other users' files or
+    processes exist. Another process holds our file only if one of this user's
+    handed it a descriptor; gc, which removes, still looks at every process.
+    Residency is not measured.
+    """
+    shm = _shm_dir(shm_dir)
+    base = os.path.join(shm, region_filename(engine_id))
+    found: list[tuple[int, str, os.stat_result]] = []
+    for segment in range(MAX_SEGMENT + 1):
+        path = base if segment == 0 else f"{base}.{segment}"
+        with contextlib.suppress(FileNotFoundError):
+            found.append((segment, path, os.stat(path, follow_symlinks=False)))
+    me = os.geteuid()
+    mode = 0o600
+    for _, _, st in found:
+        mode |= stat.S_IMODE(st.st_mode) if st.st_uid == me else 0
+    scan = scan_processes(shm, {FileId.of(st) for _, _, st in found},
+                          name=region_filename(engine_id),
+                          only=visibility.may_open(me, mode))
+    vis = visibility.assess(scan.denied_pids)
+    allowed_uids = fsguard.inspection_uids(None)
+    probe_if = _needs_lease_probe(vis, scan)
+    segments: list[SegmentFile] = []
+    locked = False
+    for segment, path, _ in found:
+        try:
+            seg, seg_locked = _inspect_file(path, segment, allowed_uids, False, probe_if)
+        except FileNotFoundError:
+            continue
+        segments.append(seg)
+        locked = locked or seg_locked
+    mpath = str(manifest_path(shm, engine_id))
+    has_manifest = os.path.lexists(mpath)
+    regions = [judge_visibility(_region(engine_id, segments, locked, scan,
+                                        mpath if has_manifest else None, allowed_uids,
+                                        time.time()), vis)] if segments else []
+    linked = {s.file_id for s in segments if s.file_id is not None}
+    regions += [_deleted_region(engine_id, fid, uses, False) for fid, uses in
+                _deleted_only(scan, linked, shm).get(engine_id, {}).items()]
+    orphans = []
+    if has_manifest and not regions:
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(mpath, follow_symlinks=False)
+            orphans.append(OrphanManifest(engine_id=engine_id, path=mpath,
+                                          file_id=FileId.of(st), uid=st.st_uid,
+                                          mtime=st.st_mtime))
+    return Inventory(
+        shm_dir=shm, regions=tuple(_flag_collisions(regions)), orphan_manifests=tuple(orphans),
+        shm=shm_usage(shm), uninspectable_processes=scan.denied,
+        scanned_processes=scan.scanned, visibility=vis)

@@ -18,7 +18,7 @@ import os
 import re
 import stat
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from vllm_offload_cli.core.base import deadline
@@ -142,11 +142,14 @@ def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bo
     return False
 
 
-def _scan(want: _Filter, own_fds: Collection[int]) -> ProcessScan:
+def _scan(want: _Filter, own_fds: Collection[int],
+          only: Callable[[int], bool] | None = None) -> ProcessScan:
     scan = ProcessScan()
     me = os.getpid()
     for pid in processes.pids():
         deadline.check("scanning processes")
+        if only is not None and pid != me and not only(pid):
+            continue
         fds = _scan_fds(pid, want, own_fds if pid == me else (), scan.uses)
         # the maps are read even where the descriptors were denied: they may still show it
         maps = None if fds is None else _scan_maps(pid, want, scan.uses)
@@ -158,12 +161,15 @@ def _scan(want: _Filter, own_fds: Collection[int]) -> ProcessScan:
     return scan
 
 
-def scan_processes(shm_dir: str | os.PathLike[str], ids: Collection[FileId] = ()
+def scan_processes(shm_dir: str | os.PathLike[str], ids: Collection[FileId] = (), *,
+                   name: str = PREFIX, only: Callable[[int], bool] | None = None
                    ) -> ProcessScan:
     """Every use of the files `ids`, and of any file on shm_dir's filesystem whose
-    name is a region's (unlinked ones included), by any process; locks included."""
+    name starts with `name` (a region's by default; unlinked ones included), by any
+    process (or only those `only` admits: it is asked before anything of a process
+    is read); locks included."""
     shm_dev = os.stat(os.path.realpath(shm_dir)).st_dev
-    scan = _scan(_Filter(dev=shm_dev, ids=ids, name=b"/" + PREFIX.encode()), ())
+    scan = _scan(_Filter(dev=shm_dev, ids=ids, name=b"/" + name.encode()), (), only)
     for lock in procfs.lock_entries():
         if lock.file_id.dev == shm_dev:
             scan.uses[lock.file_id].append(FileUse(pid=lock.pid, kind="lock"))

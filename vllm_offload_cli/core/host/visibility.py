@@ -23,11 +23,11 @@ count of open files (region.openers) proves the file is open nowhere else.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.problems import Problem
-from vllm_offload_cli.core.system import mounts, processes, procfs
+from vllm_offload_cli.core.system import mounts, procfs
 
 # The initial PID namespace's inode number (PROC_PID_INIT_INO, fixed since Linux 3.8).
 PROC_PID_INIT_INO = 0xEFFFFFFC
@@ -145,14 +145,22 @@ def host_blind_spots() -> list[Problem]:
 def hidden_process(pid: int) -> HiddenProcess | None:
     """Who a process we could not inspect runs as, and whether it may open any file
     (None: it is gone). Unreadable owner or capabilities count as "could open it"."""
-    caps = procfs.capability_mask(pid)
-    if caps is procfs.GONE:
+    ids = procfs.credentials(pid)
+    if ids is procfs.GONE:
         return None
-    uids = processes.uids(pid)
-    if caps is procfs.DENIED or uids is None:
+    if isinstance(ids, procfs.Unreadable):
         return HiddenProcess(pid, None, True)
-    assert isinstance(caps, int)
-    return HiddenProcess(pid, uids, bool(caps & _OPEN_ANY_CAPS))
+    return HiddenProcess(pid, ids[0], bool(ids[1] & _OPEN_ANY_CAPS))
+
+
+def may_open(owner: int, mode: int) -> Callable[[int], bool]:
+    """Whether a process could have opened a file of this owner and mode by itself:
+    the processes a search for the file's holders must look at (the same rule that
+    makes a hidden process matter). Unreadable credentials count as "could"."""
+    def could(pid: int) -> bool:
+        h = hidden_process(pid)
+        return h is not None and h.could_open(owner, mode)
+    return could
 
 
 def assess(denied_pids: Iterable[int], *, namespace_waived: bool = False) -> Visibility:

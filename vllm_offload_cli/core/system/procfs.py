@@ -237,20 +237,29 @@ def lock_entries() -> Iterator[LockEntry]:
 
 def capability_mask(pid: int) -> int | Unreadable:
     """CapPrm | CapEff of a process (psutil has no reader for capabilities)."""
+    ids = credentials(pid)
+    return ids if isinstance(ids, Unreadable) else ids[1]
+
+
+def credentials(pid: int) -> tuple[frozenset[int], int] | Unreadable:
+    """(real, effective, saved and filesystem uids; CapPrm | CapEff) from one read of
+    /proc/PID/status: what decides which files a process may open."""
     try:
         with open(f"{PROC}/{pid}/status", "rb") as f:
             text = f.read().decode("ascii", "replace")
     except OSError as exc:
         return _why(exc)
-    caps = 0
+    caps, uids = 0, frozenset[int]()
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key in ("CapPrm", "CapEff"):
-            try:
+        try:
+            if key in ("CapPrm", "CapEff"):
                 caps |= int(value.strip(), 16)
-            except ValueError:
-                return DENIED
-    return caps
+            elif key == "Uid":
+                uids = frozenset(int(u) for u in value.split())
+        except ValueError:
+            return DENIED
+    return (uids, caps) if uids else DENIED
 
 
 def proc_shows_self() -> bool:
