@@ -191,7 +191,7 @@ def _ids_of(entries: list[tuple[int, os.DirEntry[str]]]) -> set[FileId]:
     return ids
 
 
-def _inspect_file(path: str, segment: int, allowed_uids: Collection[int] | None,
+def _inspect_file(path: str, segment: int, allowed_uids: fsguard.AllowedUids,
                   measure: bool, probe_if: Callable[[os.stat_result], bool] | None = None
                   ) -> tuple[SegmentFile, bool]:
     """lstat, open without following, fstat, residency and a lock probe: (file, locked)."""
@@ -327,7 +327,7 @@ def discover(
     shm_dir: str | os.PathLike[str],
     *,
     engine_ids: Collection[str] | None = None,
-    allowed_uids: Collection[int] | None = None,
+    allowed_uids: fsguard.AllowedUids = None,
     measure_residency: bool = True,
     shm_private_to_namespace: bool = False,
 ) -> Inventory:
@@ -397,7 +397,7 @@ def _shm_dir(shm_dir: str | os.PathLike[str]) -> str:
 
 
 def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: ProcessScan,
-            mpath: str | None, allowed_uids: Collection[int] | None, now: float) -> RegionInfo:
+            mpath: str | None, allowed_uids: fsguard.AllowedUids, now: float) -> RegionInfo:
     parts = split_engine_id(engine_id)
     problems: list[Problem] = []
     for seg in segments:

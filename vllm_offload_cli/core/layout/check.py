@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import stat
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -127,7 +127,7 @@ def check_region(
     *,
     world_size: int | None = None,
     cpu_page_size: int | None = None,
-    allowed_uids: Collection[int] | None = None,
+    allowed_uids: fsguard.AllowedUids = None,
 ) -> LiveCheck:
     """Check one region; raise only for bad input or a file that is not a region at all."""
     validate_engine_id(engine_id)
@@ -152,7 +152,7 @@ def check_region(
 
 
 def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int | None,
-                cpu_page_size: int | None, allowed_uids: Collection[int] | None
+                cpu_page_size: int | None, allowed_uids: fsguard.AllowedUids
                 ) -> LiveCheck:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -239,7 +239,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     )
 
 
-def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: Collection[int] | None
+def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: fsguard.AllowedUids
                   ) -> tuple[manifest_io.Manifest | None, Problem | None]:
     """The manifest, if it exists, parses, and describes this very file."""
     m, problem = manifest_io.read_matching(mpath, FileId.of(st),

@@ -238,8 +238,8 @@ class _Run:
         self.shm_dir = self.inventory.shm_dir
         self.shm_dev = os.stat(self.shm_dir).st_dev
         self.root = os.geteuid() == 0
-        self.owners: Collection[int] = (fsguard.EVERY_UID if self.options.all_users
-                                        else frozenset({os.geteuid()}))
+        self.owners: fsguard.AllowedUids = (fsguard.EVERY_UID if self.options.all_users
+                                            else frozenset({os.geteuid()}))
         self.private_fd: int | None = None
         self.private_tried = self.private_made = False
         self.known_inodes = {seg.file_id for r in self.inventory.regions
@@ -308,7 +308,7 @@ class _Run:
                                   "never followed (remove it by hand after checking it)")
             if seg.file_id is None or NOT_REGULAR in codes:
                 return self._kept(r, NOT_REGULAR, f"{name} is not a regular file")
-            if seg.uid is None or seg.uid not in self.owners:
+            if seg.uid is None or not fsguard.uid_allowed(seg.uid, self.owners):
                 return self._kept(r, FOREIGN_OWNER, self._foreign_text(name, seg.uid))
         if r.state == CREATING and r.manifest is not None:
             return self._creating(r, r.manifest)
@@ -406,7 +406,7 @@ class _Run:
     def _fd_problem(self, st: os.stat_result, name: str) -> tuple[str, str] | None:
         if not stat.S_ISREG(st.st_mode):
             return NOT_REGULAR, f"{name} is not a regular file"
-        if st.st_uid not in self.owners:
+        if not fsguard.uid_allowed(st.st_uid, self.owners):
             return FOREIGN_OWNER, self._foreign_text(name, st.st_uid)
         if st.st_dev != self.shm_dev:
             return OTHER_FILESYSTEM, (f"{name} is on another filesystem than {self.shm_dir} "
@@ -423,7 +423,7 @@ class _Run:
         except OSError:
             return  # absent (made by vLLM), or a symlink we leave alone
         st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
+        if (not stat.S_ISREG(st.st_mode) or not fsguard.uid_allowed(st.st_uid, self.owners)
                 or not locking.try_lock_exclusive(fd)):
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
@@ -564,7 +564,7 @@ class _Run:
     def orphan_manifests(self, orphans: Iterable[OrphanManifest]) -> None:
         for o in orphans:
             deadline.check("removing orphaned manifests")
-            if o.uid not in self.owners:
+            if not fsguard.uid_allowed(o.uid, self.owners):
                 continue
             region = str(region_path(self.shm_dir, o.engine_id))
 
@@ -611,7 +611,8 @@ class _Run:
         try:
             st = os.fstat(fd)
             if ((expect is not None and FileId.of(st) != expect)
-                    or not stat.S_ISREG(st.st_mode) or st.st_uid not in self.owners
+                    or not stat.S_ISREG(st.st_mode)
+                    or not fsguard.uid_allowed(st.st_uid, self.owners)
                     or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age
                     or (lock and not locking.try_lock_exclusive(fd))
                     or (still_wanted is not None and not still_wanted(fd))):

@@ -32,17 +32,25 @@ def default_allowed_uids() -> frozenset[int]:
     return frozenset({os.geteuid()})
 
 
-class _EveryUid(frozenset[int]):
-    """Matches any owner: root inspecting other users' regions legitimately."""
+class EveryUid:
+    """The type of EVERY_UID: a file of any owner counts (root looking at every user's)."""
 
-    def __contains__(self, item: object) -> bool:
+    def __repr__(self) -> str:
+        return "EVERY_UID"
+
+
+EVERY_UID = EveryUid()
+# Whose files count as ours: these uids, EVERY_UID, or None (the caller's euid alone).
+AllowedUids = Collection[int] | EveryUid | None
+
+
+def uid_allowed(uid: int, allowed_uids: AllowedUids) -> bool:
+    if isinstance(allowed_uids, EveryUid):
         return True
+    return uid in (default_allowed_uids() if allowed_uids is None else allowed_uids)
 
 
-EVERY_UID: frozenset[int] = _EveryUid()
-
-
-def inspection_uids(allowed_uids: Collection[int] | None) -> Collection[int] | None:
+def inspection_uids(allowed_uids: AllowedUids) -> AllowedUids:
     """Owners a reader accepts: root looks at every user's regions as legitimate."""
     if allowed_uids is None and os.geteuid() == 0:
         return EVERY_UID
@@ -52,7 +60,7 @@ def inspection_uids(allowed_uids: Collection[int] | None) -> Collection[int] | N
 def stat_problems(
     st: os.stat_result,
     *,
-    allowed_uids: Collection[int] | None = None,
+    allowed_uids: AllowedUids = None,
     expected_size: int | None = None,
     expect_linked: bool = True,
 ) -> list[Problem]:
@@ -62,10 +70,12 @@ def stat_problems(
         return [Problem("symlink", "is a symbolic link; region names are never followed")]
     if not stat.S_ISREG(st.st_mode):
         return [Problem("not_regular_file", "is not a regular file")]
-    uids = default_allowed_uids() if allowed_uids is None else allowed_uids
-    if st.st_uid not in uids:
-        expected = " or ".join(str(u) for u in sorted(uids))
-        problems.append(Problem("foreign_owner", f"is owned by uid {st.st_uid}, not {expected}"))
+    if not isinstance(allowed_uids, EveryUid):
+        uids = default_allowed_uids() if allowed_uids is None else allowed_uids
+        if st.st_uid not in uids:
+            expected = " or ".join(str(u) for u in sorted(uids))
+            problems.append(Problem("foreign_owner",
+                                    f"is owned by uid {st.st_uid}, not {expected}"))
     if st.st_mode & 0o077:
         problems.append(Problem(
             "unsafe_mode",
@@ -88,7 +98,7 @@ def raise_if_unsafe(
     path: str,
     *,
     engine_id: str | None = None,
-    allowed_uids: Collection[int] | None = None,
+    allowed_uids: AllowedUids = None,
     expected_size: int | None = None,
 ) -> None:
     """Turn the first problem of `stat_problems` into an UnsafeRegionError."""

@@ -15,7 +15,7 @@ import contextlib
 import errno
 import json
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -241,7 +241,7 @@ def _attachment(a: dict[str, Any]) -> Attachment:
     )
 
 
-def _parse(fd: int, path: str, allowed_uids: Collection[int] | None,
+def _parse(fd: int, path: str, allowed_uids: fsguard.AllowedUids,
            owner_uid: int | None = None) -> Manifest:
     st = os.fstat(fd)
     if owner_uid is not None and st.st_uid != owner_uid:
@@ -269,7 +269,7 @@ def _parse(fd: int, path: str, allowed_uids: Collection[int] | None,
     return m
 
 
-def read(path: str, *, allowed_uids: Collection[int] | None = None,
+def read(path: str, *, allowed_uids: fsguard.AllowedUids = None,
          owner_uid: int | None = None) -> Manifest:
     """Read and validate a manifest; RegionNotFoundError if absent, ManifestError if bad.
 
@@ -283,7 +283,7 @@ def read(path: str, *, allowed_uids: Collection[int] | None = None,
         os.close(fd)
 
 
-def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None,
+def read_fd(fd: int, path: str, *, allowed_uids: fsguard.AllowedUids = None,
             owner_uid: int | None = None) -> Manifest:
     """Parse a manifest already open as `fd`: a caller that also wants to lock
     or later unlink that very inode reads it through the same descriptor."""
@@ -291,7 +291,7 @@ def read_fd(fd: int, path: str, *, allowed_uids: Collection[int] | None = None,
 
 
 def read_matching(path: str, file_id: FileId | None, *,
-                  allowed_uids: Collection[int] | None = None,
+                  allowed_uids: fsguard.AllowedUids = None,
                   owner_uid: int | None = None,
                   ) -> tuple[Manifest | None, Problem | None]:
     """The manifest describing the file `file_id`, or the problem that stops us using it.
@@ -365,7 +365,7 @@ def _locked(path: str, timeout: float, work: Callable[[int], T | None], doing: s
 
 
 def update(path: str, change: Callable[[Manifest], Manifest],
-           *, allowed_uids: Collection[int] | None = None, timeout: float = 10.0) -> Manifest:
+           *, allowed_uids: fsguard.AllowedUids = None, timeout: float = 10.0) -> Manifest:
     """Read-modify-write under the lock-then-verify protocol described above."""
     def work(fd: int) -> Manifest | None:
         if not fsguard.same_file_at(path, fd):

@@ -27,7 +27,7 @@ import mmap
 import os
 import shlex
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -116,7 +116,7 @@ class SharedOffloadRegion:
         populate_threads: int = 1,
         join_timeout: float = 30.0,
         preflight: bool = True,
-        allowed_uids: Collection[int] | None = None,
+        allowed_uids: fsguard.AllowedUids = None,
         progress: Progress | None = None,
         numa_node: int | Sequence[int] | None = None,
         numa_policy: str | None = None,
