@@ -166,7 +166,7 @@ def test_every_removal_is_one_syslog_line(shm_dir: Path, syslog: SyslogSink) -> 
         name, _, pid = ident.partition("[")
         assert name == "vllm-offload" and int(pid) > 0
         assert body.startswith(f'removed region engine_id="{eid}" uid={os.getuid()} ')
-        assert f"size_bytes={SIZE * files} resident_bytes={SIZE * files} files={files}" in body
+        assert f"size_bytes={SIZE * files} freed_bytes={SIZE * files} files={files}" in body
         assert 'stale="' in body and "its exclusive lock was free" in body
         assert "--min-age 0 s" in body
         assert 'command="vllm-offload gc --shm-dir ' in body

@@ -2,18 +2,17 @@
 
 `journalctl -t vllm-offload` (or `/var/log/syslog`) answers "what deleted my
 region?" long after the run's own output is gone (cron mail off, `--quiet`).
-One datagram per removed region goes through the local syslog socket with
-Python's SysLogHandler, identifier `vllm-offload`, facility daemon, priority
-notice. The log is a witness, never a precondition: a missing socket, a
-refused one or a full queue (a stuck journald) costs a dropped line, never a
-failed or stalled removal, because the socket is non-blocking and every send
-is tried once (plus SysLogHandler's one reconnect).
+One datagram per removed region goes to the local syslog socket in the plain
+syslog format (`<priority>vllm-offload[pid]: message`, facility daemon,
+severity notice). The log is a witness, never a precondition: a missing
+socket, a refused one or a full queue (a stuck journald) costs a dropped
+line, never a failed or stalled removal, because the socket is non-blocking
+and every send is tried once.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shlex
 import socket
@@ -21,7 +20,6 @@ import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from logging.handlers import SysLogHandler
 
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.reclaim.report import RemovedRegion
@@ -33,6 +31,7 @@ DEFAULT_SOCKET = "/dev/log"
 SOCKET_ENV = "VLLM_OFFLOAD_SYSLOG_SOCKET"
 # journald keeps longer lines, classic syslog daemons cut at 1-8 KiB: stay under both
 _MAX_FIELD = 512
+_PRIORITY = 3 * 8 + 5  # facility daemon (3), severity notice (5): something was deleted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,30 +44,22 @@ class AuditResult:
     problem: str | None = None
 
 
-class _NonBlockingSysLog(SysLogHandler):
-    """SysLogHandler on a non-blocking datagram socket that counts, never prints, failures."""
-
-    def __init__(self, address: str) -> None:
-        self.failures = 0
-        self.last_error: str | None = None
-        super().__init__(address=address, facility=SysLogHandler.LOG_DAEMON,
-                         socktype=socket.SOCK_DGRAM)
-        self.ident = f"{IDENT}[{os.getpid()}]: "
-        self.append_nul = False
-
-    def _connect_unixsocket(self, address: object) -> None:
-        super()._connect_unixsocket(address)  # type: ignore[misc]
-        sock: socket.socket = self.socket  # type: ignore[attr-defined]
-        sock.setblocking(False)  # a full queue drops this line, never waits
-
-    def mapPriority(self, levelName: str) -> str:  # noqa: N802, N803 (SysLogHandler's names)
-        return "notice"  # a normal but significant event: something was deleted
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802
-        self.failures += 1
-        exc = sys.exc_info()[1]
-        self.last_error = None if exc is None else (
-            exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc))
+def _send_each(path: str, datagrams: Sequence[bytes]) -> tuple[int, str | None]:
+    """Each datagram tried once on a non-blocking socket: (how many went, last refusal)."""
+    sent, problem = 0, None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)  # a full queue drops a line, never waits
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            return 0, exc.strerror or str(exc)
+        for datagram in datagrams:
+            try:
+                sock.send(datagram)
+                sent += 1
+            except OSError as exc:
+                problem = exc.strerror or str(exc)
+    return sent, problem
 
 
 def socket_path() -> str:
@@ -100,7 +91,7 @@ def removal_line(r: RemovedRegion, *, command: str) -> str:
         f"removed region engine_id={_quoted(r.engine_id)}",
         f"uid={uid}",
         f"size_bytes={r.bytes}",
-        f"resident_bytes={r.freed_bytes}",
+        f"freed_bytes={r.freed_bytes}",
         f"files={len(r.paths)}",
         f"path={_quoted(r.paths[0]) if r.paths else '-'}",
         f"manifest={'yes' if r.manifest else 'no'}",
@@ -124,17 +115,8 @@ def record_removals(removed: Sequence[RemovedRegion], *, command: str | None = N
                            problem=f"no syslog socket: {exc.strerror}")
     if not stat.S_ISSOCK(st.st_mode):
         return AuditResult(socket=path, sent=0, dropped=len(removed), problem="not a socket")
-    try:
-        handler = _NonBlockingSysLog(path)
-    except OSError as exc:
-        return AuditResult(socket=path, sent=0, dropped=len(removed),
-                           problem=exc.strerror or str(exc))
     cmd = command_line() if command is None else command
-    try:
-        for r in removed:
-            handler.handle(logging.LogRecord("vllm_offload_cli.audit", logging.INFO, __file__,
-                                             0, removal_line(r, command=cmd), None, None))
-    finally:
-        handler.close()
-    return AuditResult(socket=path, sent=len(removed) - handler.failures, dropped=handler.failures,
-                       problem=handler.last_error)
+    head = f"<{_PRIORITY}>{IDENT}[{os.getpid()}]: "
+    sent, problem = _send_each(path, [(head + removal_line(r, command=cmd)).encode()
+                                      for r in removed])
+    return AuditResult(socket=path, sent=sent, dropped=len(removed) - sent, problem=problem)
