@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from conftest import run_cli_subprocess
 
+from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 
 ROW = 2 * PAGESIZE
@@ -239,3 +240,50 @@ def test_prometheus_output_follows_the_conventions(cli: Any, shm_dir: Path,
     assert ranks == {"p_dp2": 2}
     gc_names = {f.name for f in text_string_to_metric_families(gc_file.read_text())}
     assert "vllm_offload_gc_freed_bytes" in gc_names
+
+
+# -- answers for scripts, and why a region is stale -------------------------------------
+
+
+def test_check_answers_in_the_exit_status(cli: Any, shm_dir: Path, holders: Any) -> None:
+    """Like `fuser -s`: 3 when a region shown is stale or has a problem, 0 otherwise;
+    -q prints nothing; --state narrows what is shown, and what is checked."""
+    holders(*holder_args("region", shm_dir, "busy"))
+    clean = cli("inspect", "--check", "-q", "--shm-dir", str(shm_dir))
+    assert (clean.exit_code, clean.stdout) == (0, "")
+    _write(shm_dir / "vllm_offload_leak.mmap", ROW)
+    flagged = cli("inspect", "--check", "-q", "--shm-dir", str(shm_dir))
+    assert (flagged.exit_code, flagged.stdout) == (3, "")
+    assert cli("inspect", "--check", "--state", "live", "--shm-dir",
+               str(shm_dir)).exit_code == 0
+    doc = cli("inspect", "--check", "--state", "stale", "--json", "--shm-dir", str(shm_dir))
+    assert doc.exit_code == 3 and doc.json["exit_code"] == 3
+    assert [r["engine_id"] for r in doc.json["data"]["regions"]] == ["leak"]
+    assert doc.json["data"]["check"] == {"flagged": ["leak"]}
+    table = cli("inspect", "-s", "live", "--shm-dir", str(shm_dir))
+    assert table.exit_code == 0 and "busy" in table.stdout and "leak" not in table.stdout
+    assert cli("inspect", "--state", "gone", "--shm-dir", str(shm_dir)).exit_code == 2
+
+
+def test_why_a_region_is_stale(cli: Any, shm_dir: Path, holders: Any) -> None:
+    """-v and JSON: the creator's pid and that it exited, the recorded holders' exit,
+    when anything last happened; the footer says what gc would free."""
+    h = holders(*holder_args("region", shm_dir, "dead"))
+    pid = h.pid
+    h.stop("crash")
+    doc = regions(cli, shm_dir)["dead"]
+    assert doc["state"] == "stale"
+    ev = doc["evidence"]
+    assert (ev["creator_pid"], ev["creator_alive"]) == (pid, False)
+    assert ev["recorded_holders"] == [{"pid": pid, "rank": 0, "alive": False}]
+    assert ev["last_activity_at"] is not None
+    verbose = cli("inspect", "-v", "--shm-dir", str(shm_dir))
+    assert (f"dead: stale: no process maps it, has it open or holds its lock; creator pid "
+            f"{pid} exited; 1 of 1 recorded holder(s) exited (pid {pid}); last activity ") \
+        in verbose.stdout
+    size = os.stat(shm_dir / "vllm_offload_dead.mmap").st_blocks * 512
+    full = cli("inspect", "--json", "--shm-dir", str(shm_dir)).json["data"]
+    assert full["gc_would_free_bytes"] == size > 0
+    assert verbose.stdout.rstrip().endswith(f"1 stale; gc would free {format_bytes(size)}")
+    gc = cli("gc", "--dry-run", "--min-age", "0", "--json", "--shm-dir", str(shm_dir))
+    assert gc.json["data"]["freed_bytes"] == size  # the footer's figure is gc's own

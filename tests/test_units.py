@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.units import (
+    format_age,
     format_bytes,
     format_duration,
     parse_duration,
@@ -73,3 +74,11 @@ def test_any_duration_text_is_a_duration_or_invalid_input(text: str) -> None:
     except InvalidInputError:
         return
     assert value >= 0
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0, "0s"), (45, "45s"), (45.9, "45s"), (60, "1m"), (11 * 60 + 5, "11m"), (3600, "1h"),
+    (3 * 3600 + 12 * 60 + 9, "3h12m"), (2 * 86400, "2d"), (2 * 86400 + 3 * 3600, "2d3h"),
+    (9 * 86400 + 5 * 3600, "9d"), (None, "-"), (-1, "-")])
+def test_ages_print_like_ps_and_kubectl(seconds: float | None, text: str) -> None:
+    assert format_age(seconds) == text

@@ -54,6 +54,13 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("measurement_errors", "{residency|numa: {regions, message}}: measurements a refused "
          "system call (a seccomp filter) left unmade; also a warning, and the metric "
          "vllm_offload_measurement_errors"),
+        ("regions[].evidence", "{creator_pid, creator_alive, recorded_holders[] {pid, rank, "
+         "alive}, last_activity_at, summary}: why it is in its state (null fields without a "
+         "manifest)"),
+        ("gc_would_free_bytes", "tmpfs memory of the stale regions shown (st_blocks, as gc "
+         "counts what it frees)"),
+        ("check", "with --check: {flagged: engine_ids stale or with a problem} (exit 3 when "
+         "any)"),
         ("orphan_manifests[]", "manifests whose region is gone"),
         ("shm", "{total_bytes, free_bytes} of the shm filesystem"),
         ("uninspectable_processes", "processes whose /proc entries could not be read"),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -22,7 +24,7 @@ from vllm_offload_cli.cli.common import (
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
-from vllm_offload_cli.core.base.exit_status import ExitStatus
+from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_age, format_bytes, parse_duration
@@ -31,9 +33,14 @@ from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
+from vllm_offload_cli.core.system.processes import ProcessRef
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+
+STATES = ("live", "creating", "persistent", "stale", "unknown")
+State = enum.Enum("State", {s: s for s in STATES}, type=str)  # type: ignore[misc]
 
 
 class Format(str, enum.Enum):
@@ -44,9 +51,10 @@ class Format(str, enum.Enum):
 
 def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
                    ) -> dict[str, Any]:
+    now = time.time()
     return {
         "shm_dir": inv.shm_dir,
-        "regions": [_region_dict(r, placed) for r in inv.regions],
+        "regions": [_region_dict(r, placed, now) for r in inv.regions],
         "orphan_manifests": [o.path for o in inv.orphan_manifests],
         "shm": {"total_bytes": inv.shm.total_bytes, "free_bytes": inv.shm.free_bytes},
         "uninspectable_processes": inv.uninspectable_processes,
@@ -86,9 +94,11 @@ def vllm_layout(r: RegionInfo) -> str | None:
     return SINGLE_FILE if r.linked else None
 
 
-def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None) -> dict[str, Any]:
+def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
+                 ) -> dict[str, Any]:
     doc = r.to_dict()
     doc["vllm_layout"] = vllm_layout(r)
+    doc["evidence"] = evidence(r, now)
     if placed is None:  # --no-residency: placement was not observed
         doc.update(numa_nodes=None, huge_page_bytes=None, placement=None)
         return doc
@@ -129,6 +139,12 @@ def inspect_cmd(
         "--timeout", metavar="DURATION",
         help="Give up after this long (exit 1): seconds, or 90s, 5m, 2h.")
     ] = f"{DEFAULT_TIMEOUT:g}s",
+    states: Annotated[list[State] | None, typer.Option(
+        "--state", "-s", help="Only regions in this state (repeatable); the table, JSON "
+        "and --check see only those.", show_default=False)] = None,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Exit 3 when a region shown is stale or has a problem, 0 otherwise, "
+        "like `fuser -s`; with -q nothing is printed on stdout.")] = False,
 ) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
@@ -140,13 +156,20 @@ def inspect_cmd(
     Names, process names and manifest fields are shown with control characters
     escaped (\\xNN); --json keeps them raw (JSON escapes them). A named ENGINE_ID
     that matches no region is an error (exit 2), the others are still shown.
-    Exit status 1 when --timeout passes first.
+    With -v the table says why each stale or unknown region is so: its creator's
+    pid and whether it lives, the recorded holders and whether they exited, and
+    when anything last happened to it; the footer says what gc would free.
+    Exit status 1 when --timeout passes first; with --check, 3 when a region shown
+    is stale or has a problem (for scripts and health checks).
     """
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")
     if fmt is Format.prometheus and inv.json_output and output is None:
         raise InvalidInputError("--json with --format prometheus needs --output FILE",
                                 code="usage")
+    if fmt is Format.prometheus and (states or check):
+        raise InvalidInputError("--state and --check go with the table and JSON; the "
+                                "textfile always has every region", code="usage")
     shm_dir = shm_dir_checked(inv)
     with deadline.within(parse_duration(str(timeout), what="--timeout")):
         found = discover(shm_dir, engine_ids=engine_ids or None,
@@ -154,6 +177,10 @@ def inspect_cmd(
                          shm_private_to_namespace=shm_private_to_namespace)
         placed = None if no_residency else observe_all(found.regions)
     missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
+    if states:
+        wanted = {st.value for st in states}
+        found = dataclasses.replace(found, regions=tuple(
+            r for r in found.regions if r.state in wanted))
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
                   f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
                  for engine_id in missing]
@@ -172,6 +199,10 @@ def inspect_cmd(
     data = inventory_data(found, placed)
     data["measurement_errors"] = refusals
     data["not_found"] = missing
+    data["gc_would_free_bytes"] = gc_would_free(found)
+    flagged = [r.engine_id for r in found.regions if r.state == "stale" or r.problems]
+    if check:
+        data["check"] = {"flagged": flagged}
     shown: Callable[[Console], None] | None = None
     if fmt is Format.prometheus:
         metrics.emit(_registry(found, placed, refusals), output)
@@ -181,8 +212,9 @@ def inspect_cmd(
     else:
         if fmt is Format.json:
             inv.json_output = True
-        if found.regions or not missing:
-            shown = lambda out: render_table(out, found, placed, wide=wide)  # noqa: E731
+        if (found.regions or not missing) and not (check and inv.verbosity < 0):
+            shown = lambda out: render_table(out, found, placed, wide=wide,  # noqa: E731
+                                             why=inv.verbosity > 0)
 
     def render(out: Console) -> None:
         if shown is not None:
@@ -191,8 +223,51 @@ def inspect_cmd(
             inv.err.print(f"Error: {e['message']}", highlight=False, markup=False,
                           soft_wrap=True)
 
-    return Outcome(data=data, exit_code=ExitStatus.USAGE if missing else ExitStatus.SUCCESS,
-                   errors=not_found, render=render)
+    code = most_important([ExitStatus.USAGE if missing else ExitStatus.SUCCESS,
+                           ExitStatus.PROBLEMS_FOUND if check and flagged
+                           else ExitStatus.SUCCESS])
+    return Outcome(data=data, exit_code=code, errors=not_found, render=render)
+
+
+def gc_would_free(found: Inventory) -> int:
+    """tmpfs memory of the stale regions (st_blocks, as gc counts what it frees)."""
+    return sum(s.allocated_bytes or 0 for r in found.regions if r.state == "stale"
+               for s in r.segments)
+
+
+def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
+    """Why the region is in its state: who made it and whether it lives, the holders
+    its manifest recorded and whether they exited, when anything last happened to it."""
+    m = r.manifest
+    attached = [] if m is None else [
+        {"pid": a.pid, "rank": a.rank, "alive": ProcessRef(a.pid, a.start_ticks).alive()}
+        for a in m.attachments]
+    times = [s.mtime for s in r.segments if s.mtime is not None]
+    if m is not None:
+        times += [m.created_at, *(a.attached_at for a in m.attachments if a.attached_at)]
+    last = max(times, default=None)
+    parts = []
+    if r.holders:
+        parts.append(f"held by pid {', '.join(str(h.pid) for h in r.holders[:5])}")
+    else:
+        parts.append("no process maps it, has it open or holds its lock")
+    if m is None:
+        parts.append("no manifest (made by vLLM itself?): its creator is not recorded")
+    else:
+        alive = m.creator_alive()
+        parts.append(f"creator pid {m.creator_pid} {'is alive' if alive else 'exited'}")
+        gone = [a for a in attached if not a["alive"]]
+        if attached:
+            parts.append(f"{len(gone)} of {len(attached)} recorded holder(s) exited"
+                         + (f" (pid {', '.join(str(a['pid']) for a in gone[:5])})"
+                            if gone else ""))
+    if last is not None:
+        parts.append(f"last activity {format_age(now - last)} ago")
+    return {"creator_pid": None if m is None else m.creator_pid,
+            "creator_alive": None if m is None else m.creator_alive(),
+            "recorded_holders": attached,
+            "last_activity_at": None if last is None else round(last, 3),
+            "summary": "; ".join(parts)}
 
 
 def _holders_text(r: RegionInfo, wide: bool) -> str:
@@ -217,7 +292,6 @@ def owner_name(uid: int | None) -> str:
     return str(uid) if name is None else printable(name)
 
 
-STATES = ("live", "creating", "persistent", "stale", "unknown")
 
 
 def _layout_text(r: RegionInfo) -> str:
@@ -241,7 +315,8 @@ def _numa_text(p: Placement | None) -> str:
 
 
 def render_table(out: Console, found: Inventory,
-                 placed: dict[str, Placement] | None = None, *, wide: bool = False) -> None:
+                 placed: dict[str, Placement] | None = None, *, wide: bool = False,
+                 why: bool = False) -> None:
     """One line per region at any width; problem codes in the row, sentences below."""
     lines = []
     if not found.regions:
@@ -265,12 +340,20 @@ def render_table(out: Console, found: Inventory,
         for r in found.regions:
             for p in r.problems:
                 lines.append(f"  {printable(r.engine_id)}: {printable(p.message)}")
+        if why:
+            now = time.time()
+            for r in found.regions:
+                if r.state in ("stale", "unknown"):
+                    lines.append(f"  {printable(r.engine_id)}: {r.state}: "
+                                 f"{printable(evidence(r, now)['summary'])}")
     shm = found.shm
     unknown = sum(r.state == "unknown" for r in found.regions)
+    stale = sum(r.state == "stale" for r in found.regions)
     lines.append(f"{found.shm_dir}: {format_bytes(shm.free_bytes)} free of "
                  f"{format_bytes(shm.total_bytes)}; {len(found.regions)} region(s), "
-                 f"{sum(r.state == 'stale' for r in found.regions)} stale"
-                 f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}")
+                 f"{stale} stale"
+                 f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}"
+                 f"{f'; gc would free {format_bytes(gc_would_free(found))}' if stale else ''}")
     for o in found.orphan_manifests:
         lines.append(f"  orphaned manifest: {printable(o.path)}")
     write_text(out, "\n".join(lines))

@@ -96,13 +96,19 @@ def format_duration(seconds: float) -> str:
 
 
 def format_age(seconds: object) -> str:
-    """An age for a table column: 42 -> '42s', 5400 -> '1.5h'; '-' when unknown."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    """An age as ps and kubectl print one: 45s, 11m, 3h12m, 2d3h, 9d; '-' when unknown.
+
+    Whole units, largest first, two at most, and the second only where it still
+    matters (minutes under a day, hours under a week)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
         return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
+    whole = int(seconds)
+    days, hours, minutes = whole // 86400, whole % 86400 // 3600, whole % 3600 // 60
+    if days:
+        return f"{days}d{hours}h" if days < 7 and hours else f"{days}d"
+    if hours:
+        return f"{hours}h{minutes}m" if minutes else f"{hours}h"
+    return f"{minutes}m" if minutes else f"{whole}s"
 
 
 def format_bytes(n: int | float | None, *, compact: bool = False) -> str:

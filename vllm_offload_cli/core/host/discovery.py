@@ -77,6 +77,8 @@ class SegmentFile:
     problems: tuple[Problem, ...] = ()
     # why resident_bytes is None when the measurement was refused ("mincore: ...")
     resident_error: str | None = None
+    # tmpfs memory the file holds (st_blocks): what removing it gives back, as gc counts
+    allocated_bytes: int | None = None
     # the kernel's answer to "open anywhere else?", asked only when /proc may miss a holder
     sole_opener: openers.OpenersVerdict | None = None
 
@@ -231,7 +233,7 @@ def _inspect_file(path: str, segment: int, allowed_uids: fsguard.AllowedUids,
                            mode=stat.S_IMODE(st.st_mode), mtime=max(st.st_mtime,
                                                                     st.st_ctime), linked=True,
                            resident_bytes=resident, problems=tuple(problems),
-                           resident_error=refusal,
+                           resident_error=refusal, allocated_bytes=st.st_blocks * 512,
                            sole_opener=None if locked or probe_if is None or not probe_if(st)
                            else openers.probe(fd, retry=_PROBE_RETRY)), locked
     finally:
