@@ -43,11 +43,13 @@ _vllm_offload() {
             --numa-policy) COMPREPLY=($(compgen -W "bind interleave preferred" -- "$cur")); return ;;
             --huge-pages) COMPREPLY=($(compgen -W "never auto always" -- "$cur")); return ;;
             --segments) COMPREPLY=(); return ;;
+            --owner) COMPREPLY=(); return ;;
+            --mode) COMPREPLY=(); return ;;
             --vllm-layout) COMPREPLY=($(compgen -W "auto segmented single-file" -- "$cur")); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --numa-node --numa-policy --huge-pages --segments --vllm-layout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--world-size --cpu-page-size --dp-rank --num-blocks --size --no-populate --hold --threads --numa-node --numa-policy --huge-pages --segments --owner --mode --vllm-layout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

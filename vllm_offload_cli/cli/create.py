@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.core.base.errors import InvalidInputError, RegionBusyError
+from vllm_offload_cli.core.base.errors import (
+    InvalidInputError,
+    RegionBusyError,
+    UnsafeRegionError,
+)
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
@@ -211,6 +216,15 @@ def create(
         help="Split into exactly this many files .mmap, .mmap.1, ... as vLLM does (1 for "
         "the tiering spec); a count vLLM could not make at this size (a file under 1 GiB) "
         "is refused.")] = None,
+    owner: Annotated[str | None, typer.Option(
+        "--owner", metavar="USER[:GROUP]", show_default=False,
+        help="Give the region's files and manifest to this user (and group), as `install "
+        "-o -g` does: root pre-creates a region that an engine running as that user joins. "
+        "Names or numbers; root only, unless it is yourself.")] = None,
+    mode: Annotated[str, typer.Option(
+        "--mode", metavar="MODE", help="The region files' permission bits, octal (as "
+        "`install -m`): the owner must read and write them, and group or other bits are "
+        "refused, because an engine refuses to join a region others can open.")] = "0600",
     vllm_layout: Annotated[VllmLayout, typer.Option(
         "--vllm-layout", help="Files as the joining vLLM makes them: segmented (.mmap, "
         ".mmap.1, ...: min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file "
@@ -220,7 +234,10 @@ def create(
     """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
 
     Without --hold the region stays and is marked persistent, pre-provisioned for
-    an engine to join; `gc` keeps it unless given --include-persistent.
+    an engine to join; `gc` keeps it unless given --include-persistent. Root
+    provisions for a service user with --owner (like a tmpfiles.d `f` line): the
+    files and manifest become that user's, so an engine running as it joins.
+    --hold ends on SIGINT (exit 130) or SIGTERM (exit 0), removing the region.
     """
     from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, layout_of
     from vllm_offload_cli.core.region.shared_region import (
@@ -230,6 +247,8 @@ def create(
     full_id = with_dp_rank(engine_id, dp_rank)
     geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)
     shm_dir = shm_dir_checked(inv)
+    new_owner = None if owner is None else parse_owner(owner)
+    file_mode = parse_mode(mode)
     nodes = _nodes(numa_node)
     if segments is not None and vllm_layout is not VllmLayout.auto:
         raise InvalidInputError("give one of --segments and --vllm-layout", code="usage")
@@ -279,9 +298,18 @@ def create(
     if huge_pages is HugePages.always and stats is not None and not region.huge_page_bytes:
         inv.warn("no_huge_pages", "--huge-pages always: the kernel allows huge pages here but "
                  "mapped none (fragmented memory, or the region is smaller than 2 MiB)")
+    if new_owner is not None or file_mode != 0o600:
+        uid, gid = new_owner or (os.geteuid(), os.getegid())
+        data["owner"] = {"uid": uid, "gid": gid, "mode": f"{file_mode:04o}"}
     if not hold:
         region.cleanup()  # persistent: closes without unlinking
+        if "owner" in data:  # after the last write of ours: a join then finds it theirs
+            hand_over([*region.segment_paths, region.manifest_path], region.manifest_path,
+                      data["owner"]["uid"], data["owner"]["gid"], file_mode)
         return Outcome(data=data, render=lambda out: _render(out, data))
+    if "owner" in data:
+        hand_over([*region.segment_paths, region.manifest_path], region.manifest_path,
+                  data["owner"]["uid"], data["owner"]["gid"], file_mode)
     previous: dict[int, Any] = {}
     try:
         previous = {s: signal.signal(s, _release) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -299,8 +327,74 @@ def create(
             for s, handler in previous.items():
                 signal.signal(s, handler)
     data["removed"] = not os.path.exists(region.mmap_path)
-    return Outcome(data=data, render=lambda out: out.print(
+    # Ctrl-C is an interruption (130, as a shell expects); SIGTERM is the asked-for stop
+    code = ExitStatus.INTERRUPTED if data["released_by"] == "SIGINT" else ExitStatus.SUCCESS
+    return Outcome(data=data, exit_code=code, render=lambda out: out.print(
         f"Removed {region.mmap_path} ({data['released_by']})."))
+
+
+def parse_owner(text: str) -> tuple[int, int]:
+    """USER[:GROUP] (names or numbers) as (uid, gid); the user's own group by default."""
+    import grp
+    import pwd
+
+    user, sep, group = text.partition(":")
+    try:
+        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+        uid, gid = entry.pw_uid, entry.pw_gid
+    except (KeyError, OverflowError):
+        if not user.isdigit():
+            raise InvalidInputError(f"--owner {text!r}: no user {user!r}",
+                                    code="invalid_owner") from None
+        uid, gid = int(user), int(user)
+    if sep:
+        try:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise InvalidInputError(f"--owner {text!r}: no group {group!r}",
+                                    code="invalid_owner") from None
+    if uid != os.geteuid() and os.geteuid() != 0:
+        raise InvalidInputError(f"--owner {text!r}: only root can give a region to another "
+                                "user", code="invalid_owner")
+    return uid, gid
+
+
+def parse_mode(text: str) -> int:
+    """Octal permission bits the joining engine accepts: the owner's read and write, no
+    group or other bits (it refuses those), nothing special."""
+    try:
+        value = int(text, 8)
+    except ValueError:
+        raise InvalidInputError(f"--mode {text!r} is not an octal mode such as 0600",
+                                code="invalid_mode") from None
+    if value & ~0o777 or value & 0o600 != 0o600 or value & 0o077:
+        raise InvalidInputError(
+            f"--mode {text!r}: a region must be readable and writable by its owner and by "
+            "nobody else (an engine refuses to join a region with group or other bits: "
+            "another user could read or change its KV cache); use 0600 (or 0700), and "
+            "--owner to say who joins", code="invalid_mode")
+    return value
+
+
+def hand_over(paths: list[str], manifest_path: str, uid: int, gid: int, mode: int) -> None:
+    """chown (and chmod the region files) through descriptors opened without following:
+    what is changed is the file this create made, never something put in its place."""
+    from vllm_offload_cli.core.region import fsguard
+
+    me = os.geteuid()
+    for path in paths:
+        fd = fsguard.open_existing(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != me or st.st_nlink != 1:  # not the file we made
+                raise UnsafeRegionError(f"{path} changed under create (owner {st.st_uid}, "
+                                        f"{st.st_nlink} links); not handing it over",
+                                        path=path, code="changed")
+            os.fchown(fd, uid, gid)
+            if path != manifest_path:
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
 
 def _render(out: Console, data: dict[str, Any]) -> None:
@@ -331,5 +425,8 @@ def _render(out: Console, data: dict[str, Any]) -> None:
         out.print(f"  huge pages {p['huge_pages']}: " + (
             "not available (normal pages)" if not p["huge_pages_advised"] else
             f"{format_bytes(got)} mapped with 2 MiB pages" if got is not None else "advised"))
+    if "owner" in data:
+        o = data["owner"]
+        out.print(f"  owner     uid {o['uid']}, gid {o['gid']}, mode {o['mode']}")
     if data["persistent"]:
         out.print("  persistent: kept until removed with `vllm-offload gc --include-persistent`")

@@ -27,7 +27,9 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("persistent, held", "kept for an engine to join, or held until a signal"),
         ("placement", "NUMA policy and nodes, huge-page mode, whether advised, bytes mapped "
          "with huge pages"),
-        ("released_by, removed", "with --hold: the signal that ended it, whether it is gone"),
+        ("released_by, removed", "with --hold: the signal that ended it (SIGINT: exit 130), "
+         "whether it is gone"),
+        ("owner", "with --owner or --mode: {uid, gid, mode} the files were given"),
         ("vllm_layout", "{name: segmented or single-file, basis: vllm (read from the vLLM "
          "installed here), newest (none installed) or requested, vllm_version}"),
     ),
