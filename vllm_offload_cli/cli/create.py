@@ -18,6 +18,7 @@ from vllm_offload_cli.core.base.errors import (
 )
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.problems import jsonable
+from vllm_offload_cli.core.base.text import shortened
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
@@ -119,7 +120,7 @@ def _segments(requested: int, geometry: Geometry) -> int:
     if requested <= cap and files(requested) == requested:
         return requested
     possible = [n for n in range(1, min(cap, 64) + 1) if files(n) == n]
-    shown = ", ".join(map(str, possible[:8])) + (", ..." if len(possible) > 8 else "")
+    shown = shortened(possible, 8)
     why = (f"no file may be under {format_bytes(MIN_SEGMENT_BYTES)}" if requested > cap else
            f"{geometry.num_blocks} rows split {requested} ways as vLLM splits them make "
            f"{files(requested)} files")

@@ -21,6 +21,7 @@ from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
+from vllm_offload_cli.core.base.text import shortened
 from vllm_offload_cli.core.base.units import format_bytes, parse_duration
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
 
@@ -183,8 +184,8 @@ def _warn_lease_only(inv: Invocation, report: GcReport) -> None:
     if not leased:
         return
     pids = sorted({p for r in leased for p in r.hidden_pids})
-    shown = ", ".join(str(p) for p in pids[:5]) + (" ..." if len(pids) > 5 else "")
-    names = ", ".join(r.engine_id for r in leased[:3]) + (", ..." if len(leased) > 3 else "")
+    shown = shortened(pids, 5, " ...")
+    names = shortened([r.engine_id for r in leased], 3)
     verb = "would be" if report.dry_run else "was"
     inv.warn("removed_on_lease_proof",
              f"{names} {verb} removed on the kernel's lease proof alone: pid(s) {shown} could "
@@ -205,12 +206,11 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
     hidden = [k for k in report.refused if k.blind_spot == HIDDEN_HOLDERS]
     if hidden:
         pids = report.uninspectable_pids
-        who = (f"pid(s) {', '.join(str(p) for p in pids[:5])}{' ...' if len(pids) > 5 else ''}"
-               if pids else "processes this run cannot inspect")
-        names = ", ".join(str(k.engine_id) for k in hidden[:3])
+        who = (f"pid(s) {shortened(pids, 5, ' ...')}" if pids
+               else "processes this run cannot inspect")
         out.append({"code": HIDDEN_HOLDERS, "message": (
             f"kept {len(hidden)} region(s) that {who}, not inspectable, could hold "
-            f"({names}{', ...' if len(hidden) > 3 else ''})"
+            f"({shortened([k.engine_id for k in hidden], 3)})"
             "; run gc as root (with CAP_SYS_PTRACE and CAP_LEASE) to prove them unused")})
     return out
 

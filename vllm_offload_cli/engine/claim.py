@@ -47,7 +47,7 @@ from vllm_offload_cli.core.region import capacity, fsguard
 from vllm_offload_cli.core.region.locking import lock_waiting
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
-from vllm_offload_cli.core.system.processes import ProcessRef, comm
+from vllm_offload_cli.core.system.processes import comm, named_pids
 from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
     read_token,
@@ -128,7 +128,7 @@ def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> 
 def _lock_busy(path: str, fd: int, timeout: float) -> RegionBusyError:
     pids = [pid for pid, _ in flock_holders(FileId.of(os.fstat(fd)))
             if pid > 0 and pid != os.getpid()]
-    who = ", ".join(f"pid {p} ({comm(p) or '?'})" for p in pids[:3]) or "an unseen process"
+    who = named_pids(pids) or "an unseen process"
     return RegionBusyError(
         f"the start-up lock {path} is still held after {timeout:.0f} s by {who}: another "
         "start-up of this user is stuck or slow; refusing to start without it",
@@ -154,11 +154,8 @@ def classify_holders(r: RegionInfo, token: str | None) -> _Holders:
     attached: dict[int, str | None] = {}
     creator_ours = False
     if m is not None:
-        for a in m.attachments:
-            if ProcessRef(a.pid, a.start_ticks).alive():
-                attached[a.pid] = a.engine_token
-        creator_ours = (token is not None and m.engine_token == token
-                        and ProcessRef(m.creator_pid, m.creator_start_ticks).alive())
+        attached = {a.pid: a.engine_token for a in m.live_attachments()}
+        creator_ours = token is not None and m.engine_token == token and m.creator_alive()
     ours: list[int] = []
     foreign: list[tuple[int, str]] = []
     unknown: list[int] = []

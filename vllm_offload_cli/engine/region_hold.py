@@ -20,7 +20,6 @@ from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, effective_segments, split
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
-from vllm_offload_cli.core.system.processes import ProcessRef
 from vllm_offload_cli.engine.claim import ClaimResult, claim, startup_lock
 from vllm_offload_cli.engine.shape import RegionShape
 
@@ -99,9 +98,8 @@ def check_slot(region: SharedOffloadRegion, token: str | None, *, replicated: bo
     except (manifest_io.ManifestError, OSError, RegionNotFoundError):
         return
     me = os.getpid()
-    for a in m.attachments:
-        if (a.rank == region.rank and a.pid != me and a.engine_token == token
-                and ProcessRef(a.pid, a.start_ticks).alive()):
+    for a in m.live_attachments():
+        if a.rank == region.rank and a.pid != me and a.engine_token == token:
             raise UnsafeRegionError(
                 f"rank {region.rank} of {region.mmap_path} is already used by pid {a.pid} of "
                 "this engine; two workers computing one slot would overwrite each other's "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import RegionInfo
-from vllm_offload_cli.core.system.processes import comm
+from vllm_offload_cli.core.system.processes import named_pids
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +65,7 @@ def refuse_held_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
     if why is None:
         return
     pids = ours or tuple(h.pid for h in r.holders)
-    who = ", ".join(f"pid {p} ({comm(p) or '?'})" for p in pids[:3]) or "a process"
+    who = named_pids(pids) or "a process"
     raise RegionBusyError(
         f"{path} is in use by {who} with another shape than this engine asks for ({why}); "
         "it cannot be joined. Start every rank with the same configuration, or stop "

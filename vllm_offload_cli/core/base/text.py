@@ -9,6 +9,7 @@ raw string, since the JSON encoder escapes control characters itself.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 
 # C0 controls, DEL, C1 controls, line/paragraph separators and the bidi
 # overrides that reorder what a terminal shows. Backslashes stay as they are:
@@ -25,3 +26,20 @@ def _escape(match: re.Match[str]) -> str:
 def printable(text: str) -> str:
     """`text` with control characters escaped as `\\xNN`: safe to show on a terminal."""
     return _CONTROL_RE.sub(_escape, text)
+
+
+def joined(items: Iterable[object], last: str = "and") -> str:
+    """A list inside a sentence: 'a', 'a and b', 'a, b and c' (or `last` instead of and)."""
+    words = [str(i) for i in items]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + f" {last} " + words[-1]
+
+
+def shortened(items: Sequence[object], most: int, more: str = ", ...") -> str:
+    """The first `most` items, comma-separated, and `more` when some were left out."""
+    return ", ".join(map(str, items[:most])) + (more if len(items) > most else "")
+
+
+def pids_text(pids: Sequence[int], most: int = 5) -> str:
+    """'pid 1, pid 2 and 3 more'."""
+    shown = ", ".join(f"pid {p}" for p in pids[:most])
+    return shown + (f" and {len(pids) - most} more" if len(pids) > most else "")

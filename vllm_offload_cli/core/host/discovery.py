@@ -26,6 +26,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionNotFoundError,
 )
 from vllm_offload_cli.core.base.problems import Problem, jsonable
+from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
 from vllm_offload_cli.core.host.visibility import Visibility
@@ -45,7 +46,7 @@ from vllm_offload_cli.core.region.naming import (
 )
 from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import FileId
-from vllm_offload_cli.core.system.processes import ProcessRef, comm
+from vllm_offload_cli.core.system.processes import comm
 
 LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
 CREATING, UNKNOWN = "creating", "unknown"
@@ -271,11 +272,7 @@ def holders_of(uses: Iterable[FileUse], manifest: Manifest | None = None
     kinds: dict[int, set[str]] = defaultdict(set)
     for use in uses:
         kinds[use.pid].add(use.kind)
-    ranks: dict[int, int | None] = {}
-    if manifest is not None:
-        for a in manifest.attachments:
-            if ProcessRef(a.pid, a.start_ticks).alive():
-                ranks[a.pid] = a.rank
+    ranks = {} if manifest is None else {a.pid: a.rank for a in manifest.live_attachments()}
     return tuple(
         Holder(pid=pid, name=comm(pid), rank=ranks.get(pid), via=tuple(sorted(kinds[pid])))
         for pid in sorted(kinds)
@@ -525,7 +522,7 @@ def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:
     if not suspects:
         return r
     verdicts = [s.sole_opener for s in r.segments]
-    who = _pids_text(suspects)
+    who = pids_text(suspects)
     if any(v is not None and v.sole is False for v in verdicts):
         return replace(r, state=LIVE, problems=(*r.problems, Problem("hidden_holder", (
             f"open or mapped by a process that cannot be inspected (one of {who}); the "
@@ -537,11 +534,6 @@ def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:
         visibility.HIDDEN_HOLDERS,
         f"could be held by {who}, which cannot be inspected, and the lease test that would "
         f"prove it unused is not available ({why})")))
-
-
-def _pids_text(pids: list[int]) -> str:
-    shown = ", ".join(f"pid {p}" for p in pids[:5])
-    return shown + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
 
 
 def _flag_collisions(regions: list[RegionInfo]) -> list[RegionInfo]:

@@ -26,6 +26,7 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import Problem, jsonable
+from vllm_offload_cli.core.base.text import joined
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
@@ -34,7 +35,6 @@ from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, default_ro
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.region.ranks import RANK_SOURCES
 from vllm_offload_cli.core.system.files import FileId
-from vllm_offload_cli.core.system.processes import ProcessRef
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,15 +188,12 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     rankless = stale = 0
     notes: list[Problem] = []
     if manifest is not None:
-        for a in manifest.attachments:
-            if not ProcessRef(a.pid, a.start_ticks).alive():
-                stale += 1
-            elif a.rank is None:
-                rankless += 1
-            else:
-                workers.append(AttachedWorker(pid=a.pid, rank=a.rank, device_index=a.device_index,
-                                              rank_source=a.rank_source,
-                                              host=a.host))
+        live = manifest.live_attachments()
+        stale = len(manifest.attachments) - len(live)
+        rankless = sum(a.rank is None for a in live)
+        workers = [AttachedWorker(pid=a.pid, rank=a.rank, device_index=a.device_index,
+                                  rank_source=a.rank_source, host=a.host)
+                   for a in live if a.rank is not None]
     slots: list[SlotReport] = []
     placed: list[affinity.WorkerPlacement] = []
     if geometry is not None and geometry.world_size is not None:
@@ -355,15 +352,16 @@ def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manif
             problems.append(Problem(
                 code="rank_duplicate",
                 message=f"rank {rank} is attached {len(same)} times: pids "
-                        f"{_and(w.pid for w in same)} "
+                        f"{joined(w.pid for w in same)} "
                 f"({'; '.join(_origin(w) for w in same)}); they write the same bytes",
                 ranks=(rank,), pids=tuple(w.pid for w in same), slot=rank))
     missing = [r for r in range(world_size) if r not in by_rank]
     if missing:
         problems.append(Problem(
             code="rank_missing",
-            message=f"no live worker is attached as rank {_and(missing, 'or')} of {world_size}; a "
-            "worker never attached, or computed another rank", ranks=tuple(missing)))
+            message=f"no live worker is attached as rank {joined(missing, 'or')} of "
+            f"{world_size}; a worker never attached, or computed another rank",
+            ranks=tuple(missing)))
     problems += _device_checks(workers, notes)
     sources = sorted({w.rank_source for w in workers if w.rank_source is not None})
     if len(sources) > 1:
@@ -398,14 +396,14 @@ def _device_checks(workers: Sequence[AttachedWorker], notes: list[Problem]
         if device_based:
             problems.append(Problem(
                 code="device_shared",
-                message=f"pids {_and(pids)} all report device index {device} and derive their "
+                message=f"pids {joined(pids)} all report device index {device} and derive their "
                         f"rank from "
                 "it, so they compute the same slot", ranks=tuple(w.rank for w in same),
                 pids=pids))
         else:
             notes.append(Problem(
                 code="device_index_shared",
-                message=f"pids {_and(pids)} all report device index {device}; fine when each "
+                message=f"pids {joined(pids)} all report device index {device}; fine when each "
                         f"worker "
                 "process sees only its own GPU, a shared GPU otherwise",
                 ranks=tuple(w.rank for w in same), pids=pids))
@@ -455,7 +453,7 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
                 "tell whether it was populated", slot=slot))
         elif report.resident_pages == 0:
             claim = report.workers
-            who = (f"rank {slot} is attached (pid {_and(w.pid for w in claim)}) but never "
+            who = (f"rank {slot} is attached (pid {joined(w.pid for w in claim)}) but never "
                    "wrote there" if claim else
                    "no live worker claims it; a worker never attached, or wrote elsewhere")
             problems.append(Problem(
@@ -482,8 +480,3 @@ def _device_based(name: str | None) -> bool:
 def _origin(w: AttachedWorker) -> str:
     device = "device ?" if w.device_index is None else f"device {w.device_index}"
     return f"{device}, rank source {w.rank_source or 'unrecorded'}"
-
-
-def _and(items: Iterable[object], word: str = "and") -> str:
-    words = [str(i) for i in items]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + f" {word} " + words[-1]

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.problems import Problem, WorkerRef
+from vllm_offload_cli.core.base.text import joined
 from vllm_offload_cli.core.region.ranks import RankSource, WorkerPlace
 
 MAX_WORKERS = 65536  # a plan bigger than any host is a typo, not a layout
@@ -294,7 +295,7 @@ def _engine_id_collisions(engine_ids: Sequence[str], dp_suffix: bool) -> list[Pr
                " (no _dp suffix: the multiprocessing path before vLLM PR 47987)")
         problems.append(Problem(
             code="engine_id_collision",
-            message=f"replicas {_and(replicas)} would all use engine_id {engine_id}{why}: one "
+            message=f"replicas {joined(replicas)} would all use engine_id {engine_id}{why}: one "
                     f"region "
             "file for all of them, so their workers write into each other's rows",
             replicas=tuple(replicas), engine_id=engine_id))
@@ -360,11 +361,6 @@ def _shared_devices(device_of: Mapping[WorkerRef, Device]) -> list[Problem]:
     ]
 
 
-def _and(items: Iterable[object]) -> str:
-    words = [str(i) for i in items]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
-
-
 def _both(items: Sequence[object]) -> str:
     return "both" if len(items) == 2 else "all"
 
@@ -374,5 +370,5 @@ def _name_workers(refs: Sequence[WorkerRef]) -> str:
     replicas = sorted({r.replica for r in refs})
     if len(replicas) == 1:
         noun = "worker" if len(refs) == 1 else "workers"
-        return f"replica {replicas[0]} {noun} {_and(r.worker for r in refs)}"
-    return _and(f"replica {r.replica} worker {r.worker}" for r in refs)
+        return f"replica {replicas[0]} {noun} {joined(r.worker for r in refs)}"
+    return joined(f"replica {r.replica} worker {r.worker}" for r in refs)

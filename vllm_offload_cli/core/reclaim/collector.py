@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.errors import InvalidInputError, OffloadError
 from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
@@ -100,7 +101,7 @@ from vllm_offload_cli.core.region.naming import (
     region_path,
 )
 from vllm_offload_cli.core.system.files import FileId
-from vllm_offload_cli.core.system.processes import ProcessRef, comm
+from vllm_offload_cli.core.system.processes import ProcessRef, named_pids
 
 logger = logging.getLogger(__name__)
 
@@ -474,7 +475,7 @@ class _Run:
                 self._keep(self._opened_elsewhere(r, suspects))
             elif verdict.sole is None and suspects:
                 self._keep(self._kept(r, UNKNOWN, (
-                    f"could be held by {_pids_text(suspects)}, which cannot be inspected, and "
+                    f"could be held by {pids_text(suspects)}, which cannot be inspected, and "
                     f"the lease test that would prove it unused is not available "
                     f"({verdict.why}); run gc as root with CAP_SYS_PTRACE and CAP_LEASE"),
                     blind_spot=visibility.HIDDEN_HOLDERS))
@@ -500,7 +501,7 @@ class _Run:
     def _opened_elsewhere(self, r: RegionInfo, suspects: list[int]) -> Problem:
         if suspects:
             return self._kept(r, LIVE, "open or mapped by a process that cannot be inspected "
-                              f"(one of {_pids_text(suspects)}): the kernel refused a lease")
+                              f"(one of {pids_text(suspects)}): the kernel refused a lease")
         return self._kept(r, BUSY, "open in a process not found in /proc (one that opened it "
                           "just now, or another gc or inspect probing it); looked at again "
                           "next run")
@@ -663,7 +664,7 @@ class _Run:
                               "gc or inspect run is examining it)", exclusive[0])
         shared = [pid for pid, excl in holders if not excl and pid > 0]
         if shared:
-            names = ", ".join(f"pid {p} ({comm(p) or '?'})" for p in shared[:3])
+            names = named_pids(shared)
             return self._kept(r, LIVE, f"holds a shared lock: {names}", shared[0])
         if holders:  # /proc/locks shows pid 0 for a holder outside our pid namespace
             return self._kept(r, LIVE, "locked by a process in another pid namespace "
@@ -727,11 +728,6 @@ def _holders_text(holders: Sequence[Holder]) -> str:
     shown = [f"pid {h.pid} ({h.name or '?'}, {'+'.join(h.via)})" for h in holders[:3]]
     more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
     return ", ".join(shown) + more
-
-
-def _pids_text(pids: Sequence[int]) -> str:
-    shown = ", ".join(f"pid {p}" for p in pids[:5])
-    return shown + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
 
 
 def _first_pid(holders: Sequence[Holder]) -> int | None:

@@ -93,6 +93,10 @@ class Manifest:
     def creator_alive(self) -> bool:
         """The very creator process (pid and start time, so a reused pid does not count)."""
         return ProcessRef(self.creator_pid, self.creator_start_ticks).alive()
+
+    def live_attachments(self) -> tuple[Attachment, ...]:
+        """Openers still running (pid and start time): a dead one's entry stays until pruned."""
+        return tuple(a for a in self.attachments if ProcessRef(a.pid, a.start_ticks).alive())
     segments: int = 1  # files `.mmap`, `.mmap.1`, ... (vLLM's CPU spec splits big regions)
     engine_token: str | None = None  # the creating engine's token (engine hook), else None
     # which vLLM layout was made (segments.SEGMENTED or SINGLE_FILE), and why: LAYOUT_BASES

@@ -382,7 +382,7 @@ class SharedOffloadRegion:
                 f"expects {jsonable(mine)}; joining would misplace every slot",
                 path=self.mmap_path, engine_id=self.engine_id, code="geometry_mismatch",
             )
-        if not ProcessRef(m.creator_pid, m.creator_start_ticks).alive() and not m.persistent:
+        if not m.creator_alive() and not m.persistent:
             logger.warning("joining %s whose creator (pid %d) is gone; nobody will unlink it",
                            self.mmap_path, m.creator_pid)
 

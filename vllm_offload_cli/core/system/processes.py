@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -72,6 +73,11 @@ def comm(pid: int) -> str | None:
         return None if proc is None else proc.name()
     except psutil.Error:
         return None
+
+
+def named_pids(pids: Sequence[int], most: int = 3) -> str:
+    """'pid 1 (python), pid 2 (?)': the first `most`; empty when there are none."""
+    return ", ".join(f"pid {p} ({comm(p) or '?'})" for p in pids[:most])
 
 
 def pids() -> list[int]:
