@@ -13,6 +13,7 @@ from region_files import GEOMETRY, SIZE, region_file
 
 from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.region import fsguard
+from vllm_offload_cli.core.region.naming import gc_command
 from vllm_offload_cli.engine.claim import claim, startup_lock
 from vllm_offload_cli.engine.region_hold import RegionRequest, open_region
 from vllm_offload_cli.engine.shape import RegionShape
@@ -47,7 +48,8 @@ def test_a_persistent_region_of_another_size_is_exit_6_with_the_command_that_rem
     assert region.exists()  # never removed for an engine
     command = error["message"].split("Remove it with `")[1].split("`")[0]
     argv = shlex.split(command)
-    assert argv[:3] == ["vllm-offload", "gc", "u1"] and "--include-persistent" in argv
+    assert argv[:2] == ["vllm-offload", "gc"] and argv[-1] == "u1"
+    assert "--include-persistent" in argv
     removed = cli(*argv[1:], "--no-syslog")
     assert removed.exit_code == 0, removed.stdout + removed.stderr
     assert not region.exists()
@@ -129,7 +131,7 @@ def test_the_engine_refuses_a_persistent_region_of_another_geometry(cli: Any,
         claim("eng", shm_dir=shm_dir, token="tok", shape=same_size)
     assert err.value.code == "geometry_mismatch"
     assert "its num_blocks is 8, the engine's is 16" in err.value.message
-    assert "vllm-offload gc eng --include-persistent" in err.value.message
+    assert gc_command(shm_dir, "eng", include_persistent=True) in err.value.message
 
 
 def test_a_leftover_the_claim_reclaims_is_in_the_system_log(cli: Any, shm_dir: Path,

@@ -10,12 +10,13 @@ geometry where both sides know them (a region vLLM made has no manifest).
 from __future__ import annotations
 
 import os
-import shlex
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import RegionInfo
+from vllm_offload_cli.core.region.geometry import mismatches
+from vllm_offload_cli.core.region.naming import gc_command
 from vllm_offload_cli.core.system.processes import named_pids
 
 
@@ -41,14 +42,9 @@ def mismatch(r: RegionInfo, want: RegionShape) -> str | None:
     if want.num_segments is not None and segments != want.num_segments:
         why.append(f"it has {segments} segment file(s), the engine expects "
                    f"{want.num_segments}")
-    g = r.geometry
-    if g is not None:
-        for name, have, wanted in (("num_blocks", g.num_blocks, want.num_blocks),
-                                   ("row_stride", g.row_stride, want.row_stride),
-                                   ("cpu_page_size", g.cpu_page_size, want.cpu_page_size),
-                                   ("world_size", g.world_size, want.world_size)):
-            if have is not None and wanted is not None and have != wanted:
-                why.append(f"its {name} is {have}, the engine's is {wanted}")
+    if r.geometry is not None:
+        why += mismatches(r.geometry, num_blocks=want.num_blocks, row_stride=want.row_stride,
+                          cpu_page_size=want.cpu_page_size, world_size=want.world_size)
     return "; ".join(why) or None
 
 
@@ -80,13 +76,10 @@ def refuse_persistent_other_shape(r: RegionInfo, want: RegionShape | None, path:
     why = None if want is None else mismatch(r, want)
     if why is None:
         return
-    command = ["vllm-offload", "gc", r.engine_id, "--include-persistent", "--min-age", "0"]
-    if os.fspath(shm_dir) != "/dev/shm":
-        command += ["--shm-dir", os.fspath(shm_dir)]
-    if r.uid is not None and r.uid != os.geteuid():
-        command.append("--all-users")  # root removing a service user's region
+    command = gc_command(shm_dir, r.engine_id, include_persistent=True,
+                         all_users=r.uid is not None and r.uid != os.geteuid())
     raise UnsafeRegionError(
         f"{path} was pre-provisioned (`vllm-offload create`) with another shape than this "
         f"engine asks for ({why}); it is neither joined nor removed. Remove it with "
-        f"`{shlex.join(command)}`, or pre-provision it again with the engine's shape",
+        f"`{command}`, or pre-provision it again with the engine's shape",
         path=path, engine_id=r.engine_id, code=_code(r, want))

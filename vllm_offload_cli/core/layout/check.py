@@ -31,7 +31,12 @@ from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, default_row_stride
+from vllm_offload_cli.core.region.geometry import (
+    PAGESIZE,
+    Geometry,
+    default_row_stride,
+    stride_problems,
+)
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.region.ranks import RANK_SOURCES
 from vllm_offload_cli.core.system.files import FileId
@@ -244,23 +249,6 @@ def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: fsguard.AllowedU
     return m, None if problem is None else problem
 
 
-def _stride_problems(row_stride: int, cpu_page_size: int, world_size: int
-                     ) -> list[Problem]:
-    problems = []
-    if row_stride % PAGESIZE:
-        problems.append(Problem(
-            code="row_stride_unaligned",
-            message=f"row stride {row_stride} is not a multiple of the page size {PAGESIZE}"))
-    if world_size * cpu_page_size > row_stride:
-        problems.append(Problem(
-            code="row_stride_too_small",
-            message=f"{world_size} slots of {cpu_page_size} bytes need "
-                    f"{world_size * cpu_page_size} "
-            f"bytes per row, more than the row stride {row_stride}; the last slots would "
-            "spill into the next row"))
-    return problems
-
-
 def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int | None,
                             cpu_page_size: int | None, mpath: str
                             ) -> tuple[Geometry | None, int, list[Problem]]:
@@ -287,9 +275,9 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
             code="size_mismatch",
             message=f"the file is {size} bytes but its manifest geometry needs {g.size_bytes} "
             f"({g.num_blocks} rows of {g.row_stride} bytes)"))
-    stride_problems = _stride_problems(g.row_stride, g.cpu_page_size, world)
-    problems += stride_problems
-    if stride_problems:
+    bad_stride = stride_problems(g.row_stride, g.cpu_page_size, world)
+    problems += bad_stride
+    if bad_stride:
         return None, 0, problems
     rows = min(g.num_blocks, size // g.row_stride)
     return Geometry(num_blocks=g.num_blocks, row_stride=g.row_stride,

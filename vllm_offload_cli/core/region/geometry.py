@@ -10,6 +10,7 @@ import mmap
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.problems import Problem
 
 PAGESIZE = mmap.PAGESIZE
 
@@ -90,25 +91,47 @@ def geometry_problem(g: Geometry) -> str | None:
             return f"{name} must be an integer, got {value!r}"
         if value <= 0:
             return f"{name} must be greater than 0, got {value}"
-    if g.row_stride % PAGESIZE:
-        return (
-            f"row stride {g.row_stride} is not a multiple of the page size {PAGESIZE}; "
-            f"vLLM rounds it up to {round_up(g.row_stride, PAGESIZE)}"
-        )
-    if g.cpu_page_size > g.row_stride:
-        return f"cpu_page_size {g.cpu_page_size} does not fit in a row of {g.row_stride} bytes"
     if g.world_size is not None:
         if isinstance(g.world_size, bool) or not isinstance(g.world_size, int):
             return f"world_size must be an integer, got {g.world_size!r}"
         if g.world_size <= 0:
             return f"world_size must be greater than 0, got {g.world_size}"
-        if g.world_size * g.cpu_page_size > g.row_stride:
-            return (
-                f"{g.world_size} slots of {g.cpu_page_size} bytes need "
-                f"{g.world_size * g.cpu_page_size} bytes per row, more than the row stride "
-                f"{g.row_stride}"
-            )
-    return None
+    problems = stride_problems(g.row_stride, g.cpu_page_size, g.world_size)
+    return problems[0].message if problems else None
+
+
+def stride_problems(row_stride: int, cpu_page_size: int, world_size: int | None
+                    ) -> list[Problem]:
+    """The one stride check: rows are whole pages, and every worker's slot fits in a row."""
+    problems = []
+    if row_stride % PAGESIZE:
+        problems.append(Problem(
+            "row_stride_unaligned", f"row stride {row_stride} is not a multiple of the page "
+            f"size {PAGESIZE}; vLLM rounds it up to {round_up(row_stride, PAGESIZE)}"))
+    if world_size is None and cpu_page_size > row_stride:
+        problems.append(Problem(
+            "row_stride_too_small",
+            f"cpu_page_size {cpu_page_size} does not fit in a row of {row_stride} bytes"))
+    elif world_size is not None and world_size * cpu_page_size > row_stride:
+        problems.append(Problem(
+            "row_stride_too_small",
+            f"{world_size} slots of {cpu_page_size} bytes need {world_size * cpu_page_size} "
+            f"bytes per row, more than the row stride {row_stride}; the last slots would "
+            "spill into the next row"))
+    return problems
+
+
+def mismatches(have: Geometry, *, num_blocks: int | None = None, row_stride: int | None = None,
+               cpu_page_size: int | None = None, world_size: int | None = None) -> list[str]:
+    """The one rule for "does this region's geometry fit an opener": every field both
+    sides know must be equal (None: not known, so not compared; a region made by
+    vLLM, or a rank-less or replicated opener, does not know its world size)."""
+    return [f"its {name} is {mine}, the engine's is {theirs}"
+            for name, mine, theirs in (("num_blocks", have.num_blocks, num_blocks),
+                                       ("row_stride", have.row_stride, row_stride),
+                                       ("cpu_page_size", have.cpu_page_size, cpu_page_size),
+                                       ("world_size", have.world_size, world_size))
+            if mine is not None and theirs is not None and mine != theirs]
 
 
 def check_rank(g: Geometry, rank: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,3 +127,16 @@ def parse_manifest_filename(name: str) -> str | None:
     if match is None or engine_id_problem(match["engine_id"]) is not None:
         return None
     return match["engine_id"]
+
+
+def gc_command(shm_dir: str | os.PathLike[str], engine_id: str, *,
+               include_persistent: bool = False, all_users: bool = False) -> str:
+    """The `vllm-offload gc` command line that removes this one region once it is unused."""
+    parts = ["vllm-offload", "gc", "--min-age", "0"]
+    if include_persistent:
+        parts.append("--include-persistent")
+    if all_users:
+        parts.append("--all-users")  # root removing a service user's region
+    if os.path.realpath(shm_dir) != os.path.realpath(DEFAULT_SHM_DIR):
+        parts += ["--shm-dir", os.fspath(shm_dir)]
+    return shlex.join([*parts, engine_id])

@@ -25,7 +25,6 @@ import errno
 import logging
 import mmap
 import os
-import shlex
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,8 +45,13 @@ from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import capacity, fsguard, locking, page_policy
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, check_rank
-from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR, manifest_path, region_path
+from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, check_rank, mismatches
+from vllm_offload_cli.core.region.naming import (
+    DEFAULT_SHM_DIR,
+    gc_command,
+    manifest_path,
+    region_path,
+)
 from vllm_offload_cli.core.region.prefault import PopulateStats, Progress, populate, slot_ranges
 from vllm_offload_cli.core.region.ranks import RankSource, parse_rank_source
 from vllm_offload_cli.core.region.segments import (
@@ -67,17 +71,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _RETRIES = 8  # restarts of the open protocol when a name changes under us
-
-
-def gc_command(shm_dir: str | os.PathLike[str], engine_id: str, *,
-               include_persistent: bool = False) -> str:
-    """The `vllm-offload gc` command line that removes this one region once it is unused."""
-    parts = ["vllm-offload", "gc", "--min-age", "0"]
-    if include_persistent:
-        parts.append("--include-persistent")
-    if os.path.realpath(shm_dir) != os.path.realpath(DEFAULT_SHM_DIR):
-        parts += ["--shm-dir", os.fspath(shm_dir)]
-    return shlex.join([*parts, engine_id])
 
 
 def _pausing(progress: Progress | None) -> Progress:
@@ -350,10 +343,8 @@ class SharedOffloadRegion:
             logger.warning("ignoring manifest: %s", exc)
             return
         mine, theirs = self.geometry, m.geometry
-        differs = (mine.row_stride, mine.cpu_page_size, mine.num_blocks) != (
-            theirs.row_stride, theirs.cpu_page_size, theirs.num_blocks)
-        if mine.world_size is not None and theirs.world_size is not None:
-            differs = differs or mine.world_size != theirs.world_size
+        differs = mismatches(theirs, num_blocks=mine.num_blocks, row_stride=mine.row_stride,
+                             cpu_page_size=mine.cpu_page_size, world_size=mine.world_size)
         if (not differs and self.rank is not None and mine.world_size is None
                 and theirs.world_size is not None and self.rank >= theirs.world_size):
             raise UnsafeRegionError(
