@@ -40,7 +40,16 @@ if TYPE_CHECKING:
 
 
 STATES = ("live", "creating", "persistent", "stale", "unknown")
-State = enum.Enum("State", {s: s for s in STATES}, type=str)  # type: ignore[misc]
+
+
+class State(str, enum.Enum):
+    """A region's state, as --state takes it (STATES, in order)."""
+
+    live = "live"
+    creating = "creating"
+    persistent = "persistent"
+    stale = "stale"
+    unknown = "unknown"
 
 
 class Format(str, enum.Enum):
@@ -139,9 +148,9 @@ def inspect_cmd(
         "--timeout", metavar="DURATION",
         help="Give up after this long (exit 1): seconds, or 90s, 5m, 2h.")
     ] = f"{DEFAULT_TIMEOUT:g}s",
-    states: Annotated[list[State] | None, typer.Option(
-        "--state", "-s", help="Only regions in this state (repeatable); the table, JSON "
-        "and --check see only those.", show_default=False)] = None,
+    state: Annotated[State | None, typer.Option(
+        "--state", "-s", help="Only regions in this state; the table, JSON and --check "
+        "see only those.", show_default=False)] = None,
     check: Annotated[bool, typer.Option(
         "--check", help="Exit 3 when a region shown is stale or has a problem, 0 otherwise, "
         "like `fuser -s`; with -q nothing is printed on stdout.")] = False,
@@ -167,7 +176,7 @@ def inspect_cmd(
     if fmt is Format.prometheus and inv.json_output and output is None:
         raise InvalidInputError("--json with --format prometheus needs --output FILE",
                                 code="usage")
-    if fmt is Format.prometheus and (states or check):
+    if fmt is Format.prometheus and (state is not None or check):
         raise InvalidInputError("--state and --check go with the table and JSON; the "
                                 "textfile always has every region", code="usage")
     shm_dir = shm_dir_checked(inv)
@@ -177,10 +186,9 @@ def inspect_cmd(
                          shm_private_to_namespace=shm_private_to_namespace)
         placed = None if no_residency else observe_all(found.regions)
     missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
-    if states:
-        wanted = {st.value for st in states}
+    if state is not None:
         found = dataclasses.replace(found, regions=tuple(
-            r for r in found.regions if r.state in wanted))
+            r for r in found.regions if r.state == state.value))
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
                   f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
                  for engine_id in missing]
