@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import require_root
 from tests.engine_ranks import Engine
+from vllm_offload_cli.core.region.naming import manifest_path
 from vllm_offload_cli.core.region.segments import split
 
 MiB = 1 << 20
@@ -290,6 +291,38 @@ def test_a_pre_provisioned_region_is_joined_if_its_geometry_matches(engines: Any
         "--num-blocks", str(BLOCKS * 2), "--shm-dir", str(shm_dir))
     refused = other.spawn(0).ready()
     assert refused["code"] == "size_mismatch"  # exit 6: never joined with another geometry
+
+
+def test_a_pre_provisioned_region_keeps_its_name_whichever_spec_releases(
+        engines: Any, cli: Any, shm_dir: Path) -> None:
+    """The tiering spec's scheduler releases the name of what it joins: never that of a
+    region `create` made to keep (the CPU spec releases only what the engine made)."""
+    made = cli("create", "prod", "--world-size", str(WORLD), "--cpu-page-size", str(PAGE),
+               "--num-blocks", str(BLOCKS), "--shm-dir", str(shm_dir))
+    assert made.exit_code == 0, made.stderr
+    ino = (shm_dir / "vllm_offload_prod.mmap").stat().st_ino
+    e = engines()
+    ranks = e.start(WORLD)
+    scheduler = e.spawn(None)
+    assert scheduler.ready()["action"] == "join"
+    assert scheduler.ask("release") == '{"released": false}'
+    for r in [*ranks, scheduler]:
+        assert r.stop() == 0
+    assert (shm_dir / "vllm_offload_prod.mmap").stat().st_ino == ino
+    assert manifest_path(shm_dir, "prod").exists()
+
+
+def test_a_lease_never_closed_is_closed_at_interpreter_exit(engines: Any,
+                                                             shm_dir: Path) -> None:
+    """A program that exits without shutting vLLM down leaves no named region behind."""
+    [rank] = engines().start(1)
+    assert rank.info["action"] == "create"
+    assert (shm_dir / "vllm_offload_prod.mmap").exists()
+    assert rank.proc.stdin is not None
+    rank.proc.stdin.write("leave\n")
+    rank.proc.stdin.flush()
+    assert rank.proc.wait(timeout=30) == 0
+    assert region_files(shm_dir) == []
 
 
 def test_a_leftover_of_another_user_is_refused_not_removed(engines: Any,

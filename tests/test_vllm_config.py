@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -98,6 +99,7 @@ class Engine:
                 "offload_gib": OFFLOAD_GIB, "blocks_per_chunk": 1,
                 "barrier_dir": str(barrier), **options}
         env = {k: v for k, v in os.environ.items() if k != "VLLM_OFFLOAD_ENGINE_TOKEN"}
+        env.update(options.pop("env", {}))
         self.proc = subprocess.Popen([sys.executable, str(HELPER), json.dumps(args)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
@@ -203,6 +205,19 @@ def check_worker(doc: dict[str, Any], want: Geometry) -> None:
     assert doc["rows"] == [[[r + 3] for r in range(TP)] + [padding]]
 
 
+def check_ended_cleanly(e: Engine) -> None:
+    """vLLM's shutdown() of each worker (and of the scheduler's manager) closed the hook's
+    lease too: nothing of the region stays mapped, open or locked in that process."""
+    closed = [r for r in e.reports if "shut_down" in r]
+    assert sorted(r["shut_down"] for r in closed) == list(range(TP))
+    assert not [r for r in closed if r["mapped_after"] or r["hold_open"]], closed
+    assert not [r for r in e.reports if "scheduler_shut_down" in r and r["mapped_after"]]
+
+
+# vLLM's own format: "(<process> pid=N) INFO MM-DD HH:MM:SS [file.py:line] message"
+VLLM_INFO = r"pid=\d+\) INFO \d\d-\d\d [\d:]+ \[[^\]]*lease\.py:\d+\] "
+
+
 def test_cpu_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> None:
     """TP=2 workers, vLLM's 1 GiB-per-file rule scaled to 1 MiB: 8 files where the release
     splits (0.33), else one; rows padded."""
@@ -237,6 +252,9 @@ def test_cpu_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> None:
         assert region.state == "live" and not region.linked
         assert {w["pid"] for w in workers} <= {h.pid for h in region.holders}
     assert e.finish() == 0 and e.reports[-1] == {"done": [0] * TP}
+    check_ended_cleanly(e)
+    # the hook's INFO record, in the engine's log through vLLM's logging
+    assert re.search(VLLM_INFO + "released the name /dev/shm/vllm_offload_", e.stderr), e.stderr
 
 
 def test_tiering_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> None:
@@ -257,6 +275,26 @@ def test_tiering_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> Non
     assert sched["name_linked"] is False
     assert not Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").exists()
     assert e.finish() == 0 and e.reports[-1] == {"done": [0] * TP}
+    check_ended_cleanly(e)
+
+
+def test_no_variable_of_ours_makes_vllm_refuse_the_engine(start: Any) -> None:
+    """vLLM validates every VLLM_* name (`--fail-on-environ-validation` refuses the engine,
+    else a warning): the token the plugin sets and an operator's settings are known to it,
+    and none of them changes torch.compile's cache key (the token is random per engine)."""
+    env = {"VLLM_OFFLOAD_SHM_DIR": "/dev/shm", "VLLM_OFFLOAD_SOME_FUTURE_SETTING": "1"}
+    e = start("HardenedCPUOffloadingSpec", tp=1, env=env)
+    [checked] = [r for r in e.reports if "environ" in r]
+    assert checked["environ"] == "valid"
+    assert set(checked["compile_factors"].values()) == {None}
+    assert {"VLLM_OFFLOAD_ENGINE_TOKEN", *env} <= set(checked["compile_factors"])
+    assert e.finish() == 0
+    assert "Unknown vLLM environment variable" not in e.stderr
+    # still validating: a stray name of nobody's is refused as before
+    stray = start("HardenedCPUOffloadingSpec", tp=1, env={"VLLM_NOBODYS_SETTING": "1"})
+    [checked] = [r for r in stray.reports if "environ" in r]
+    assert checked["environ"] == "Unknown vLLM environment variable detected: VLLM_NOBODYS_SETTING"
+    assert stray.finish() == 0
 
 
 # The creator's manifest write fails (an injected EIO): not one of the hook's refusals

@@ -7,7 +7,8 @@ VLLM_OFFLOAD_ENGINE_TOKEN, as the plugin sets it for every process of one
 engine. Prints one JSON line (the claim and the region's inode, or the error),
 then reads stdin: "fill V" writes byte V into (the first page of) this rank's slot
 of every row; "zero" answers whether those bytes are all zero; "release" unlinks
-the names; "exit" cleans up; "crash" exits at once.
+the names; "exit" cleans up; "leave" exits without cleaning up (the lease's
+interpreter-exit hook must); "crash" exits at once.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main() -> None:
             print(json.dumps({"zero": zero}), flush=True)
         elif words[0] == "release":
             print(json.dumps({"released": lease.release_name()}), flush=True)
+        elif words[0] == "leave":
+            sys.exit(0)
         elif words[0] == "crash":
             os._exit(9)
         elif words[0] == "exit":

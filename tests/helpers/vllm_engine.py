@@ -68,15 +68,28 @@ def build(args: dict[str, Any]) -> tuple[Any, list[Any], Any]:
         ParallelConfig,
         VllmConfig,
     )
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.plugins import load_general_plugins
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+    configure_logging(LoggingConfig())  # as `vllm serve` does from its arguments
     model_cls = vllm_stubs.tiny_model_class(torch)
     ModelRegistry.register_model(model_cls.__name__, model_cls)
     load_general_plugins()  # vLLM's loader: runs our entry point (token, spec names)
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    try:  # what `--fail-on-environ-validation` does next, in vLLM's create_engine_config
+        current_platform.validate_environ(True)
+        environ = "valid"
+    except ValueError as exc:
+        environ = str(exc)
+    report(environ=environ, compile_factors={
+        k: v for k, v in envs.compile_factors().items() if k.startswith("VLLM_OFFLOAD_")})
 
     extra: dict[str, Any] = {"spec_name": args["spec"],
                              "spec_module_path": "vllm_offload_cli.engine.vllm_spec",
@@ -187,10 +200,11 @@ def worker(config: Any, kv_config: Any, rank: int, init: str, args: dict[str, An
     report(**doc)
     os.write(reported, b"r")
     os.read(commands, 1)  # hold the region until the engine core says so
-    del view  # vLLM keeps a mapping while a view of it is alive
-    region.cleanup()
-    if hold is not None:
-        hold.close()
+    del view, storage  # vLLM keeps a mapping while a view of it is alive
+    ino = doc.get("ino")
+    got.shutdown()  # as vLLM's connector shuts its worker down: the hook's hold goes too
+    report(shut_down=rank, mapped_after=ino is not None and bool(vllm_stubs.mappings_of(ino)),
+           hold_open=hold is not None and hold.region.fd is not None)
 
 
 def row_bytes(mm: Any, spec: Any, world: int) -> list[list[int]]:
@@ -205,7 +219,7 @@ def row_bytes(mm: Any, spec: Any, world: int) -> list[list[int]]:
     return [json.loads(r) for r in sorted(distinct)]
 
 
-def scheduler(config: Any, kv_config: Any, args: dict[str, Any]) -> None:
+def scheduler(config: Any, kv_config: Any, args: dict[str, Any]) -> Any:
     """The engine core's connector scheduler: the tiering spec joins rank-less."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
         build_offloading_config,
@@ -216,10 +230,10 @@ def scheduler(config: Any, kv_config: Any, args: dict[str, Any]) -> None:
     spec = OffloadingSpecFactory.create_spec(offloading)
     doc: dict[str, Any] = {"scheduler": True, **describe(spec, offloading)}
     try:
-        spec.get_manager()
+        manager = spec.get_manager()
     except Exception as exc:
         report(**doc, **failure(exc))
-        return
+        return None
     hold = getattr(spec, "_vllm_offload_scheduler_hold", None)
     doc.update(hooked=hold is not None,
                name_linked=os.path.exists(f"/dev/shm/vllm_offload_{args['engine_id']}.mmap"))
@@ -233,6 +247,7 @@ def scheduler(config: Any, kv_config: Any, args: dict[str, Any]) -> None:
                        ctypes.string_at(theirs[0][0], theirs[0][1] - theirs[0][0]), spec,
                        args["tp"]))
     report(**doc)
+    return manager, doc.get("ino")
 
 
 def main() -> None:
@@ -281,10 +296,16 @@ def main() -> None:
     for _ in range(args["tp"]):  # the scheduler is built after the workers' KV caches
         if not os.read(reported_r, 1):
             break
+    built = None
     if args["spec"].endswith("TieringOffloadingSpec"):
-        scheduler(config, scheduler_kv, args)
+        built = scheduler(config, scheduler_kv, args)
     report(ready=True)
     sys.stdin.readline()
+    if built is not None:  # as vLLM's connector shuts its scheduler side down
+        manager, ino = built
+        manager.shutdown()
+        report(scheduler_shut_down=True,
+               mapped_after=ino is not None and bool(vllm_stubs.mappings_of(ino)))
     codes = []
     for pid, write_end in children:
         with contextlib.suppress(OSError):  # a worker that failed has gone already

@@ -83,6 +83,12 @@ class FakeGpuWorker:
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
 
+    def shutdown(self) -> None:
+        """As vLLM's worker ends: its copies stop, then it releases the region it owns."""
+        region = self.kwargs.get("mmap_region")
+        if region is not None:
+            region.cleanup()
+
 
 class FileBarrier:
     """A barrier between `world` processes: each arrival is a file in `directory`."""

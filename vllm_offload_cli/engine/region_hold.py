@@ -11,11 +11,16 @@ in the manifest, so `inspect` and `gc` can prove the region alive.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.base.errors import RegionNotFoundError, UnsafeRegionError
+from vllm_offload_cli.core.base.errors import (
+    OffloadError,
+    RegionNotFoundError,
+    UnsafeRegionError,
+)
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, effective_segments, split
@@ -66,6 +71,9 @@ class RegionHold:
         self.region = region
         self.claimed = claimed
         self._creator = region.creator
+        self.pre_provisioned = _pre_provisioned(region)
+        self._pid = os.getpid()
+        atexit.register(self._close_at_exit)  # a process that never shuts vLLM down
 
     @property
     def creator(self) -> bool:
@@ -78,7 +86,11 @@ class RegionHold:
 
         From then on a SIGKILL leaks nothing: the kernel frees the bytes when
         the last mapping goes. Our flock and mapping stay. True when unlinked.
+        A region pre-provisioned with `vllm-offload create` keeps its name: it
+        is kept until `gc --include-persistent` removes it, whichever spec joins.
         """
+        if self.pre_provisioned:
+            return False
         gone = self.region.release_names()
         if gone:
             logger.info("released the name %s; the region lives on in its mappings",
@@ -86,7 +98,23 @@ class RegionHold:
         return gone
 
     def close(self) -> None:
+        """Detach, unlock, unmap; unlink where this process made a non-persistent region."""
+        atexit.unregister(self._close_at_exit)
         self.region.cleanup()
+
+    def _close_at_exit(self) -> None:
+        if os.getpid() == self._pid:  # a forked child inherits the handler, not the hold
+            self.close()
+
+
+def _pre_provisioned(region: SharedOffloadRegion) -> bool:
+    """Whether the manifest of this very file says `vllm-offload create` made it to keep."""
+    try:
+        m, _ = manifest_io.read_matching(region.manifest_path, region.identity,
+                                         owner_uid=os.geteuid())
+    except (OffloadError, OSError):
+        return False
+    return m is not None and m.persistent and m.complete
 
 
 def check_slot(region: SharedOffloadRegion, token: str | None, *, replicated: bool) -> None:

@@ -14,6 +14,10 @@ vLLM will give it, the name released only where vLLM's own barrier proved
 every worker mapped it. A vLLM whose code is not understood gets no hook at
 all: one warning, and vLLM runs exactly as it would without this package.
 
+Every region hold is closed when vLLM shuts down the worker or manager built on it
+(`shutdown()`), and at the latest at interpreter exit: a program that builds
+engines in turn (vLLM's own test suite does) finds the name free again.
+
 Known refusals (another engine holds the engine_id, no room, an unsafe
 leftover, two workers on one slot) stop the engine: that is the protection.
 Anything unexpected in the hook is logged and vLLM starts as it would without
@@ -24,6 +28,7 @@ This module imports vLLM; `vllm_offload_cli.engine` itself does not.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -38,6 +43,7 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV, valid_token
+from vllm_offload_cli.engine.plugin import join_vllm_logging
 from vllm_offload_cli.engine.region_hold import RegionHold, RegionRequest, open_region
 from vllm_offload_cli.engine.vllm_rules import (
     DEVICE_MODULO,
@@ -48,6 +54,7 @@ from vllm_offload_cli.engine.vllm_rules import (
 )
 
 logger = logging.getLogger(__name__)
+join_vllm_logging()  # selected by spec_module_path alone, the plugin may not have run
 
 STRICT_KEY = "vllm_offload_strict"
 # Refusals are the hook's purpose: they stop the engine even outside strict mode
@@ -124,7 +131,29 @@ def _held(spec: Any, which: str, build: Callable[[], Any]
         if hold is not None:
             hold.close()
         raise
+    if hold is not None:
+        close_on_shutdown(built, hold)
     return built, hold, call
+
+
+def close_on_shutdown(owner: Any, hold: RegionHold) -> None:
+    """Close `hold` right after vLLM's `owner.shutdown()` (its worker or manager) ran.
+
+    vLLM's own region is released inside that call; ours (flock, attachment,
+    mapping, and the name where this process made it) goes straight after.
+    """
+    shutdown = getattr(owner, "shutdown", None)
+    if not callable(shutdown):
+        return  # closed at interpreter exit (RegionHold)
+
+    def shutdown_then_close() -> None:
+        try:
+            shutdown()
+        finally:
+            hold.close()
+
+    with contextlib.suppress(AttributeError):  # slotted or frozen: closed at exit instead
+        owner.shutdown = shutdown_then_close
 
 
 class HardenedCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
