@@ -207,7 +207,7 @@ def check_worker(doc: dict[str, Any], want: Geometry) -> None:
 
 def check_ended_cleanly(e: Engine) -> None:
     """vLLM's shutdown() of each worker (and of the scheduler's manager) closed the hook's
-    lease too: nothing of the region stays mapped, open or locked in that process."""
+    hold too: nothing of the region stays mapped, open or locked in that process."""
     closed = [r for r in e.reports if "shut_down" in r]
     assert sorted(r["shut_down"] for r in closed) == list(range(TP))
     assert not [r for r in closed if r["mapped_after"] or r["hold_open"]], closed
@@ -215,7 +215,7 @@ def check_ended_cleanly(e: Engine) -> None:
 
 
 # vLLM's own format: "(<process> pid=N) INFO MM-DD HH:MM:SS [file.py:line] message"
-VLLM_INFO = r"pid=\d+\) INFO \d\d-\d\d [\d:]+ \[[^\]]*lease\.py:\d+\] "
+VLLM_INFO = r"pid=\d+\) INFO \d\d-\d\d [\d:]+ \[[^\]]*region_hold\.py:\d+\] "
 
 
 def test_cpu_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> None:
