@@ -280,3 +280,36 @@ def test_without_the_rule_ageing_unlinks_a_region_in_use(shm_dir: Path, tmp_path
     _population(shm_dir, holders)
     _tmpfiles_clean(shm_dir, tmp_path, with_ours=False)
     assert not (shm_dir / "vllm_offload_live.mmap").exists()
+
+
+def _hold_startup_lock(shm_dir: Path) -> subprocess.Popen[str]:
+    """A process inside an engine's start-up: it holds {shm_dir}/.vllm-offload-UID/startup.lock."""
+    code = ("import sys\nfrom vllm_offload_cli.engine import startup_lock\n"
+            "with startup_lock(sys.argv[1]):\n    print('ready', flush=True)\n"
+            "    sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(shm_dir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+@pytest.mark.parametrize("with_ours", [True, False])
+def test_tmpfiles_rule_keeps_the_startup_lock(shm_dir: Path, tmp_path: Path,
+                                              with_ours: bool) -> None:
+    """Ageing would delete an engine's start-up lock (and its directory) while it is
+    held: the next start-up then takes a new lock beside it. The shipped rule keeps it."""
+    from vllm_offload_cli.core.region.fsguard import private_dir_name
+
+    holder = _hold_startup_lock(shm_dir)
+    try:
+        lock = shm_dir / private_dir_name() / "startup.lock"
+        assert lock.exists()
+        _tmpfiles_clean(shm_dir, tmp_path, with_ours=with_ours)
+        assert lock.exists() == with_ours
+        assert (shm_dir / private_dir_name()).is_dir() == with_ours
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=20)
+        if holder.stdout is not None:
+            holder.stdout.close()
