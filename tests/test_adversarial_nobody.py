@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -431,3 +432,39 @@ def test_the_textfile_temporary_is_exclusive(tmp_path: Path,
         metrics.write_atomically(output, b"data\n")
     assert caught.value.errno == errno.EEXIST
     assert not (tmp_path / "victim").exists() and not output.exists()
+
+
+# -- issue 30: the start-up claim looks only where it must -------------------------------
+
+def test_the_claim_reads_no_process_that_could_not_open_our_files(shared: Path,
+                                                                   tricks: Any) -> None:
+    """Another user's processes are skipped on their credentials: their descriptors and
+    mappings (19,900 each in the attack) are never read by a root engine's claim."""
+    need_root()
+    from vllm_offload_cli.core.host.discovery import discover_engine
+
+    trick = tricks("unlinked", str(shared), "prodc", "fd")
+    everything = discover(shared, engine_ids=["prodc"], measure_residency=False)
+    assert [h.pid for r in everything.regions for h in r.holders] == [trick.pid]
+    assert discover_engine(shared, "prodc").regions == ()  # its process was never read
+    code, doc, err = run("preflight", "prodc", "--size", "64KiB", "--shm-dir", str(shared),
+                         "--json")
+    assert code == 0 and doc["data"]["replicas"][0]["action"] == "create", (doc, err)
+
+
+@pytest.mark.parametrize("kind", ["fd", "map"])
+def test_a_mapped_only_squat_does_not_stop_a_root_engine_without_cap_sys_admin(
+        shared: Path, tricks: Any, kind: str) -> None:
+    """Without CAP_SYS_ADMIN (as under the shipped units) the owner of a mapping that has
+    no descriptor is unreadable (/proc/PID/map_files): an unknown owner is never ours,
+    so nobody's released squat of the name is no engine of ours (was engine_id_collision)."""
+    need_root()
+    require_root("setpriv(1) is not installed", granted=shutil.which("setpriv") is not None)
+    tricks("unlinked", str(shared), "prodm", kind)
+    caps = "-sys_admin,-checkpoint_restore"  # either one reads /proc/PID/map_files
+    proc = subprocess.run(["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}",
+                           *CLI, "preflight", "prodm", "--size", "64KiB", "--shm-dir",
+                           str(shared), "--json"], capture_output=True, text=True, timeout=60)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 0, doc
+    assert doc["data"]["replicas"][0]["action"] == "create"

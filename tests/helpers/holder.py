@@ -8,6 +8,8 @@ MODE:
   vllm-unlink  like vllm, then unlink the name while keeping the mapping
   fd-only   open the existing file and keep only the descriptor (no map, no lock)
   map-only  map the existing file read-only, close the descriptor (no fd, no lock)
+  probe     what inspect does while it measures residency: a read-only descriptor and
+            a read-only mapping of the existing file, both kept
   flock-only  take LOCK_SH on the existing file, then park the descriptor in a
             unix socket's queue (SCM_RIGHTS, never received) and close it: the
             lock lives on with no descriptor or mapping in /proc/<pid>
@@ -80,6 +82,13 @@ def main() -> None:
                 os.unlink(path)
         elif mode == "fd-only":
             fd = os.open(path, os.O_RDONLY)
+            ino = os.fstat(fd).st_ino
+        elif mode == "probe":
+            from vllm_offload_cli.core.region import fsguard
+            from vllm_offload_cli.core.system import libc
+
+            fd = fsguard.open_existing(path, os.O_RDONLY)
+            libc.map_readonly(fd, os.fstat(fd).st_size)
             ino = os.fstat(fd).st_ino
         elif mode == "map-only":
             # Python's mmap keeps a dup of the descriptor; map through libc to hold none

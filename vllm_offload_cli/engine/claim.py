@@ -46,6 +46,7 @@ from vllm_offload_cli.core.reclaim.collector import reclaim
 from vllm_offload_cli.core.region import capacity, fsguard
 from vllm_offload_cli.core.region.locking import lock_waiting
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
+from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 from vllm_offload_cli.core.system.processes import comm, named_pids
 from vllm_offload_cli.engine.identity import (
@@ -140,55 +141,77 @@ class _Holders:
     ours: tuple[int, ...]
     foreign: tuple[tuple[int, str], ...]  # (pid, why)
     unknown: tuple[int, ...]  # cannot tell yet (not attached, environment unreadable)
+    readers: tuple[int, ...] = ()  # hold it only in ways that cannot write it
 
 
 def classify_holders(r: RegionInfo, token: str | None) -> _Holders:
-    """Split a region's holders into this engine's, another engine's, and undecided.
+    """Split a region's holders into this engine's, another engine's, readers and undecided.
 
     Proof of "ours", in order: this process; a live attachment in the manifest
     with our token; the manifest's live creator with our token; our token in
-    the holder's environment. Without a token (a launcher) every holder is foreign.
+    the holder's environment. Without a token (a launcher) no holder is ours.
+    A holder that is not ours and holds the region only read-only (every
+    descriptor opened O_RDONLY, no mapping that may write; `procfs.may_write`)
+    is a reader: our own probes (inspect measuring residency, gc judging) are,
+    and no engine is, since an engine maps its region writable. That is the
+    kernel's record, not a name or a marker the process chose, so nothing can
+    pose as a reader and still write the bytes; and another user can hold our
+    0600 files at all only through a descriptor one of ours handed it.
     """
-    me = os.getpid()
     m = r.manifest
-    attached: dict[int, str | None] = {}
-    creator_ours = False
+    fids = {s.file_id for s in r.segments if s.file_id is not None}
+    known: dict[int, str | None] = {}  # pid -> token, of live attachments and our creator
     if m is not None:
-        attached = {a.pid: a.engine_token for a in m.live_attachments()}
-        creator_ours = token is not None and m.engine_token == token and m.creator_alive()
-    ours: list[int] = []
+        known = {a.pid: a.engine_token for a in m.live_attachments()}
+        if (token is not None and m.engine_token == token and m.creator_pid not in known
+                and m.creator_alive()):
+            known[m.creator_pid] = token
+    buckets: dict[str, list[int]] = {"ours": [], "unknown": [], "reader": []}
     foreign: list[tuple[int, str]] = []
-    unknown: list[int] = []
     for h in r.holders:
-        if token is None:
-            foreign.append((h.pid, "holds it"))
-        elif h.pid == me:
-            ours.append(h.pid)
-        elif h.pid in attached:
-            if attached[h.pid] == token:
-                ours.append(h.pid)
-            else:
-                foreign.append((h.pid, "is attached to it for another engine"))
-        elif creator_ours and m is not None and h.pid == m.creator_pid:
-            ours.append(h.pid)
+        kind = _holder_kind(h.pid, token, known, fids)
+        if kind in buckets:
+            buckets[kind].append(h.pid)
         else:
-            theirs, readable = read_token(h.pid)
-            if theirs == token:
-                ours.append(h.pid)
-            elif theirs is not None:
-                foreign.append((h.pid, "belongs to another engine"))
-            elif readable:
-                foreign.append((h.pid, "was not started by this engine"))
-            else:
-                unknown.append(h.pid)
-    return _Holders(tuple(ours), tuple(foreign), tuple(unknown))
+            foreign.append((h.pid, kind))
+    return _Holders(tuple(buckets["ours"]), tuple(foreign), tuple(buckets["unknown"]),
+                    tuple(buckets["reader"]))
 
 
-def _collision(engine_id: str, path: str, pid: int, why: str) -> EngineIdCollisionError:
+def _holder_kind(pid: int, token: str | None, known: dict[int, str | None],
+                 fids: set[FileId]) -> str:
+    """One holder: "ours", "reader", "unknown", or why it is another engine's."""
+    if token is not None and (pid == os.getpid() or known.get(pid) == token):
+        return "ours"
+    if token is not None and pid in known:
+        return "is attached to it for another engine"
+    theirs, readable = read_token(pid) if token is not None else (None, True)
+    if token is not None and theirs == token:
+        return "ours"
+    writes = procfs.may_write(pid, fids)
+    if writes is False:
+        return "reader"
+    if writes is procfs.GONE:
+        return "unknown"  # it exited since the scan: the next look settles it
+    if token is None:
+        return "holds it"
+    if theirs is not None:
+        return "belongs to another engine"
+    return "was not started by this engine" if readable else "unknown"
+
+
+_SHARED_BYTES = "two engines with one engine_id would share KV bytes"
+_RELEASED = ("its name was released, so a new engine would get a fresh file and share no "
+             "bytes with it, but two live engines under one engine_id cannot be told apart "
+             "by inspect, gc or verify-rank-layout")
+
+
+def _collision(engine_id: str, path: str, pid: int, why: str,
+               harm: str = _SHARED_BYTES) -> EngineIdCollisionError:
     return EngineIdCollisionError(
         f"engine_id {engine_id!r} is in use: pid {pid} ({comm(pid) or '?'}) {why} "
-        f"({path}); two engines with one engine_id would share KV bytes. Stop that "
-        "engine or pick another engine_id", path=path, engine_id=engine_id, pid=pid,
+        f"({path}); {harm}. Stop that engine or pick another engine_id",
+        path=path, engine_id=engine_id, pid=pid,
     )
 
 
@@ -290,12 +313,18 @@ def _classify(r: RegionInfo, want: RegionShape | None, path: str,
             tuple(h.pid for h in r.holders), (), ())
         if who.foreign:
             raise _collision(engine_id, path, *who.foreign[0])
-        if who.unknown or not r.holders:  # undecided, or only a lock we cannot place
+        if who.unknown or not who.ours:  # undecided, readers only, or a lock we cannot place
             if patient:
                 return _Verdict(_WAIT)
             if who.unknown:
                 raise _collision(engine_id, path, who.unknown[0],
                                  "holds it and cannot be told apart from another engine")
+            if who.readers:
+                raise RegionBusyError(
+                    f"{path} is held only by {named_pids(who.readers)}, which "
+                    "only read it (an inspect or gc of this tool?), and still was after "
+                    f"the wait: it is neither joined nor removed while held; retry",
+                    path=path, engine_id=engine_id, pid=who.readers[0], code="region_busy")
             raise EngineIdCollisionError(
                 f"{path} stays locked by a process this user cannot see (another pid "
                 "namespace?); refusing to share it", path=path, engine_id=engine_id)
@@ -343,10 +372,12 @@ def _reclaim_once(inv: Inventory, done: _Progress) -> bool:
 
 
 def _own(regions: Iterable[RegionInfo]) -> list[RegionInfo]:
-    """Regions that can be this user's: another user's file, linked or not, never
-    makes a name in use for us (an owner we could not read still counts)."""
+    """Regions that are this user's: another user's file, linked or not, never makes a
+    name in use for us, and neither does one whose owner could not be read (a mapping
+    without a descriptor, seen without CAP_SYS_ADMIN): an unknown owner is never ours.
+    An engine started through the hook keeps a descriptor, so its owner reads."""
     me = os.geteuid()
-    return [r for r in regions if r.uid is None or r.uid == me]
+    return [r for r in regions if r.uid == me]
 
 
 def _refuse_squatters(regions: Iterable[RegionInfo], mpath: str, engine_id: str) -> None:
@@ -405,7 +436,7 @@ def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str
         who = classify_holders(r, token)
         if who.foreign:
             pid, why = who.foreign[0]
-            raise _collision(engine_id, r.paths[0] + " (deleted)", pid, why)
+            raise _collision(engine_id, r.paths[0] + " (deleted)", pid, why, _RELEASED)
 
 
 def _fits(done: _Progress, action: str, size_bytes: int | None,

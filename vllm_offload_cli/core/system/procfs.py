@@ -166,6 +166,44 @@ def fd_stats(pid: int, skip: Collection[int] = ()
     return out
 
 
+def may_write(pid: int, fids: Collection[FileId]) -> bool | Unreadable:
+    """Whether a process holds any of these files in a way that can write them: a
+    descriptor opened for writing (fdinfo `flags`), or a mapping that may write
+    (smaps `VmFlags` has `mw`; a shared mapping of a read-only descriptor never
+    can, whatever mprotect it asks). The kernel keeps these, the process cannot
+    fake them."""
+    fd_dir = f"{PROC}/{pid}/fd"
+    try:
+        with os.scandir(fd_dir) as entries:
+            for entry in entries:
+                try:
+                    if FileId.of(os.stat(entry.path)) not in fids:
+                        continue
+                    with open(f"{PROC}/{pid}/fdinfo/{entry.name}", "rb") as f:
+                        info = f.read()
+                except PermissionError:
+                    return DENIED
+                except OSError:
+                    continue  # closed meanwhile
+                flags = next((int(line.split()[1], 8) for line in info.splitlines()
+                              if line.startswith(b"flags:")), None)
+                if flags is None or flags & os.O_ACCMODE != os.O_RDONLY:
+                    return True
+        with open(f"{PROC}/{pid}/smaps", "rb") as f:
+            smaps = f.read()
+    except OSError as exc:
+        return _why(exc)
+    tokens = {maps_dev_token(fid.dev) + str(fid.ino).encode() + b" " for fid in fids}
+    ours = False
+    for line in smaps.splitlines():
+        if line.startswith(b"VmFlags:"):
+            if ours and b"mw" in line.split():
+                return True
+        elif b"-" in line.split(b" ", 1)[0]:  # a mapping's first line
+            ours = any(t in line for t in tokens)
+    return False
+
+
 def fd_targets(pid: int) -> list[str] | Unreadable:
     """What each descriptor of a process shows as its target (readlink)."""
     entries = _fd_entries(pid)
