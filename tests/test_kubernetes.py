@@ -151,3 +151,75 @@ def test_containerfile_is_slim_non_root_and_fits_a_read_only_root() -> None:
     assert sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
     readme = (MANIFEST.parent / "README.md").read_text()
     assert "Why uid 0, not a non-root user" in readme and "no_new_privs" in readme
+
+
+# -- valid on every Kubernetes version the README names ------------------------------
+
+BEFORE_130 = MANIFEST.parent / "before-1.30" / "kustomization.yaml"
+
+
+def _apply_json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902 `remove` and `add` (the ops the overlay uses), as kustomize applies them."""
+    import copy
+
+    out = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~")
+                          for p in op["path"].lstrip("/").split("/")]
+        node: Any = out
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if op["op"] == "remove":
+            del node[last]
+        else:
+            assert op["op"] == "add", op
+            node[last] = op["value"]
+    return out
+
+
+def _before_130() -> list[dict[str, Any]]:
+    overlay = yaml.safe_load(BEFORE_130.read_text())
+    assert overlay["resources"] == [".."]
+    base = yaml.safe_load((MANIFEST.parent / "kustomization.yaml").read_text())
+    assert base["resources"] == [MANIFEST.name]
+    [patch] = overlay["patches"]
+    docs = []
+    for d in _docs():
+        if d["kind"] == patch["target"]["kind"] and d["metadata"]["name"] == \
+                patch["target"]["name"]:
+            d = _apply_json_patch(d, yaml.safe_load(patch["patch"]))
+        docs.append(d)
+    return docs
+
+
+def _versions(low: str, high: str) -> list[str]:
+    from kubernetes_validate.utils import all_versions
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split(".")[:2])
+
+    return sorted({v for v in all_versions() if key(low) <= key(v) <= key(high)}, key=key)
+
+
+@pytest.mark.parametrize(("which", "low", "high"), [("manifest", "1.30", "1.37"),
+                                                      ("before-1.30", "1.26", "1.29")])
+def test_valid_on_every_version_the_readme_names(which: str, low: str, high: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    readme = (MANIFEST.parent / "README.md").read_text()
+    assert f"Kubernetes {low} to {high}" in readme
+    docs = _docs() if which == "manifest" else _before_130()
+    versions = _versions(low, high)
+    assert versions[0].startswith(low) and versions[-1].startswith(high), versions
+    for version in versions:
+        for d in docs:
+            kubernetes_validate.validate(d, version, strict=True)
+
+
+def test_before_130_keeps_the_container_apparmor_unconfined() -> None:
+    [ds] = [d for d in _before_130() if d["kind"] == "DaemonSet"]
+    template = ds["spec"]["template"]
+    [container] = template["spec"]["containers"]
+    assert "appArmorProfile" not in container["securityContext"]
+    assert template["metadata"]["annotations"] == {
+        f"container.apparmor.security.beta.kubernetes.io/{container['name']}": "unconfined"}
+    assert _container()["securityContext"]["appArmorProfile"] == {"type": "Unconfined"}
