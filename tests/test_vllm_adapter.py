@@ -10,9 +10,8 @@ with VLLM_OFFLOAD_REQUIRE_VLLM=1, which turns a missing vLLM into a failure.
 
 What is compared is public behaviour: the files the kernel maps where vLLM's
 region lies and where the hook's does, the bytes each side sees, the files on
-disk. Where releases differ, a test branches on what `vllm_rules` read from
-the release's code, and one test checks that reading against what plain vLLM
-does.
+disk. Where releases differ, a test branches on what `vllm_rules`' table says
+of the release, and one test checks that row against what plain vLLM does.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from vllm_offload_cli.core.base.errors import (
 )
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
+from vllm_offload_cli.core.region.ranks import LOGICAL
 from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, effective_segments, split
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 from vllm_offload_cli.engine.claim import ClaimResult, claim, startup_lock
@@ -44,7 +45,7 @@ class RegionRequest:
     num_segments: int = 1  # files asked for; vLLM's rule caps it by min_segment_bytes
     replicated: bool = False  # every worker maps slot 0 (vLLM's replicated MLA layout)
     min_segment_bytes: int = MIN_SEGMENT_BYTES
-    rank_source: str = "logical"  # how vLLM picked `rank` (core.region.ranks' names)
+    rank_source: str = LOGICAL.name  # how vLLM picked `rank` (a core.region.ranks name)
     device_index: int | None = None  # the device the rank was folded from, if it was
     vllm_layout_basis: str | None = None  # "vllm" where the files follow vLLM's code
 

@@ -1,26 +1,25 @@
-"""How the vLLM in use makes its region, read from its code: never from its version.
+"""How the vLLM in use makes its region: a table per release, confirmed by signatures.
 
 vLLM 0.31, 0.32 and 0.33 name the region alike and lay out its rows alike, but
 make it differently: how many files (0.33's CPU spec splits a region into
 segment files), which slot each worker takes (0.31 folds the device index,
 later releases use the logical rank), and whether the creator unlinks the
 names after a barrier. The hook must make exactly the files vLLM then joins and
-give each worker the slot vLLM will use, so it reads those facts from vLLM's
-own sources with `ast`. Nothing of vLLM is imported, so `create` can ask too.
+give each worker the slot vLLM will use. Those facts are in RELEASES, one row
+per release of the support matrix; CI checks every row against that release's
+code (tests/test_vllm_rules.py, run once per release by .ci/run). Nothing of
+vLLM is imported (its sources are read with `ast`), so `create` can ask too.
 
-What is read, and what makes a release one this module does not understand
-(`UnsupportedVllm`, so the hook stands aside instead of guessing):
+A vLLM is understood (else `UnsupportedVllm`, and the hook stands aside
+instead of guessing) when:
 
-* the region class's constructor: vLLM's five positional parameters, and
-  only keyword parameters this module knows (an unknown one may change what
-  lands on disk);
-* each place a spec builds that class (the CPU spec's worker, the tiering
-  spec's worker and scheduler): exactly one call, `num_segments=` a module
-  constant or a number, `barrier=` given or not;
-* how that call's rank is computed: `current_device_index()` (device-modulo)
-  or the config's `parallel.rank` (logical); anything else is not understood;
-* the constants (files asked for, smallest file): the value in vLLM's module
-  where it is loaded in this process (what vLLM will use), else the source's.
+* its version's release (major.minor) has a row in RELEASES;
+* the region class's constructor takes vLLM's five positional parameters and
+  exactly that row's keyword parameters (an unknown one may change what lands
+  on disk), and the specs have the methods the hardened specs override;
+* the constants the row names (files asked for, smallest file) are integers:
+  the value in vLLM's module where it is loaded in this process (what vLLM
+  will use), else the source's.
 """
 
 from __future__ import annotations
@@ -31,11 +30,15 @@ import functools
 import importlib.util
 import logging
 import os
+import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+from vllm_offload_cli.core.region import ranks
 from vllm_offload_cli.core.region.segments import effective_segments, layout_of
 
 logger = logging.getLogger(__name__)
@@ -45,23 +48,16 @@ CPU_SPEC_MODULE = "vllm.v1.kv_offload.cpu.spec"
 TIERING_SPEC_MODULE = "vllm.v1.kv_offload.tiering.spec"
 REGION_CLASS = "SharedOffloadRegion"
 
-# vLLM's positional parameters (the core's SharedOffloadRegion takes the same),
-# then every keyword parameter some release in the support matrix takes.
+# vLLM's positional parameters (the core's SharedOffloadRegion takes the same).
 POSITIONAL = ("engine_id", "num_chunks", "rank", "kv_bytes_per_chunk", "cpu_page_size")
-KNOWN_KEYWORDS = frozenset({
-    "barrier",  # all: the creator unlinks the names once every worker passed it
-    "creator_memory_check",  # all: a callable run before sizing (memory, not layout)
-    "populate_only_on_creator",  # 0.31, 0.32: who pre-faults (memory, not layout)
-    "populate_shard",  # 0.33: who pre-faults (memory, not layout)
-    "num_segments",  # 0.33: segment files `.mmap.N`
-})
-# What the hardened specs read of vLLM's specs besides the region call.
-_CPU_SPEC_ATTRIBUTES = ("num_chunks", "kv_bytes_per_chunk", "cpu_page_size_per_worker",
-                        "replicated_layout", "_manager")
-_CPU_SPEC_METHODS = ("create_worker", "get_manager", "_uses_shared_region")
+# The methods the hardened specs override or call, per spec class and module.
+_SPEC_METHODS = {CPU_SPEC_MODULE: ("CPUOffloadingSpec", ("__init__", "create_worker",
+                                                        "get_manager", "_uses_shared_region")),
+                 TIERING_SPEC_MODULE: ("TieringOffloadingSpec", ("create_worker",
+                                                                 "get_manager"))}
 _MAX_SOURCE_BYTES = 4 << 20  # a module of vLLM is far smaller; bounds a hostile tree
 
-LOGICAL, DEVICE_MODULO = "logical", "device-modulo"  # core.region.ranks' names
+LOGICAL, DEVICE_MODULO = ranks.LOGICAL.name, ranks.DEVICE_MODULO.name
 
 
 class UnsupportedVllm(Exception):  # noqa: N818 - a verdict about vLLM, reported in one line
@@ -70,7 +66,7 @@ class UnsupportedVllm(Exception):  # noqa: N818 - a verdict about vLLM, reported
 
 @dataclass(frozen=True)
 class RegionCall:
-    """One place a vLLM spec builds its region, as that code reads."""
+    """One place a vLLM spec builds its region: what its release does there."""
 
     segments: int  # files asked for (1: the call passes no num_segments)
     rank_source: str | None  # LOGICAL or DEVICE_MODULO; None for the rank-less scheduler
@@ -78,11 +74,32 @@ class RegionCall:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Release:
+    """One release of the support matrix, as its code reads (checked by CI)."""
+
+    keywords: frozenset[str]  # SharedOffloadRegion's parameters after vLLM's five
+    rank_source: str  # how both specs' workers pick their slot
+    segments_constant: str | None  # the CPU spec's constant for num_segments; None: one file
+
+
+# Every release: the CPU spec's creator unlinks the names after its barrier; the
+# tiering spec passes no barrier, and its scheduler maps the region rank-less.
+_KEYWORDS_031 = frozenset({"barrier", "creator_memory_check", "populate_only_on_creator"})
+RELEASES: Mapping[str, Release] = MappingProxyType({
+    "0.31": Release(keywords=_KEYWORDS_031, rank_source=DEVICE_MODULO, segments_constant=None),
+    "0.32": Release(keywords=_KEYWORDS_031, rank_source=LOGICAL, segments_constant=None),
+    "0.33": Release(keywords=frozenset({"barrier", "creator_memory_check", "populate_shard",
+                                        "num_segments"}),
+                    rank_source=LOGICAL, segments_constant="_REGION_SEGMENTS"),
+})
+
+
+@dataclass(frozen=True, kw_only=True)
 class VllmRules:
     """What one vLLM installation does with its region, and where it was read."""
 
     root: str  # the directory holding `vllm/`
-    version: str | None  # for messages only: nothing is decided by it
+    version: str | None  # picks the row of RELEASES (major.minor)
     min_segment_bytes: int  # vLLM makes no segment file smaller than this
     cpu_worker: RegionCall
     tiering_worker: RegionCall
@@ -136,32 +153,34 @@ def read_rules(root: Path | None = None) -> VllmRules:
     root = root if root is not None else vllm_root()
     if root is None:
         raise UnsupportedVllm("vLLM is not installed here")
+    version = _version(root)
+    release = RELEASES.get(release_of(version))
+    if release is None:
+        raise UnsupportedVllm(f"vLLM {version or '(version unknown)'} at {root} is outside "
+                              f"the releases this vllm-offload knows ({', '.join(RELEASES)})")
     region = _Source(root, REGION_MODULE)
-    cpu = _Source(root, CPU_SPEC_MODULE)
-    tiering = _Source(root, TIERING_SPEC_MODULE)
-    params = _region_parameters(region)
-    cpu_class = cpu.cls("CPUOffloadingSpec")
-    for method in _CPU_SPEC_METHODS:
-        cpu.method(cpu_class, method)
-    missing = [a for a in _CPU_SPEC_ATTRIBUTES if a not in _self_stores(
-        cpu.method(cpu_class, "__init__"))]
-    if missing:
-        raise UnsupportedVllm(f"{cpu.where('CPUOffloadingSpec.__init__')} sets no "
-                              f"{', '.join(missing)}")
-    tiering_class = tiering.cls("TieringOffloadingSpec")
-    calls = {
-        "cpu_worker": _region_call(cpu, cpu.method(cpu_class, "create_worker"), params),
-        "tiering_worker": _region_call(
-            tiering, tiering.method(tiering_class, "create_worker"), params),
-        "tiering_scheduler": _region_call(
-            tiering, tiering.method(tiering_class, "get_manager"), params),
-    }
-    if calls["cpu_worker"].rank_source is None or calls["tiering_worker"].rank_source is None:
-        raise UnsupportedVllm(f"a worker's region is rank-less in {root}")
-    min_bytes = (region.integer("_MIN_SEGMENT_BYTES") if "num_segments" in params
+    _check_region_signature(region, release)
+    specs = {module: _Source(root, module) for module in _SPEC_METHODS}
+    for module, (name, methods) in _SPEC_METHODS.items():
+        cls = specs[module].cls(name)
+        for method in methods:
+            specs[module].method(cls, method)
+    segments = (1 if release.segments_constant is None
+                else specs[CPU_SPEC_MODULE].integer(release.segments_constant))
+    min_bytes = (region.integer("_MIN_SEGMENT_BYTES") if "num_segments" in release.keywords
                  else 1 << 30)  # never used: nothing is split
-    return VllmRules(root=str(root), version=_version(root), min_segment_bytes=min_bytes,
-                     **calls)
+    return VllmRules(
+        root=str(root), version=version, min_segment_bytes=min_bytes,
+        cpu_worker=RegionCall(segments=segments, rank_source=release.rank_source,
+                              barrier=True),
+        tiering_worker=RegionCall(segments=1, rank_source=release.rank_source, barrier=False),
+        tiering_scheduler=RegionCall(segments=1, rank_source=None, barrier=False))
+
+
+def release_of(version: str | None) -> str:
+    """'0.33.1.dev4+g1234' -> '0.33': patch releases share their release's row."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.|$)", version or "")
+    return "" if m is None else f"{int(m[1])}.{int(m[2])}"
 
 
 _warned: set[str] = set()
@@ -268,78 +287,23 @@ def _int_expr(node: ast.expr) -> int | None:
     return None
 
 
-def _region_parameters(region: _Source) -> frozenset[str]:
-    init = region.method(region.cls(REGION_CLASS), "__init__")
-    a = init.args
+def _check_region_signature(region: _Source, release: Release) -> None:
+    """The constructor takes vLLM's five positional parameters, then exactly the row's."""
+    where = region.where(REGION_CLASS)
+    a = region.method(region.cls(REGION_CLASS), "__init__").args
     positional = tuple(p.arg for p in a.posonlyargs + a.args)[1:]  # without self
     if positional[:len(POSITIONAL)] != POSITIONAL:
-        raise UnsupportedVllm(f"{region.where(REGION_CLASS)}({', '.join(positional)}) does "
-                              f"not start with vLLM's ({', '.join(POSITIONAL)})")
+        raise UnsupportedVllm(f"{where}({', '.join(positional)}) does not start with vLLM's "
+                              f"({', '.join(POSITIONAL)})")
     if a.vararg is not None or a.kwarg is not None:
-        raise UnsupportedVllm(f"{region.where(REGION_CLASS)} takes *args or **kwargs")
+        raise UnsupportedVllm(f"{where} takes *args or **kwargs")
     keywords = frozenset(positional[len(POSITIONAL):]) | {p.arg for p in a.kwonlyargs}
-    unknown = sorted(keywords - KNOWN_KEYWORDS)
-    if unknown:
-        raise UnsupportedVllm(f"{region.where(REGION_CLASS)} takes {', '.join(unknown)}, "
-                              "which this vllm-offload does not know")
-    return keywords | frozenset(POSITIONAL)
-
-
-def _self_stores(func: ast.FunctionDef) -> set[str]:
-    return {n.attr for n in ast.walk(func) if isinstance(n, ast.Attribute)
-            and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
-            and n.value.id == "self"}
-
-
-def _callee(node: ast.Call) -> str | None:
-    f = node.func
-    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-
-
-def _region_call(source: _Source, func: ast.FunctionDef, params: frozenset[str]) -> RegionCall:
-    where = source.where(func.name)
-    calls = [n for n in ast.walk(func) if isinstance(n, ast.Call) and _callee(n) == REGION_CLASS]
-    if len(calls) != 1:
-        raise UnsupportedVllm(f"{where} builds {REGION_CLASS} {len(calls)} times, not once")
-    call = calls[0]
-    if len(call.args) > len(POSITIONAL) or any(k.arg is None for k in call.keywords):
-        raise UnsupportedVllm(f"{where} passes {REGION_CLASS} arguments this version cannot "
-                              "follow")
-    given: dict[str, ast.expr] = dict(zip(POSITIONAL, call.args, strict=False))
-    given.update({k.arg: k.value for k in call.keywords if k.arg is not None})
-    unknown = sorted(set(given) - params)
-    if unknown:
-        raise UnsupportedVllm(f"{where} passes {', '.join(unknown)}, which "
-                              f"{REGION_CLASS} does not take")
-    segments = 1
-    if "num_segments" in given:
-        value = given["num_segments"]
-        segments = (source.integer(value.id) if isinstance(value, ast.Name)
-                    else _int_expr(value) or 0)
-        if segments < 1:
-            raise UnsupportedVllm(f"{where} passes num_segments this version cannot read")
-    rank = given.get("rank")
-    if rank is None:
-        raise UnsupportedVllm(f"{where} passes no rank")
-    rank_source = None if _is_none(rank) else _rank_source(func, where)
-    barrier = "barrier" in given and not _is_none(given["barrier"])
-    return RegionCall(segments=segments, rank_source=rank_source, barrier=barrier)
-
-
-def _is_none(node: ast.expr) -> bool:
-    return isinstance(node, ast.Constant) and node.value is None
-
-
-def _rank_source(func: ast.FunctionDef, where: str) -> str:
-    """How the code picks a worker's slot: from the device index, or the logical rank."""
-    attributes = [n for n in ast.walk(func) if isinstance(n, ast.Attribute)]
-    if any(n.attr == "current_device_index" for n in attributes):
-        return DEVICE_MODULO
-    if any(n.attr == "rank" and isinstance(n.value, ast.Attribute) and n.value.attr == "parallel"
-           for n in attributes):
-        return LOGICAL
-    raise UnsupportedVllm(f"{where} picks each worker's slot in a way this version cannot "
-                          "follow")
+    unknown, missing = sorted(keywords - release.keywords), sorted(release.keywords - keywords)
+    if unknown or missing:
+        said = [f"takes {', '.join(unknown)}" if unknown else "",
+                f"lacks {', '.join(missing)}" if missing else ""]
+        raise UnsupportedVllm(f"{where} {' and '.join(w for w in said if w)}, unlike the "
+                              "release this vllm-offload knows by that version")
 
 
 def _version(root: Path) -> str | None:
