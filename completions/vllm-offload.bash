@@ -95,7 +95,7 @@ _vllm_offload() {
             --world-size) COMPREPLY=(); return ;;
             --dp-size) COMPREPLY=(); return ;;
             --devices) COMPREPLY=(); return ;;
-            --rank-source) COMPREPLY=(); return ;;
+            --rank-source) COMPREPLY=($(compgen -W "device-modulo logical device-index" -- "$cur")); return ;;
             --cpu-page-size) COMPREPLY=(); return ;;
             --address) COMPREPLY=(); return ;;
             --timeout) COMPREPLY=(); return ;;
@@ -160,7 +160,7 @@ _vllm_offload() {
             --world-size) COMPREPLY=(); return ;;
             --dp-size) COMPREPLY=(); return ;;
             --devices) COMPREPLY=(); return ;;
-            --rank-source) COMPREPLY=(); return ;;
+            --rank-source) COMPREPLY=($(compgen -W "device-modulo logical device-index" -- "$cur")); return ;;
             --cpu-page-size) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac

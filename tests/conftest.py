@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from tests.region_files import private_shm_dir
 from vllm_offload_cli.cli.app import app

@@ -167,12 +167,10 @@ def test_help_lists_the_options() -> None:
 
 def test_the_cli_default_rounds_are_the_library_default() -> None:
     """The CLI spells the default out (importing the copy path would slow --help)."""
-    import inspect
-
     from vllm_offload_cli.cli.benchmark import benchmark_cmd
     from vllm_offload_cli.core.transfer.bench import DEFAULT_REPEAT
 
-    default = inspect.signature(benchmark_cmd.callback).parameters["repeat"].default
+    default = benchmark_cmd.defaults()["repeat"]
     assert default == DEFAULT_REPEAT == BenchConfig(shm_dir="/", device="cpu").repeat
 
 

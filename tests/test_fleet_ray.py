@@ -228,9 +228,10 @@ def test_plan_mode_runs_on_every_node(fleet: FleetCluster, dirs: list[Path]) -> 
                for n in doc["data"]["nodes"])
 
 
-def test_unreachable_cluster_is_one_error_line() -> None:
+@pytest.mark.parametrize("timeout", ["5", "0"])  # 0: a time already up, as for gc and inspect
+def test_unreachable_cluster_is_one_error_line(timeout: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "vllm_offload_cli", "fleet", "inspect",
-                           "--address", "127.0.0.1:1", "--timeout", "5"],
+                           "--address", "127.0.0.1:1", "--timeout", timeout],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stdout == "" and proc.stderr.startswith("Error: cannot connect to the Ray")

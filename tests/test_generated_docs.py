@@ -40,14 +40,18 @@ def test_man_page_exit_status_is_the_enum() -> None:
 
 
 def test_every_command_is_documented() -> None:
-    from vllm_offload_cli.cli.app import COMMANDS, root_command
+    import click
+
+    from vllm_offload_cli.cli.app import root_command
 
     man = (ROOT / "man" / "vllm-offload.1").read_text().replace("\\-", "-")
     bash = (ROOT / "completions" / "vllm-offload.bash").read_text()
     root = root_command()
-    for name in COMMANDS:
-        command = root.commands[name]  # type: ignore[attr-defined]
-        subs = getattr(command, "commands", {})
+    ctx = click.Context(root)
+    for name in root.list_commands(ctx):
+        command = root.get_command(ctx, name)
+        assert command is not None
+        subs = command.commands if isinstance(command, click.Group) else {}
         if not command.hidden:
             assert f".SS {name}" in man
         assert f"    {name})" in bash or subs

@@ -52,7 +52,7 @@ def textfile_families(text: str) -> set[str]:
 @pytest.fixture(scope="module")
 def emitted() -> dict[str, Any]:
     """Metric families and label values from a real inspect and gc run on a private shm dir."""
-    from typer.testing import CliRunner
+    from click.testing import CliRunner
 
     from tests.region_files import private_shm_dir, region_file
     from vllm_offload_cli.cli.app import app

@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from vllm_offload_cli import __version__
 from vllm_offload_cli.cli.app import app
@@ -38,7 +38,7 @@ SYSTEM_PYTHON = Path("/usr/bin/python3")  # the distribution's, not a developer'
 COPY_LINE = "pip install 'vllm-offload[copy]'"
 BENCHMARK_REFUSAL = ("Error: vllm-offload benchmark needs torch and numpy, which are not "
                      f"installed; install them with: {COPY_LINE}\n")
-BASE_DEPS = {"typer", "rich", "psutil", "prometheus-client"}
+BASE_DEPS = {"click", "rich", "psutil", "prometheus-client"}
 # what the copy extra brings, and what must never come with the base install
 HEAVY = {"torch", "numpy", "cffi", "triton"}
 SHARED_DATA = {

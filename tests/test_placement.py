@@ -294,7 +294,7 @@ def _in_private_thp_mount(tmp_path: Path, script: str) -> subprocess.CompletedPr
 
 _HUGE_SCRIPT = """
 import json, sys
-from typer.testing import CliRunner
+from click.testing import CliRunner
 from vllm_offload_cli.cli.app import app
 from vllm_offload_cli.core.region.page_policy import thp_support
 shm = sys.argv[1]
@@ -503,7 +503,7 @@ def test_benchmark_says_why_huge_pages_were_not_measured(cli: Any, shm_dir: Path
 
 _BENCH_SCRIPT = f"""
 import sys
-from typer.testing import CliRunner
+from click.testing import CliRunner
 from vllm_offload_cli.cli.app import app
 from vllm_offload_cli.core.region.page_policy import thp_support
 if not thp_support(sys.argv[1]).allowed:

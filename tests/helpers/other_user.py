@@ -5,7 +5,7 @@ The checkout under test may be private (a clone under /root, or in a
 script there nor import the package from it, nor, often, run the virtual
 environment's interpreter. `prepared` copies what such commands need into a
 fresh directory of mode 0755: the package under test, tests/helpers, and the
-distributions the node-local commands import (typer, rich, psutil,
+distributions the node-local commands import (click, rich, psutil,
 prometheus_client and what they require; never torch). It then picks an
 interpreter of this Python version that the user can run, proved by running
 it as that user. `OtherUser.command` runs an argv there as that user, with
@@ -33,7 +33,7 @@ import vllm_offload_cli
 NOBODY = 65534
 HELPERS = Path(__file__).parent
 # What `gc`, `inspect` and the core import; their requirements are followed.
-DISTRIBUTIONS = ("typer", "rich", "psutil", "prometheus_client")
+DISTRIBUTIONS = ("click", "rich", "psutil", "prometheus_client")
 _PROBE = ("import sys, psutil, vllm_offload_cli.cli.app, vllm_offload_cli.core.region.openers; "
           "print(*sys.version_info[:2])")
 

@@ -1,38 +1,38 @@
 """The `vllm-offload` command tree and its entry point.
 
-Subcommands are resolved by name, on demand: `vllm-offload inspect --json`
-imports the inspect module and nothing of create, benchmark or the fleet, and
-`--version` imports none of them. `--help` and the generated docs resolve them
-all. Subcommand modules never import this one, so imports run one way.
+Subcommands load on demand, as in click's lazy-loading group pattern:
+`vllm-offload inspect --json` imports the inspect module and nothing of
+create, benchmark or the fleet, and `--version` imports none of them.
+`--help` and the generated docs resolve them all. Subcommand modules never
+import this one, so imports run one way.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Any
 
-import typer
-
-# typer >= 0.29 vendors click; these are its classes
-from typer._click import Command, Context
-from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
-from typer.core import TyperGroup, _main
-from typer.exceptions import Abort
+import click
 
 from vllm_offload_cli import __version__
-from vllm_offload_cli.cli.common import envelope, print_json
-from vllm_offload_cli.cli.params import tidy
+from vllm_offload_cli.cli.common import (
+    ALIASES,
+    Group,
+    Subcommand,
+    common_params,
+    envelope,
+    print_json,
+)
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 
-# name -> (module under vllm_offload_cli.cli, attribute): a Subcommand or a Typer group
+# name -> (module under vllm_offload_cli.cli, attribute): a Subcommand or a click group
 COMMANDS: dict[str, tuple[str, str]] = {
     "benchmark": ("benchmark", "benchmark_cmd"),
     "create": ("create", "create"),
     "garbage-collect": ("gc", "garbage_collect"),
-    "gc": ("gc", "garbage_collect"),
     "inspect": ("inspect", "inspect_cmd"),
     "preflight": ("preflight", "preflight"),
     "verify-rank-layout": ("verify", "verify_rank_layout"),
@@ -40,122 +40,98 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _build(name: str) -> Command:
-    module_name, attribute = COMMANDS[name]
-    module = importlib.import_module(f"vllm_offload_cli.cli.{module_name}")
-    target = getattr(module, attribute)
-    holder = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    if isinstance(target, typer.Typer):
-        holder.add_typer(target, name=name)
-    else:
-        target.register(holder)
-        holder.callback()(lambda: None)  # a group even with one command
-    return tidy(typer.main.get_group(holder).commands[name])
+def subcommand_names() -> list[str]:
+    """Every name a command line may use: the commands, then their aliases."""
+    return [*COMMANDS, *ALIASES]
 
 
-class _LazyCommands(Mapping[str, Command]):
-    """Subcommands by name, each imported the first time it is looked up."""
-
-    def __init__(self) -> None:
-        self._built: dict[str, Command] = {}
-
-    def __getitem__(self, name: str) -> Command:
-        if name not in COMMANDS:
-            raise KeyError(name)
-        if name not in self._built:
-            self._built[name] = _build(name)
-        return self._built[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(COMMANDS)
-
-    def __len__(self) -> int:
-        return len(COMMANDS)
-
-
-class EnvelopeGroup(TyperGroup):
+class CommandLine(Group):
     """Lazy subcommands; usage errors honour `--json` and print one `Error:` line otherwise."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        tidy(self)  # before the subcommands are attached: each is tidied when built
-        self.commands = _LazyCommands()  # type: ignore[assignment]
-
-    def list_commands(self, ctx: Context) -> list[str]:
+    def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        name = ALIASES.get(cmd_name, cmd_name)
+        if name not in COMMANDS:
+            return None
+        module_name, attribute = COMMANDS[name]
+        module = importlib.import_module(f"vllm_offload_cli.cli.{module_name}")
+        target = getattr(module, attribute)
+        command: click.Command = target.command if isinstance(target, Subcommand) else target
+        return command
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
-             windows_expand_args: bool = True, **extra: Any) -> Any:
+             **extra: Any) -> Any:
         argv = list(sys.argv[1:] if args is None else args)
         try:
-            code = _main(self, args=argv, prog_name=prog_name or "vllm-offload",
-                         complete_var=complete_var, standalone_mode=False,
-                         rich_markup_mode=self.rich_markup_mode, **extra)
-        except NoArgsIsHelpError as exc:  # bare `vllm-offload`: the help, as a usage error
-            sys.stdout.write(exc.ctx.get_help() if exc.ctx is not None else "")
+            code = super().main(argv, prog_name or "vllm-offload", complete_var,
+                                standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare: the help, a usage error
+            sys.stdout.write(exc.format_message() + "\n")
             code = ExitStatus.USAGE
-        except ClickException as exc:
-            code = ExitStatus.USAGE if isinstance(exc, UsageError) else exc.exit_code
+        except click.ClickException as exc:
+            code = ExitStatus.USAGE if isinstance(exc, click.UsageError) else exc.exit_code
             _report_usage_error(exc, argv, code)
-        except Abort:
+        except click.Abort:
             code = ExitStatus.INTERRUPTED
-        code = code if isinstance(code, int) else 0
+        code = int(code) if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
 
 
-def _report_usage_error(exc: ClickException, argv: list[str], code: int) -> None:
+def _command_named(exc: click.ClickException, argv: list[str]) -> str:
+    """The command a usage error belongs to, as the envelope names it: `fleet inspect`."""
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and ctx.parent is not None:
+        return " ".join(ctx.command_path.split()[1:])
+    return next((a for a in argv if a in COMMANDS or a in ALIASES), "")
+
+
+def _report_usage_error(exc: click.ClickException, argv: list[str], code: int) -> None:
     message = exc.format_message()
     if "--json" in argv:
-        command = next((a for a in argv if not a.startswith("-")), "")
-        print_json(envelope(command, ok=False, exit_code=code, data={},
+        print_json(envelope(_command_named(exc, argv), ok=False, exit_code=code, data={},
                             errors=[{"code": "usage", "message": message}], warnings=[]))
         return
     ctx = getattr(exc, "ctx", None)
-    hint = ""
-    if ctx is not None:
-        hint = f"\nTry '{ctx.command_path} --help' for help."
+    hint = "" if ctx is None else f"\nTry '{ctx.command_path} --help' for help."
     sys.stderr.write(f"Error: {printable(message)}{hint}\n")
 
 
-app = typer.Typer(
-    cls=EnvelopeGroup,
-    name="vllm-offload",
-    help="Inspect, verify, benchmark and safely reclaim vLLM's shared-memory KV-cache "
-    "offload regions (/dev/shm/vllm_offload_*.mmap).",
-    no_args_is_help=True,
-    invoke_without_command=True,
-    add_completion=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-    pretty_exceptions_enable=False,
-)
-
-
-@app.callback()
-def _root(
-    ctx: typer.Context,
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")
-                       ] = False,
-) -> None:
-    """Inspect, verify, benchmark and safely reclaim vLLM's KV offload regions."""
+def _root(version: bool, **_common: Any) -> None:
+    """--version alone, or a command (whose run reads the common options given here)."""
+    ctx = click.get_current_context()
     if not version:
         if ctx.invoked_subcommand is None:
-            raise UsageError("Missing command.", ctx)
+            raise click.UsageError("Missing command.", ctx)
         return
     if ctx.invoked_subcommand is not None:
-        raise UsageError("--version takes no command or argument", ctx)
+        raise click.UsageError("--version takes no command or argument", ctx)
     sys.stdout.write(f"vllm-offload {__version__}\n")
 
 
-def root_command() -> Command:
+app = CommandLine(
+    name="vllm-offload",
+    help="Inspect, verify, benchmark and safely reclaim vLLM's shared-memory KV-cache "
+    "offload regions (/dev/shm/vllm_offload_*.mmap). The common options --shm-dir, --json, "
+    "-v and -q may come before the command name as well as after it.",
+    callback=_root,
+    params=[click.Option(["--version"], is_flag=True, help="Print the version and exit."),
+            *common_params()],
+    no_args_is_help=True,
+    invoke_without_command=True,
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
+)
+
+
+def root_command() -> click.Group:
     """The click command tree (subcommands still resolved on demand)."""
-    return typer.main.get_command(app)
+    return app
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
-    app(args=argv, prog_name="vllm-offload")
-
-
+    app.main(args=argv, prog_name="vllm-offload")

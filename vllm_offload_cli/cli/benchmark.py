@@ -12,25 +12,25 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-import typer
+import click
 
 from vllm_offload_cli.cli.common import (
     Invocation,
+    Out,
     Outcome,
     shm_dir_checked,
     subcommand,
     text_table,
     write_text,
 )
+from vllm_offload_cli.cli.params import EnumChoice, Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.extras import COPY, require
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from vllm_offload_cli.core.transfer.bench import BenchReport
 
 DEFAULT_SIZES = "16KiB,64KiB,256KiB,1MiB,2MiB"  # mirrors core.bench.DEFAULT_BLOCK_SIZES
@@ -48,7 +48,7 @@ class PatternChoice(str, enum.Enum):
     scattered = "scattered"
 
 
-def _block_sizes(values: list[str] | None) -> tuple[int, ...]:
+def _block_sizes(values: tuple[str, ...]) -> tuple[int, ...]:
     sizes: list[int] = []
     for value in values or [DEFAULT_SIZES]:
         for part in value.split(","):
@@ -84,38 +84,34 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 @subcommand("benchmark", help="Measure pre-fault, store and load throughput of the copy "
             "workers against a plain memcpy.")
-def benchmark_cmd(
-    inv: Invocation,
-    device: Annotated[DeviceChoice, typer.Option(
-        "--device", help="Where the KV blocks live: auto picks cuda when a GPU is visible."
-    )] = DeviceChoice.auto,
-    size: Annotated[str, typer.Option(
-        "--size", metavar="SIZE",
-        help="Scratch region size per block size (e.g. 256MiB, 4GiB).")] = "256MiB",
-    cpu_page_size: Annotated[list[str] | None, typer.Option(
-        "--cpu-page-size", metavar="SIZE",
-        help="Block size(s) to measure: one worker's bytes per block. "
-        "Repeatable or comma-separated.", show_default=DEFAULT_SIZES)] = None,
-    world_size: Annotated[int, typer.Option(
-        "--world-size", min=1, help="Worker slots per row (the benchmark fills slot 0).")] = 1,
-    blocks_per_transfer: Annotated[int | None, typer.Option(
-        "--blocks-per-transfer", min=1,
-        show_default="128 MiB per job, at most half the region",
-        help="Blocks per store/load job (the batch size).")] = None,
-    # 11 is bench.DEFAULT_REPEAT, not imported: --help must not load the copy path
-    repeat: Annotated[int, typer.Option(
-        "--repeat", min=1, help="Timed rounds per figure (each: a memcpy, 2 jobs in flight, "
-        "a memcpy); the best round is shown, the median is also in --json.")] = 11,
-    pattern: Annotated[list[PatternChoice] | None, typer.Option(
-        "--pattern", help="Block-id patterns to measure (repeatable).",
-        show_default="all")] = None,
-    threads: Annotated[int | None, typer.Option(
-        "--threads", min=1, help="Pre-fault threads.", show_default="CPUs, at most 8")
-    ] = None,
-    huge_pages: Annotated[bool, typer.Option(
-        "--huge-pages", help="Also measure pre-fault and contiguous copies with normal and "
-        "with transparent huge pages (largest block size) and report the ratio.")] = False,
-) -> Outcome:
+@click.option("--device", type=EnumChoice(DeviceChoice), default=DeviceChoice.auto.value,
+              help="Where the KV blocks live: auto picks cuda when a GPU is visible.")
+@click.option("--size", type=Size(), default="256MiB",
+              help="Scratch region size per block size (e.g. 256MiB, 4GiB).")
+@click.option("--cpu-page-size", multiple=True, metavar="SIZE", show_default=DEFAULT_SIZES,
+              help="Block size(s) to measure: one worker's bytes per block. Repeatable or "
+              "comma-separated.")
+@click.option("--world-size", type=click.IntRange(min=1), default=1, metavar="N",
+              help="Worker slots per row (the benchmark fills slot 0).")
+@click.option("--blocks-per-transfer", type=click.IntRange(min=1), metavar="N",
+              show_default="128 MiB per job, at most half the region",
+              help="Blocks per store/load job (the batch size).")
+# 11 is bench.DEFAULT_REPEAT, not imported: --help must not load the copy path
+@click.option("--repeat", type=click.IntRange(min=1), default=11, metavar="N",
+              help="Timed rounds per figure (each: a memcpy, 2 jobs in flight, a memcpy); the "
+              "best round is shown, the median is also in --json.")
+@click.option("--pattern", type=EnumChoice(PatternChoice), multiple=True, show_default="all",
+              help="Block-id patterns to measure (repeatable).")
+@click.option("--threads", type=click.IntRange(min=1), metavar="N",
+              show_default="CPUs, at most 8", help="Pre-fault threads.")
+@click.option("--huge-pages", is_flag=True, help="Also measure pre-fault and contiguous copies "
+              "with normal and with transparent huge pages (largest block size) and report "
+              "the ratio.")
+def benchmark_cmd(inv: Invocation, device: DeviceChoice, size: int,
+                  cpu_page_size: tuple[str, ...], world_size: int,
+                  blocks_per_transfer: int | None, repeat: int,
+                  pattern: tuple[PatternChoice, ...], threads: int | None,
+                  huge_pages: bool) -> Outcome:
     """Create a scratch region, measure pre-fault and the copy workers' store and load
     throughput for each block size and block-id pattern, and a plain memcpy of the same
     bytes as the baseline; on CUDA both pinned and pageable. The region is removed at the
@@ -132,13 +128,12 @@ def benchmark_cmd(
     passive_openmp()  # before torch loads: see its docstring
 
     shm_dir = shm_dir_checked(inv)
-    size_bytes = parse_size(size, what="--size")
     blocks = _block_sizes(cpu_page_size)
     patterns = tuple(p.value for p in pattern) if pattern else tuple(
         p.value for p in PatternChoice)
     resolved = resolve_device(device.value)
     config = BenchConfig(
-        shm_dir=shm_dir, device=resolved, size_bytes=size_bytes, block_sizes=blocks,
+        shm_dir=shm_dir, device=resolved, size_bytes=size, block_sizes=blocks,
         world_size=world_size, blocks_per_transfer=blocks_per_transfer, repeat=repeat,
         patterns=patterns, populate_threads=threads or max(1, min(8, os.cpu_count() or 1)),
         huge_pages=huge_pages)
@@ -154,7 +149,7 @@ def _gbps(value: float) -> str:
     return f"{value:.2f}"
 
 
-def _render(out: Console, report: BenchReport) -> None:
+def _render(out: Out, report: BenchReport) -> None:
     """Plain lines and a table of one line per row, never cut (as inspect and gc print)."""
     lines = [f"Device    {report.device}: {report.device_name}; torch {report.torch_version}, "
              f"{report.torch_threads} intra-op thread(s)",

@@ -1,15 +1,16 @@
 """What every subcommand shares: common options, the JSON envelope, the error boundary.
 
-A subcommand is a function `(inv: Invocation, **its_options) -> Outcome`.
-`subcommand()` adds `--shm-dir`, `--json`, `-v` and `-q` to its signature,
-runs it inside the one error boundary and renders the outcome, so each
-command module is only: parse, call the core, describe the result.
+A subcommand is a function `(inv: Invocation, **its_options) -> Outcome`
+under click's option decorators. `subcommand()` makes it a click command with
+`--shm-dir`, `--json`, `-v` and `-q`, runs it inside the one error boundary
+and renders the outcome, so each command module is only: parse, call the
+core, describe the result. rich is imported only for what a terminal shows
+(progress bars, coloured warnings); tables and messages are plain text.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import io
 import json
 import logging
@@ -21,9 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import typer
+import click
+from click.core import ParameterSource
 
 from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.exit_status import ExitStatus
@@ -54,17 +56,25 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *,
     return "\n".join(out)
 
 
-def write_text(out: Console, text: str) -> None:
+class Out:
+    """A stream for people: plain text, control characters shown as `\\xNN`.
+
+    Names and manifest fields come from other users; an ESC sequence among
+    them must not reach the operator's terminal. `print` takes rich's keyword
+    arguments and ignores them: nothing here is markup.
+    """
+
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+
+    def print(self, *objects: object, sep: str = " ", **_rich_style: object) -> None:
+        write_text(self, sep.join(str(o) for o in objects))
+
+
+def write_text(out: Out | Console, text: str) -> None:
     """Plain text on `out`'s stream as is: no markup, no wrapping, no emoji codes."""
     out.file.write("".join(printable(line) + "\n" for line in text.split("\n")))
     out.file.flush()
-
-
-def _pipe_width() -> int | None:
-    """Rich output piped to grep or a file is not cut to 80 columns; a terminal sets its own."""
-    if sys.stdout.isatty() or "COLUMNS" in os.environ:
-        return None
-    return 200
 
 
 @functools.cache
@@ -106,7 +116,7 @@ class Outcome:
     data: dict[str, Any]
     exit_code: ExitStatus = ExitStatus.SUCCESS
     errors: list[dict[str, str]] = field(default_factory=list)
-    render: Callable[[Console], None] | None = None
+    render: Callable[[Out], None] | None = None
 
 
 class _WarningCollector(logging.Handler):
@@ -136,12 +146,16 @@ class Invocation:
     warnings: list[dict[str, str]] = field(default_factory=list)
 
     @cached_property
-    def out(self) -> Console:
-        """stdout for people: created (and rich imported) only when something is rendered."""
-        return safe_console(self.out_file, soft_wrap=False, width=_pipe_width())
+    def out(self) -> Out:
+        return Out(self.out_file)
 
     @cached_property
-    def err(self) -> Console:
+    def err(self) -> Out:
+        return Out(sys.stderr)
+
+    @cached_property
+    def terminal(self) -> Console:
+        """stderr as rich sees it: for a progress bar or a coloured warning on a terminal."""
         return safe_console(sys.stderr, stderr=True)
 
     def warn(self, code: str, message: str) -> None:
@@ -151,7 +165,7 @@ class Invocation:
         if sys.stderr.isatty():
             from rich.markup import escape
 
-            self.err.print(f"[yellow]Warning:[/] {escape(message)}", soft_wrap=True)
+            self.terminal.print(f"[yellow]Warning:[/] {escape(message)}", soft_wrap=True)
         else:
             sys.stderr.write(f"Warning: {printable(message)}\n")
 
@@ -180,7 +194,7 @@ class Invocation:
 
         with Progress("[progress.description]{task.description}", BarColumn(),
                       DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                      TimeRemainingColumn(), console=self.err, transient=True) as bar:
+                      TimeRemainingColumn(), console=self.terminal, transient=True) as bar:
             task = bar.add_task(description, total=total)
             yield lambda done, total: bar.update(task, completed=done, total=total)
 
@@ -274,82 +288,108 @@ def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
 
 # -- common options -------------------------------------------------------------
 
-ShmDirOpt = Annotated[Path, typer.Option(
-    "--shm-dir", envvar=SHM_DIR_ENV, show_envvar=True, file_okay=False, metavar="DIR",
-    help="Directory that holds the regions.", show_default=True)]
-JsonOpt = Annotated[bool, typer.Option(
-    "--json", help="Print exactly one JSON document on stdout, nothing else: the envelope "
-    "with this command's data (JSON OUTPUT in vllm-offload(1)).")]
-VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
-                                         help="More diagnostics on stderr (repeatable).")]
-QuietOpt = Annotated[int, typer.Option("--quiet", "-q", count=True,
-                                       help="Fewer diagnostics on stderr (repeatable).")]
-
-# --json, -v and -q: every command, the fleet's included (which has its own --shm-dir)
-OUTPUT_PARAMS = [
-    inspect.Parameter("json_output", inspect.Parameter.KEYWORD_ONLY, annotation=JsonOpt,
-                      default=False),
-    inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, annotation=VerboseOpt,
-                      default=0),
-    inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=QuietOpt,
-                      default=0),
-]
-_COMMON = [
-    inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=ShmDirOpt,
-                      default=Path("/dev/shm")),
-    *OUTPUT_PARAMS,
-]
+COMMON = ("shm_dir", "json_output", "verbose", "quiet")
+ALIASES = {"gc": "garbage-collect"}
 
 
-def make_invocation(command: str, *, shm_dir: Path, json_output: bool, verbose: int,
-                    quiet: int) -> Invocation:
-    return Invocation(command=command, shm_dir=shm_dir, json_output=json_output,
-                      verbosity=verbose - quiet)
+class Group(click.Group):
+    """A command group that also answers to the aliases (`gc` for `garbage-collect`)."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return super().get_command(ctx, ALIASES.get(cmd_name, cmd_name))
+
+
+def output_params() -> list[click.Parameter]:
+    """--json, -v and -q: every command has them, the fleet's included."""
+    return [
+        click.Option(["--json", "json_output"], is_flag=True, help="Print exactly one JSON "
+                     "document on stdout, nothing else: the envelope with this command's data "
+                     "(JSON OUTPUT in vllm-offload(1))."),
+        click.Option(["--verbose", "-v"], count=True, show_default=False,
+                     help="More diagnostics on stderr (repeatable)."),
+        click.Option(["--quiet", "-q"], count=True, show_default=False,
+                     help="Fewer diagnostics on stderr (repeatable)."),
+    ]
+
+
+def common_params() -> list[click.Parameter]:
+    """--shm-dir, --json, -v and -q: accepted before the command name and after it."""
+    return [click.Option(["--shm-dir", "shm_dir"], type=click.Path(file_okay=False,
+                                                                   path_type=Path),
+                         default=Path("/dev/shm"), envvar=SHM_DIR_ENV, show_envvar=True,
+                         metavar="DIR", help="Directory that holds the regions."),
+            *output_params()]
+
+
+def _typed(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+
+
+def common_values(ctx: click.Context, values: dict[str, Any]
+                  ) -> tuple[Path | None, bool, int]:
+    """Take the common options out of `values`: (shm_dir, json, verbosity).
+
+    Those typed before the command name count too: `--json` and `-v`/`-q`
+    wherever they are; a --shm-dir typed after the command name wins over one
+    typed before it, which wins over $VLLM_OFFLOAD_SHM_DIR and the default.
+    """
+    own = {name: values.pop(name) for name in COMMON if name in values}
+    root = ctx.find_root()
+    given = root.params if root is not ctx else {}
+    shm_dir = own.get("shm_dir")
+    if given and _typed(root, "shm_dir") and not _typed(ctx, "shm_dir"):
+        shm_dir = given["shm_dir"]
+    json_output = bool(own["json_output"] or given.get("json_output"))
+    verbosity = own["verbose"] + given.get("verbose", 0) - own["quiet"] - given.get("quiet", 0)
+    return shm_dir, json_output, verbosity
+
+
+def invocation(command: str, ctx: click.Context, values: dict[str, Any]) -> Invocation:
+    shm_dir, json_output, verbosity = common_values(ctx, values)
+    return Invocation(command=command, shm_dir=shm_dir or Path("/dev/shm"),
+                      json_output=json_output, verbosity=verbosity)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Subcommand:
-    """A subcommand with the common options, ready for `cli.app` to add.
+    """A click command with the common options, and the body the fleet runs on each node.
 
     Subcommand modules only build these; `cli.app` imports one when its name is
-    asked for and registers it, so imports run one way (app -> subcommands ->
-    common).
+    asked for, so imports run one way (app -> subcommands -> common).
     """
 
-    name: str
-    callback: Callable[..., None]
-    aliases: tuple[str, ...] = ()
-    typer_kw: Mapping[str, Any] = field(default_factory=dict)
-    body: Callable[..., Outcome] | None = None  # fn(inv, **own_options): parse, core, describe
+    command: click.Command
+    body: Callable[..., Outcome]  # fn(inv, **own_options): parse, call the core, describe
 
-    def register(self, app: typer.Typer) -> None:
-        app.command(self.name, **self.typer_kw)(self.callback)
-        alias_kw = {k: v for k, v in self.typer_kw.items() if k != "hidden"}
-        for alias in self.aliases:
-            app.command(alias, hidden=True, **alias_kw)(self.callback)
+    @property
+    def name(self) -> str:
+        return str(self.command.name)
+
+    def defaults(self) -> dict[str, Any]:
+        """Each own option's value when it is not given, as the command line would pass it."""
+        with self.command.make_context(self.name, []) as ctx:
+            return {k: v for k, v in ctx.params.items() if k not in COMMON}
 
 
-def subcommand(name: str, *, aliases: tuple[str, ...] = (),
-               **typer_kw: Any) -> Callable[[Callable[..., Outcome]], Subcommand]:
-    """Wrap `fn(inv, **opts) -> Outcome` as a subcommand with the common options."""
+def subcommand(name: str, *, help: str | None = None
+               ) -> Callable[[Callable[..., Outcome]], Subcommand]:
+    """Make `fn(inv, **opts) -> Outcome`, decorated with click options, a subcommand.
+
+    `help` is the line in the command list; the docstring is the full help.
+    The command gets the common options and runs `fn` inside the error boundary.
+    """
 
     def build(fn: Callable[..., Outcome]) -> Subcommand:
-        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
-               if p.name != "inv"]
+        cmd = click.command(name, short_help=help)(fn)
+        cmd.params.extend(common_params())
 
-        @functools.wraps(fn)
-        def command(**kwargs: Any) -> None:
-            common = {p.name: kwargs.pop(p.name) for p in _COMMON}
-            inv = make_invocation(name, **common)
-            code = run_boundary(inv, lambda: fn(inv, **kwargs))
-            if code:
-                raise typer.Exit(code)
+        def run(**values: Any) -> None:
+            ctx = click.get_current_context()
+            inv = invocation(name, ctx, values)
+            ctx.exit(run_boundary(inv, lambda: fn(inv, **values)))
 
-        del command.__wrapped__  # typer must see the new signature, not fn's
-        command.__signature__ = inspect.Signature(own + _COMMON)  # type: ignore[attr-defined]
-        command.__annotations__ = {p.name: p.annotation for p in own + _COMMON}
-        return Subcommand(name=name, callback=command, aliases=aliases,
-                          typer_kw=dict(typer_kw), body=fn)
+        cmd.callback = run
+        return Subcommand(command=cmd, body=fn)
 
     return build
 
@@ -380,12 +420,10 @@ def envelope_of(sub: Subcommand, options: Mapping[str, Any], *, shm_dir: Path,
 
     The same body, error boundary and warning collection as the command line,
     so a caller (the fleet's per-node task) gets exactly what `sub --json`
-    prints on that machine. A bug becomes an `internal_error` envelope and its
-    traceback goes to stderr.
+    prints on that machine; options not in `options` take their defaults. A
+    bug becomes an `internal_error` envelope and its traceback goes to stderr.
     """
-    if sub.body is None:
-        raise TypeError(f"{sub.name} was not built by subcommand()")
-    body = sub.body
+    body, options = sub.body, {**sub.defaults(), **options}
     inv = Invocation(command=sub.name, shm_dir=shm_dir, json_output=True, verbosity=verbosity,
                      out_file=io.StringIO())
     undo = _configure_logging(inv)

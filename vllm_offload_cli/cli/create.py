@@ -6,11 +6,12 @@ import enum
 import os
 import signal
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Any
 
-import typer
+import click
 
-from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.params import EnumChoice, Size
 from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     RegionBusyError,
@@ -19,13 +20,10 @@ from vllm_offload_cli.core.base.errors import (
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import shortened
-from vllm_offload_cli.core.base.units import format_bytes, parse_size
+from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
 from vllm_offload_cli.core.system.numa import parse_cpulist
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 
 class _Released(Exception):  # noqa: N818 - a signal, not an error
@@ -149,15 +147,14 @@ def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _geometry(world_size: int, cpu_page_size: str, num_blocks: int | None,
-              size: str | None, inv: Invocation) -> Geometry:
-    if (num_blocks is None) == (size is None):
+def _geometry(world_size: int, page: int, num_blocks: int | None,
+              total: int | None, inv: Invocation) -> Geometry:
+    if (num_blocks is None) == (total is None):
         raise InvalidInputError("give exactly one of --num-blocks and --size",
                                 code="invalid_geometry")
     if world_size <= 0:
         raise InvalidInputError(f"--world-size must be greater than 0, got {world_size}",
                                 code="invalid_geometry")
-    page = parse_size(cpu_page_size, what="--cpu-page-size")
     if page <= 0:
         raise InvalidInputError("--cpu-page-size must be greater than 0", code="invalid_geometry")
     if num_blocks is not None:
@@ -166,73 +163,69 @@ def _geometry(world_size: int, cpu_page_size: str, num_blocks: int | None,
                                     code="invalid_geometry")
         return Geometry.for_workers(num_blocks=num_blocks, world_size=world_size,
                                     cpu_page_size=page)
-    assert size is not None
-    total = parse_size(size, what="--size")
+    assert total is not None
     if total <= 0:
         raise InvalidInputError("--size must be greater than 0", code="invalid_geometry")
     geometry, rest = geometry_from_size(total, world_size=world_size, cpu_page_size=page)
     if rest:
-        inv.warn("size_rounded", f"--size {size} is not a whole number of rows; using "
+        inv.warn("size_rounded", f"--size of {total} bytes is not a whole number of rows; using "
                  f"{geometry.num_blocks} rows ({format_bytes(geometry.size_bytes)}), "
                  f"{rest} bytes unused")
     return geometry
 
 
 @subcommand("create")
-def create(
-    inv: Invocation,
-    engine_id: Annotated[str, typer.Argument(help="Engine id (base id with --dp-rank).",
-                                             show_default=False)],
-    world_size: Annotated[int, typer.Option("--world-size", help="Workers per replica "
-                                            "(one slot each in every row).")],
-    cpu_page_size: Annotated[str, typer.Option(
-        "--cpu-page-size", metavar="SIZE", help="Bytes per worker slot, e.g. 64KiB (K, M, G "
-        "and KiB, MiB, GiB are powers of 1024; KB, MB, GB powers of 1000).")],
-    dp_rank: Annotated[int | None, typer.Option("--dp-rank", help="Append _dp{N} to "
-                                                "the engine id, as vLLM does.")] = None,
-    num_blocks: Annotated[int | None, typer.Option("--num-blocks", help="Rows (KV blocks).")
-                          ] = None,
-    size: Annotated[str | None, typer.Option(
-        "--size", metavar="SIZE", help="Total size, e.g. 4GiB or 4G; rounded down to whole "
-        "rows (the size made is printed).")] = None,
-    no_populate: Annotated[bool, typer.Option("--no-populate", help="Do not pre-fault; "
-                                              "memory is then allocated on first use.")] = False,
-    hold: Annotated[bool, typer.Option("--hold", help="Hold the region until SIGINT/SIGTERM, "
-                                       "then remove it.")] = False,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, show_default="min(8, CPUs)",
-                                                help="Pre-fault threads.")] = None,
-    numa_node: Annotated[str | None, typer.Option(
-        "--numa-node", metavar="NODES", show_default=False,
-        help="Place the region's pages on this NUMA node (or list, e.g. 0-1 for "
-        "interleave) before pre-fault.")] = None,
-    numa_policy: Annotated[NumaPolicy | None, typer.Option(
-        "--numa-policy", show_default="bind with --numa-node",
-        help="bind: only these nodes; interleave: round-robin over them (default: all "
-        "nodes); preferred: this node first.")] = None,
-    huge_pages: Annotated[HugePages, typer.Option(
-        "--huge-pages", help="Transparent huge pages: always (error, exit 5, where the "
-        "kernel refuses), auto (warn and continue), never.")] = HugePages.never,
-    segments: Annotated[int | None, typer.Option(
-        "--segments", min=1, show_default="as --vllm-layout makes them",
-        help="Split into exactly this many files .mmap, .mmap.1, ... as vLLM does (1 for "
-        "the tiering spec); a count vLLM could not make at this size (a file under 1 GiB) "
-        "is refused.")] = None,
-    owner: Annotated[str | None, typer.Option(
-        "--owner", metavar="USER[:GROUP]", show_default=False,
-        help="Give the region's files and manifest to this user (and group), as `install "
-        "-o -g` does: root pre-creates a region that an engine running as that user joins. "
-        "Names or numbers; root only, unless it is yourself.")] = None,
-    mode: Annotated[str, typer.Option(
-        "--mode", metavar="MODE", help="The region files' permission bits, octal (as "
-        "`install -m`): the owner must read and write them, and group or other bits are "
-        "refused, because an engine refuses to join a region others can open.")] = "0600",
-    vllm_layout: Annotated[VllmLayout, typer.Option(
-        "--vllm-layout", help="Files as the joining vLLM makes them: segmented (.mmap, "
-        ".mmap.1, ...: min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file "
-        "(vLLM 0.31 and 0.32, every tiering spec), or auto: what the CPU spec of the vLLM "
-        "installed here makes (segmented when none is found).")] = VllmLayout.auto,
-) -> Outcome:
+@click.argument("engine_id")
+@click.option("--world-size", type=int, required=True, metavar="N",
+              help="Workers per replica (one slot each in every row).")
+@click.option("--cpu-page-size", type=Size(), required=True, help="Bytes per worker slot, "
+              "e.g. 64KiB (K, M, G and KiB, MiB, GiB are powers of 1024; KB, MB, GB powers of "
+              "1000).")
+@click.option("--dp-rank", type=int, metavar="N", help="Append _dp{N} to the engine id, as "
+              "vLLM does.")
+@click.option("--num-blocks", type=int, metavar="N", help="Rows (KV blocks).")
+@click.option("--size", type=Size(), help="Total size, e.g. 4GiB or 4G; rounded down to whole "
+              "rows (the size made is printed).")
+@click.option("--no-populate", is_flag=True, help="Do not pre-fault; memory is then allocated "
+              "on first use.")
+@click.option("--hold", is_flag=True, help="Hold the region until SIGINT/SIGTERM, then remove "
+              "it.")
+@click.option("--threads", type=click.IntRange(min=1), metavar="N",
+              show_default="min(8, CPUs)", help="Pre-fault threads.")
+@click.option("--numa-node", metavar="NODES", help="Place the region's pages on this NUMA node "
+              "(or list, e.g. 0-1 for interleave) before pre-fault.")
+@click.option("--numa-policy", type=EnumChoice(NumaPolicy), show_default="bind with "
+              "--numa-node", help="bind: only these nodes; interleave: round-robin over them "
+              "(default: all nodes); preferred: this node first.")
+@click.option("--huge-pages", type=EnumChoice(HugePages), default=HugePages.never.value,
+              help="Transparent huge pages: always (error, exit 5, where the kernel refuses), "
+              "auto (warn and continue), never.")
+@click.option("--segments", type=click.IntRange(min=1), metavar="N",
+              show_default="as --vllm-layout makes them",
+              help="Split into exactly this many files .mmap, .mmap.1, ... as vLLM does (1 for "
+              "the tiering spec); a count vLLM could not make at this size (a file under 1 GiB) "
+              "is refused.")
+@click.option("--owner", metavar="USER[:GROUP]", help="Give the region's files and manifest "
+              "to this user (and group), as `install -o -g` does: root pre-creates a region "
+              "that an engine running as that user joins. Names or numbers; root only, unless "
+              "it is yourself.")
+@click.option("--mode", default="0600", metavar="MODE", help="The region files' permission "
+              "bits, octal (as `install -m`): the owner must read and write them, and group or "
+              "other bits are refused, because an engine refuses to join a region others can "
+              "open.")
+@click.option("--vllm-layout", type=EnumChoice(VllmLayout), default=VllmLayout.auto.value,
+              help="Files as the joining vLLM makes them: segmented (.mmap, .mmap.1, ...: "
+              "min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file (vLLM 0.31 and "
+              "0.32, every tiering spec), or auto: what the CPU spec of the vLLM installed here "
+              "makes (segmented when none is found).")
+def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
+           dp_rank: int | None, num_blocks: int | None, size: int | None, no_populate: bool,
+           hold: bool, threads: int | None, numa_node: str | None,
+           numa_policy: NumaPolicy | None, huge_pages: HugePages, segments: int | None,
+           owner: str | None, mode: str, vllm_layout: VllmLayout) -> Outcome:
     """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
+
+    ENGINE_ID is the region's name (the base id when --dp-rank is given).
 
     Without --hold the region stays and is marked persistent, pre-provisioned for
     an engine to join; `gc` keeps it unless given --include-persistent. Root
@@ -398,7 +391,7 @@ def hand_over(paths: list[str], manifest_path: str, uid: int, gid: int, mode: in
             os.close(fd)
 
 
-def _render(out: Console, data: dict[str, Any]) -> None:
+def _render(out: Out, data: dict[str, Any]) -> None:
     g = data["geometry"]
     out.print(f"Created {data['path']}")
     if len(data["paths"]) > 1:

@@ -19,28 +19,34 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import typer
-from rich.console import Console
+import click
 
 from vllm_offload_cli import __version__
 from vllm_offload_cli.cli import gc, verify
 from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.common import (
-    OUTPUT_PARAMS,
+    COMMON,
     SHM_DIR_ENV,
+    Group,
+    Invocation,
     Outcome,
     Subcommand,
+    common_values,
     envelope_of,
-    make_invocation,
+    output_params,
     run_boundary,
+    safe_console,
 )
+from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
-from vllm_offload_cli.core.base.units import parse_duration
 from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
 from vllm_offload_cli.fleet.result import FleetResult
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -62,28 +68,21 @@ def node_task(command: str, options: dict[str, Any], shm_dir: str | None) -> dic
     return doc
 
 
-FleetShmDirOpt = Annotated[Path | None, typer.Option(
-    "--shm-dir", file_okay=False, show_default=False,
-    help="Directory that holds the regions on every node (default: each node's own "
-    f"${SHM_DIR_ENV}, else /dev/shm).")]
-AddressOpt = Annotated[str | None, typer.Option(
-    "--address", metavar="ADDR", show_default=False,
-    help="Ray cluster to use, as for ray.init (e.g. head:6379 or ray://head:10001); default "
-    "$RAY_ADDRESS, else 'auto' (the cluster this host belongs to).")]
-TimeoutOpt = Annotated[str, typer.Option(
-    "--timeout", metavar="DURATION",
-    help="Report a node that has not answered by then as timed out; the others' "
-    "results are still shown (exit 7). Seconds, or 90s, 5m, 1h.")]
-
-_FLEET_PARAMS = [
-    inspect.Parameter("address", inspect.Parameter.KEYWORD_ONLY, annotation=AddressOpt,
-                      default=None),
-    inspect.Parameter("timeout", inspect.Parameter.KEYWORD_ONLY, annotation=TimeoutOpt,
-                      default=f"{DEFAULT_TIMEOUT:g}s"),
-    inspect.Parameter("shm_dir", inspect.Parameter.KEYWORD_ONLY, annotation=FleetShmDirOpt,
-                      default=None),
-    *OUTPUT_PARAMS,
-]
+def _fleet_params() -> list[click.Parameter]:
+    return [
+        click.Option(["--address"], metavar="ADDR", show_default=False,
+                     help="Ray cluster to use, as for ray.init (e.g. head:6379 or "
+                     "ray://head:10001); default $RAY_ADDRESS, else 'auto' (the cluster this "
+                     "host belongs to)."),
+        click.Option(["--timeout"], type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
+                     help="Report a node that has not answered by then as timed out; the "
+                     "others' results are still shown (exit 7). Seconds, or 90s, 5m, 1h."),
+        click.Option(["--shm-dir", "shm_dir"], type=click.Path(file_okay=False, path_type=Path),
+                     metavar="DIR", show_default=False,
+                     help="Directory that holds the regions on every node (default: each "
+                     f"node's own ${SHM_DIR_ENV}, else /dev/shm)."),
+        *output_params(),
+    ]
 
 
 def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
@@ -101,56 +100,46 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
                        timeout=timeout)
 
 
-def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
-                   render: Callable[[Console, FleetResult, int], None]) -> Callable[..., None]:
+def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, short_help: str,
+                   render: Callable[[Console, FleetResult, int], None]) -> click.Command:
     """A fleet command with the node-local command's own options (less `fixed` ones)."""
-    assert local.body is not None
-    own = [p for p in inspect.signature(local.body, eval_str=True).parameters.values()
-           if p.name != "inv" and p.name not in fixed]
+    own = [p for p in local.command.params if p.name not in fixed and p.name not in COMMON]
     name = f"fleet {local.name}"
 
-    def command(**kwargs: Any) -> None:
-        address, timeout = kwargs.pop("address"), kwargs.pop("timeout")
-        shm_dir = kwargs.pop("shm_dir")
-        inv = make_invocation(name, shm_dir=shm_dir or Path("/dev/shm"),
-                              json_output=kwargs.pop("json_output"),
-                              verbose=kwargs.pop("verbose"), quiet=kwargs.pop("quiet"))
+    def run(**values: Any) -> None:
+        ctx = click.get_current_context()
+        address, timeout = values.pop("address"), values.pop("timeout")
+        shm_dir, json_output, verbosity = common_values(ctx, values)
+        inv = Invocation(command=name, shm_dir=shm_dir or Path("/dev/shm"),
+                         json_output=json_output, verbosity=verbosity)
 
         def body() -> Outcome:
             if shm_dir is not None and not shm_dir.is_absolute():
                 raise InvalidInputError(f"--shm-dir {shm_dir} must be an absolute path: it "
                                         "is used on every node", code="usage")
-            seconds = parse_duration(str(timeout), what="--timeout")
-            if seconds <= 0:
-                raise InvalidInputError("--timeout must be more than 0", code="usage")
-            result = run_fleet(local.name, {**kwargs, **fixed}, shm_dir=shm_dir,
-                               address=address, timeout=seconds)
+            result = run_fleet(local.name, {**values, **fixed}, shm_dir=shm_dir,
+                               address=address, timeout=timeout)
             for w in result.warnings(__version__):
                 inv.warn(w["code"], w["message"])
             return Outcome(data=result.data(), exit_code=result.exit_code,
-                           errors=result.errors(),
-                           render=lambda out: render(out, result, inv.verbosity))
+                           errors=result.errors(), render=lambda out: render(
+                               safe_console(out.file, soft_wrap=False), result, inv.verbosity))
 
-        code = run_boundary(inv, body)
-        if code:
-            raise typer.Exit(code)
+        ctx.exit(run_boundary(inv, body))
 
-    command.__doc__ = doc
-    command.__name__ = local.name.replace("-", "_")
-    command.__signature__ = inspect.Signature(own + _FLEET_PARAMS)  # type: ignore[attr-defined]
-    command.__annotations__ = {p.name: p.annotation for p in own + _FLEET_PARAMS}
-    return command
+    return click.Command(local.name, callback=run, params=[*own, *_fleet_params()],
+                         help=inspect.cleandoc(doc), short_help=short_help)
 
 
-fleet_app = typer.Typer(
-    name="fleet", no_args_is_help=True, add_completion=False,
-    help="Run inspect, gc or verify-rank-layout on every node of a Ray cluster at once "
-    "(needs the ray extra).")
+fleet_app = Group(
+    "fleet", no_args_is_help=True,
+    help="Run inspect, gc or verify-rank-layout on every node of a Ray cluster at once (needs "
+    "the ray extra).")
 
-fleet_app.command("inspect", short_help="inspect on every node: one table with a NODE column.")(
-    _fleet_command(inspect_cli.inspect_cmd, {"fmt": inspect_cli.Format.table, "output": None,
-                                               "timeout": NODE_TIMEOUT},
-                   """inspect on every node: one table with a NODE column.
+fleet_app.add_command(_fleet_command(
+    inspect_cli.inspect_cmd, {"fmt": inspect_cli.Format.table, "output": None,
+                              "timeout": NODE_TIMEOUT},
+    """inspect on every node: one table with a NODE column.
 
     Runs `vllm-offload inspect --json` on each alive node of the Ray cluster
     (one task pinned per node) and merges the answers. A node that fails or
@@ -158,10 +147,12 @@ fleet_app.command("inspect", short_help="inspect on every node: one table with a
     important node status (see EXIT STATUS), 7 (partial) when a node did not
     answer and no node reported worse; nodes without a named region are
     skipped (exit 2 only when no node has it).
-    """, lambda out, result, _: render_inspect(out, result)))
+    """, "inspect on every node: one table with a NODE column.",
+    lambda out, result, _: render_inspect(out, result)))
 
-_gc = _fleet_command(gc.garbage_collect, {"prometheus": None, "timeout": NODE_TIMEOUT},
-                     """garbage-collect on every node.
+fleet_app.add_command(_fleet_command(
+    gc.garbage_collect, {"prometheus": None, "timeout": NODE_TIMEOUT},
+    """garbage-collect on every node.
 
     It is node-local garbage-collect, run on each node: every safety rule
     holds there, and a node that refuses (exit 6, e.g. it cannot see all of
@@ -169,17 +160,16 @@ _gc = _fleet_command(gc.garbage_collect, {"prometheus": None, "timeout": NODE_TI
     the whole plan, node by node, and changes nothing. Exit status: the most
     important node status (see EXIT STATUS), 7 (partial) when a node failed or
     did not answer and no node reported worse.
-    """, lambda out, result, verbosity: render_gc(out, result, quiet=verbosity < 0))
-fleet_app.command("garbage-collect", short_help="garbage-collect on every node; --dry-run "
-                  "shows the plan (alias: gc).")(_gc)
-fleet_app.command("gc", hidden=True)(_gc)
+    """, "garbage-collect on every node; --dry-run shows the plan (alias: gc).",
+    lambda out, result, verbosity: render_gc(out, result, quiet=verbosity < 0)))
 
-fleet_app.command("verify-rank-layout", short_help="verify-rank-layout on every node.")(
-    _fleet_command(verify.verify_rank_layout, {}, """verify-rank-layout on every node.
+fleet_app.add_command(_fleet_command(
+    verify.verify_rank_layout, {}, """verify-rank-layout on every node.
 
     Live mode (ENGINE_ID) checks the region on the node(s) that have it; nodes
     without it are skipped (exit 2 only when no node has it). Plan mode runs
     the plan on every node (useful with --devices env, which reads each node's
     CUDA_VISIBLE_DEVICES). Exit 3 when a node found problems, 7 when a node
     failed or did not answer (and no node reported worse; see EXIT STATUS).
-    """, lambda out, result, _: render_verify(out, result)))
+    """, "verify-rank-layout on every node.",
+    lambda out, result, _: render_verify(out, result)))

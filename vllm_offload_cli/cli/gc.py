@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Any
 
-import typer
+import click
 
 from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
     Invocation,
+    Out,
     Outcome,
     shm_dir_checked,
     subcommand,
     warn_useless_waiver,
 )
+from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
@@ -22,13 +24,10 @@ from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.text import shortened
-from vllm_offload_cli.core.base.units import format_bytes, parse_duration
+from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
 
 OUTPUT_FAILED = "output_failed"
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 
 def report_data(report: GcReport) -> dict[str, Any]:
@@ -67,40 +66,33 @@ def _kept_dict(k: Problem) -> dict[str, object]:
                                          for key, value in doc.items()}}
 
 
-@subcommand("garbage-collect", aliases=("gc",),
+@subcommand("garbage-collect",
             help="Remove provably stale regions and orphaned manifests (alias: gc).")
-def garbage_collect(
-    inv: Invocation,
-    engine_ids: Annotated[list[str] | None, typer.Argument(
-        metavar="ENGINE_ID", help="Only these regions (default: all).", show_default=False)] = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", "-n", help="Show what would be removed and why; change nothing.")] = False,
-    min_age: Annotated[str, typer.Option(
-        "--min-age", metavar="DURATION",
-        help="Keep regions changed or created less than this long ago (covers a creator "
-        "between O_EXCL and ftruncate): seconds, or 90s, 5m, 2h, 1d.")
-    ] = f"{DEFAULT_MIN_AGE:g}s",
-    include_persistent: Annotated[bool, typer.Option(
-        "--include-persistent", help="Also remove unused regions pre-provisioned by "
-        "`create`.")] = False,
-    all_users: Annotated[bool, typer.Option(
-        "--all-users", help="Root only: also remove other users' stale regions.")] = False,
-    prometheus: Annotated[Path | None, typer.Option(
-        "--prometheus", metavar="FILE", dir_okay=False,
-        help="Write node_exporter textfile metrics of this run to FILE, atomically.")] = None,
-    shm_private_to_namespace: Annotated[bool, typer.Option(
-        "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
-        "namespace (a container's own /dev/shm): trust this namespace's /proc. Waives only "
-        "the PID-namespace refusal, never hidepid.")] = False,
-    no_syslog: Annotated[bool, typer.Option(
-        "--no-syslog", help="Do not record removals in the system log (by default one line "
-        "per removed region, identifier vllm-offload; socket /dev/log, env "
-        "VLLM_OFFLOAD_SYSLOG_SOCKET).")] = False,
-    timeout: Annotated[str, typer.Option(
-        "--timeout", metavar="DURATION",
-        help="Stop after this long, report what was removed, exit 1: seconds, or 90s, 5m, "
-        "2h.")] = f"{DEFAULT_TIMEOUT:g}s",
-) -> Outcome:
+@click.argument("engine_ids", nargs=-1, metavar="[ENGINE_ID]...")
+@click.option("--dry-run", "-n", is_flag=True,
+              help="Show what would be removed and why; change nothing.")
+@click.option("--min-age", type=Duration(), default=f"{DEFAULT_MIN_AGE:g}s",
+              help="Keep regions changed or created less than this long ago (covers a creator "
+              "between O_EXCL and ftruncate): seconds, or 90s, 5m, 2h, 1d.")
+@click.option("--include-persistent", is_flag=True,
+              help="Also remove unused regions pre-provisioned by `create`.")
+@click.option("--all-users", is_flag=True,
+              help="Root only: also remove other users' stale regions.")
+@click.option("--prometheus", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Write node_exporter textfile metrics of this run to FILE, atomically.")
+@click.option("--shm-private-to-namespace", is_flag=True, help="The shm directory is used "
+              "only inside this PID namespace (a container's own /dev/shm): trust this "
+              "namespace's /proc. Waives only the PID-namespace refusal, never hidepid.")
+@click.option("--no-syslog", is_flag=True, help="Do not record removals in the system log (by "
+              "default one line per removed region, identifier vllm-offload; socket /dev/log, "
+              "env VLLM_OFFLOAD_SYSLOG_SOCKET).")
+@click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
+              help="Stop after this long, report what was removed, exit 1: seconds, or 90s, "
+              "5m, 2h; 0: already up.")
+def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
+                    min_age: float, include_persistent: bool, all_users: bool,
+                    prometheus: Path | None, shm_private_to_namespace: bool, no_syslog: bool,
+                    timeout: float) -> Outcome:
     """Remove provably stale regions and orphaned manifests; safe to run from cron.
 
     A region goes only when no process maps it or holds it open (unlinked
@@ -120,20 +112,18 @@ def garbage_collect(
     written for lack of space (1 for another write error). After --timeout it stops between regions,
     reports what it removed, and exits 1.
     """
-    min_age_s = parse_duration(str(min_age), what="--min-age")  # the fleet may pass 0.0
-    timeout_s = parse_duration(str(timeout), what="--timeout")
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run
         check_options,
         collect,
     )
 
-    check_options(GcOptions(min_age=min_age_s, all_users=all_users))
+    check_options(GcOptions(min_age=min_age, all_users=all_users))
     if prometheus is not None:  # before anything is removed: every removal gets reported
         metrics.check_writable(prometheus)
-    with deadline.within(timeout_s):
+    with deadline.within(timeout):
         report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
-                         min_age=min_age_s, include_persistent=include_persistent,
+                         min_age=min_age, include_persistent=include_persistent,
                          all_users=all_users,
                          shm_private_to_namespace=shm_private_to_namespace)
     data = report_data(report)
@@ -215,7 +205,7 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
     return out
 
 
-def _render(inv: Invocation, out: Console, report: GcReport,
+def _render(inv: Invocation, out: Out, report: GcReport,
             other_errors: list[dict[str, str]]) -> None:
     """Default: every decision. -q: only what was removed or failed (quiet cron mail).
 

@@ -12,16 +12,16 @@ ids from the region files in $VLLM_OFFLOAD_SHM_DIR (default /dev/shm).
 
 from __future__ import annotations
 
-import enum
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+
+import click
 
 from vllm_offload_cli import __version__
 from vllm_offload_cli.cli import datadoc
-from vllm_offload_cli.cli.params import element_type
+from vllm_offload_cli.cli.common import ALIASES
 from vllm_offload_cli.core.base.exit_status import PRECEDENCE, ExitStatus
 
 README = "README.md"
@@ -63,49 +63,55 @@ def command_tree() -> list[Cmd]:
     return _commands(root_command(), "")
 
 
-def _commands(group: Any, prefix: str) -> list[Cmd]:
+def _commands(group: click.Group, prefix: str) -> list[Cmd]:
     cmds = []
-    for name in sorted(group.commands):
-        cmd = group.commands[name]
+    ctx = click.Context(group)
+    for name in sorted(group.list_commands(ctx)):
+        cmd = group.get_command(ctx, name)
+        assert cmd is not None
         help_text = (cmd.help or "").strip()
         short = (cmd.short_help or help_text.split("\n")[0]).strip()
-        sub = getattr(cmd, "commands", None)
-        if sub is not None:
-            visible = tuple(n for n in sorted(sub) if not sub[n].hidden)
+        if isinstance(cmd, click.Group):
+            sub = click.Context(cmd)
+            visible = tuple(n for n in sorted(cmd.list_commands(sub))
+                            if not cmd.commands[n].hidden)
             cmds.append(Cmd(name=prefix + name, help=help_text, short=short, arguments=(),
                             options=(), hidden=bool(cmd.hidden), subcommands=visible))
             cmds += _commands(cmd, f"{prefix}{name} ")
             continue
         opts, args = [], []
         for p in cmd.params:
-            if p.param_type_name == "argument":
-                arg = (p.metavar or p.name).upper()
-                arg = arg if p.required else f"[{arg}]"
-                args.append(f"{arg}..." if p.nargs == -1 else arg)
-                continue
-            opts.append(_option(p))
+            if isinstance(p, click.Argument):
+                arg = (p.metavar or str(p.name)).upper()
+                if not p.metavar:
+                    arg = arg if p.required else f"[{arg}]"
+                args.append(arg)
+            elif isinstance(p, click.Option):
+                opts.append(_option(p))
         cmds.append(Cmd(name=prefix + name, help=help_text, short=short,
                         arguments=tuple(args), options=tuple(opts), hidden=bool(cmd.hidden)))
-    return cmds
+    for alias, target in ALIASES.items():  # listed hidden, as `Aliases:` in the man page
+        cmds += [replace(c, name=prefix + alias, hidden=True) for c in list(cmds)
+                 if c.name == prefix + target]
+    return sorted(cmds, key=lambda c: c.name)
 
 
-def _option(p: Any) -> Opt:
-    annotation = element_type(p.type_descriptor.annotation)  # typer dropped `| None`
-    info = p.type_descriptor.parameter_info
+def _option(p: click.Option) -> Opt:
     choices: tuple[str, ...] = ()
     kind = ""
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        choices = tuple(str(m.value) for m in annotation)
-    elif annotation is Path:
-        kind = "dir" if getattr(info, "file_okay", True) is False else "file"
+    if isinstance(p.type, click.Choice):
+        choices = tuple(str(c) for c in p.type.choices)
+    elif isinstance(p.type, click.Path):
+        kind = "dir" if not p.type.file_okay else "file"
     takes_value = not (p.is_flag or p.count)
     long = next((o for o in p.opts if o.startswith("--")), p.opts[0])
     default = None
     if takes_value and isinstance(p.show_default, str):
         default = p.show_default
-    elif takes_value and p.show_default and p.default is not None:
-        default = str(p.default.value if isinstance(p.default, enum.Enum) else p.default)
-    metavar = p.metavar or long.lstrip("-").upper().replace("-", "_")
+    elif takes_value and p.show_default is not False and p.default is not None:
+        default = str(p.default)
+    metavar = p.metavar or p.type.get_metavar(p, click.Context(click.Command(long))) or \
+        long.lstrip("-").upper().replace("-", "_")
     return Opt(names=tuple(p.opts) + tuple(p.secondary_opts), help=(p.help or "").strip(),
                takes_value=takes_value, metavar=metavar, choices=choices, kind=kind,
                default=default)

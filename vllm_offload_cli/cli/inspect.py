@@ -7,13 +7,14 @@ import enum
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Any
 
-import typer
+import click
 
 from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
     Invocation,
+    Out,
     Outcome,
     shm_dir_checked,
     subcommand,
@@ -21,23 +22,20 @@ from vllm_offload_cli.cli.common import (
     warn_useless_waiver,
     write_text,
 )
+from vllm_offload_cli.cli.params import Duration, EnumChoice
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import printable
-from vllm_offload_cli.core.base.units import format_age, format_bytes, parse_duration
+from vllm_offload_cli.core.base.units import format_age, format_bytes
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
 from vllm_offload_cli.core.system.processes import ProcessRef
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
 
 STATES = ("live", "creating", "persistent", "stale", "unknown")
 
@@ -123,38 +121,29 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 
 
 @subcommand("inspect")
-def inspect_cmd(
-    inv: Invocation,
-    engine_ids: Annotated[list[str] | None, typer.Argument(
-        metavar="ENGINE_ID", help="Only these regions (default: all).", show_default=False)] = None,
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")
-                   ] = Format.table,
-    output: Annotated[Path | None, typer.Option(
-        "--output", "-o", dir_okay=False,
-        help="With --format prometheus: write this node_exporter textfile atomically.")
-    ] = None,
-    no_residency: Annotated[bool, typer.Option(
-        "--no-residency", help="Skip what costs time per region: the mincore residency "
-        "scan and the holders' NUMA and huge-page placement (RESIDENT, NUMA and their JSON "
-        "fields are then null).")] = False,
-    wide: Annotated[bool, typer.Option(
-        "--wide", "-w", help="Table: every holder (pid, name, rank) instead of the count "
-        "and the first pid.")] = False,
-    shm_private_to_namespace: Annotated[bool, typer.Option(
-        "--shm-private-to-namespace", help="The shm directory is used only inside this PID "
-        "namespace: trust this namespace's /proc (regions are not shown `unknown` for it).")
-    ] = False,
-    timeout: Annotated[str, typer.Option(
-        "--timeout", metavar="DURATION",
-        help="Give up after this long (exit 1): seconds, or 90s, 5m, 2h.")
-    ] = f"{DEFAULT_TIMEOUT:g}s",
-    state: Annotated[State | None, typer.Option(
-        "--state", "-s", help="Only regions in this state; the table, JSON and --check "
-        "see only those.", show_default=False)] = None,
-    check: Annotated[bool, typer.Option(
-        "--check", help="Exit 3 when a region shown is stale or has a problem, 0 otherwise, "
-        "like `fuser -s`; with -q nothing is printed on stdout.")] = False,
-) -> Outcome:
+@click.argument("engine_ids", nargs=-1, metavar="[ENGINE_ID]...")
+@click.option("--format", "-f", "fmt", type=EnumChoice(Format), default=Format.table.value,
+              help="Output format.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              help="With --format prometheus: write this node_exporter textfile atomically.")
+@click.option("--no-residency", is_flag=True, help="Skip what costs time per region: the "
+              "mincore residency scan and the holders' NUMA and huge-page placement (RESIDENT, "
+              "NUMA and their JSON fields are then null).")
+@click.option("--wide", "-w", is_flag=True, help="Table: every holder (pid, name, rank) "
+              "instead of the count and the first pid.")
+@click.option("--shm-private-to-namespace", is_flag=True, help="The shm directory is used "
+              "only inside this PID namespace: trust this namespace's /proc (regions are not "
+              "shown `unknown` for it).")
+@click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
+              help="Give up after this long (exit 1): seconds, or 90s, 5m, 2h.")
+@click.option("--state", "-s", type=EnumChoice(State),
+              help="Only regions in this state; the table, JSON and --check see only those.")
+@click.option("--check", is_flag=True, help="Exit 3 when a region shown is stale or has a "
+              "problem, 0 otherwise, like `fuser -s`; with -q nothing is printed on stdout.")
+def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
+                output: Path | None, no_residency: bool, wide: bool,
+                shm_private_to_namespace: bool, timeout: float, state: State | None,
+                check: bool) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
     A region is `live` when any process maps it, holds it open or holds its lock;
@@ -180,7 +169,7 @@ def inspect_cmd(
         raise InvalidInputError("--state and --check go with the table and JSON; the "
                                 "textfile always has every region", code="usage")
     shm_dir = shm_dir_checked(inv)
-    with deadline.within(parse_duration(str(timeout), what="--timeout")):
+    with deadline.within(timeout):
         found = discover(shm_dir, engine_ids=engine_ids or None,
                          measure_residency=not no_residency,
                          shm_private_to_namespace=shm_private_to_namespace)
@@ -211,7 +200,7 @@ def inspect_cmd(
     flagged = [r.engine_id for r in found.regions if r.state == "stale" or r.problems]
     if check:
         data["check"] = {"flagged": flagged}
-    shown: Callable[[Console], None] | None = None
+    shown: Callable[[Out], None] | None = None
     if fmt is Format.prometheus:
         metrics.emit(_registry(found, placed, refusals), output)
         if output is not None:
@@ -224,7 +213,7 @@ def inspect_cmd(
             shown = lambda out: render_table(out, found, placed, wide=wide,  # noqa: E731
                                              why=inv.verbosity > 0)
 
-    def render(out: Console) -> None:
+    def render(out: Out) -> None:
         if shown is not None:
             shown(out)
         for e in not_found:
@@ -322,7 +311,7 @@ def _numa_text(p: Placement | None) -> str:
     return ",".join(parts)
 
 
-def render_table(out: Console, found: Inventory,
+def render_table(out: Out, found: Inventory,
                  placed: dict[str, Placement] | None = None, *, wide: bool = False,
                  why: bool = False) -> None:
     """One line per region at any width; problem codes in the row, sentences below."""

@@ -8,42 +8,37 @@ bytes the engine will map fit (exit 5).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Any
 
-import typer
+import click
 
-from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
+from vllm_offload_cli.cli.params import Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.problems import jsonable
-from vllm_offload_cli.core.base.units import format_bytes, parse_size
+from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region import capacity
 from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 
 @subcommand("preflight", help="Check (and clear) what an engine's start-up needs: a free "
             "engine_id and room for its region.")
-def preflight(
-    inv: Invocation,
-    engine_id: Annotated[str, typer.Argument(help="The engine_id the engine will be given "
-                                             "(the base id when --dp-size > 1).",
-                                             show_default=False)],
-    size: Annotated[str, typer.Option("--size", metavar="SIZE",
-                                      help="Bytes each replica's region maps, "
-                                      "e.g. 64GiB (vLLM's cpu_bytes_to_use).")],
-    dp_size: Annotated[int, typer.Option("--dp-size", min=1, help="Data-parallel replicas: "
-                                         "checks ENGINE_ID_dp0 .. _dp{N-1}.")] = 1,
-    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Say what would be "
-                                          "reclaimed; remove nothing.")] = False,
-    segments: Annotated[int | None, typer.Option(
-        "--segments", min=1, help="Segment files per region the engine expects (vLLM's CPU "
-        "spec: min(32, size // 1GiB); tiering: 1). Default: not compared.")] = None,
-) -> Outcome:
+@click.argument("engine_id")
+@click.option("--size", type=Size(), required=True, help="Bytes each replica's region maps, "
+              "e.g. 64GiB (vLLM's cpu_bytes_to_use).")
+@click.option("--dp-size", type=click.IntRange(min=1), default=1, metavar="N",
+              help="Data-parallel replicas: checks ENGINE_ID_dp0 .. _dp{N-1}.")
+@click.option("--dry-run", "-n", is_flag=True,
+              help="Say what would be reclaimed; remove nothing.")
+@click.option("--segments", type=click.IntRange(min=1), metavar="N", help="Segment files per "
+              "region the engine expects (vLLM's CPU spec: min(32, size // 1GiB); tiering: "
+              "1). Default: not compared.")
+def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run: bool,
+              segments: int | None) -> Outcome:
     """Refuse an engine_id held by a live process (exit 4), reclaim a provably stale
     leftover region of it, and check that the regions fit in the shm directory, the
-    memory cgroup and available memory (exit 5). Run it before `vllm serve`.
+    memory cgroup and available memory (exit 5). Run it before `vllm serve`, with
+    the ENGINE_ID the engine will be given (the base id when --dp-size > 1).
 
     An existing region is "ready" only with the size (and, with --segments, the
     segment count) the engine will map: a stale one of another shape is reclaimed,
@@ -57,7 +52,7 @@ def preflight(
     from vllm_offload_cli.engine.shape import RegionShape
 
     validate_engine_id(engine_id)
-    per_replica = parse_size(size, what="--size")
+    per_replica = size
     if per_replica <= 0:
         raise InvalidInputError("--size must be greater than 0", code="invalid_size")
     ids = [engine_id] if dp_size == 1 else [with_dp_rank(engine_id, k) for k in range(dp_size)]
@@ -95,7 +90,7 @@ _SAYS = {
 }
 
 
-def _render(out: Console, data: dict[str, Any]) -> None:
+def _render(out: Out, data: dict[str, Any]) -> None:
     for r in data["replicas"]:
         line = f"{r['engine_id']}: {_SAYS.get(r['action'], r['action'])}"
         if r["reclaimed_bytes"]:

@@ -9,27 +9,27 @@ bytes, or the region is not what it claims.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import typer
+import click
 
 from vllm_offload_cli.cli.common import (
     Invocation,
+    Out,
     Outcome,
     shm_dir_checked,
     subcommand,
     text_table,
     write_text,
 )
+from vllm_offload_cli.cli.params import ParsedChoice, Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
-from vllm_offload_cli.core.base.units import format_bytes, parse_size
+from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
 
 if TYPE_CHECKING:  # the planner and checker load only when the command runs
-    from rich.console import Console
-
     from vllm_offload_cli.core.layout.check import LiveCheck
     from vllm_offload_cli.core.layout.plan import LayoutPlan, WorkerPlan
 
@@ -38,39 +38,29 @@ _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.val
 
 @subcommand("verify-rank-layout",
             help="Prove that no two workers share bytes: plan a layout, or check a live region.")
-def verify_rank_layout(
-    inv: Invocation,
-    engine_id: Annotated[str | None, typer.Argument(
-        metavar="ENGINE_ID", show_default=False,
-        help="Check this existing region (live mode); without it, plan a layout.")] = None,
-    world_size: Annotated[int | None, typer.Option(
-        "--world-size", show_default=False,
-        help="Workers per replica (required to plan; for a region without a manifest, with "
-        "--cpu-page-size).")] = None,
-    dp_size: Annotated[int | None, typer.Option(
-        "--dp-size", show_default="1, or the number of --devices groups",
-        help="Plan: data-parallel replicas (default 1, or the number of --devices groups).")
-    ] = None,
-    devices: Annotated[str | None, typer.Option(
-        "--devices", metavar="SPEC", show_default="contiguous",
-        help="Plan: device index each worker's process sees, e.g. '0,2;1,3' (';' between "
-        "replicas, ',' between workers); or 'contiguous' (default: replica k on k*W..k*W+W-1), "
-        "'env' (split CUDA_VISIBLE_DEVICES into replicas; each worker sees its position in "
-        "the list), 'per-process' (each worker process sees only its own GPU, index 0).")
-    ] = None,
-    rank_source: Annotated[str | None, typer.Option(
-        "--rank-source", metavar="NAME", show_default=DEVICE_MODULO.name,
-        help=f"Plan: how a worker picks its slot (default {DEVICE_MODULO.name}). "
-        f"{_SOURCES_HELP}.")] = None,
-    no_dp_suffix: Annotated[bool, typer.Option(
-        "--no-dp-suffix",
-        help="Plan: replicas get no _dp{k} engine_id suffix (the multiprocessing path before "
-        "vLLM PR 47987).")] = False,
-    cpu_page_size: Annotated[str | None, typer.Option(
-        "--cpu-page-size", metavar="BYTES", show_default=False,
-        help="Live: bytes per worker slot, for a region without a manifest (e.g. 64KiB).")
-    ] = None,
-) -> Outcome:
+@click.argument("engine_id", required=False)
+@click.option("--world-size", type=int, metavar="N", help="Workers per replica (required to "
+              "plan; for a region without a manifest, with --cpu-page-size).")
+@click.option("--dp-size", type=int, metavar="N", show_default="1, or the number of --devices "
+              "groups", help="Plan: data-parallel replicas (default 1, or the number of "
+              "--devices groups).")
+@click.option("--devices", metavar="SPEC", show_default="contiguous",
+              help="Plan: device index each worker's process sees, e.g. '0,2;1,3' (';' between "
+              "replicas, ',' between workers); or 'contiguous' (default: replica k on "
+              "k*W..k*W+W-1), 'env' (split CUDA_VISIBLE_DEVICES into replicas; each worker "
+              "sees its position in the list), 'per-process' (each worker process sees only "
+              "its own GPU, index 0).")
+@click.option("--rank-source", type=ParsedChoice(list(RANK_SOURCES),
+                                                 lambda v: parse_rank_source(v).name),
+              show_default=DEVICE_MODULO.name, help=f"Plan: how a worker picks its slot "
+              f"(default {DEVICE_MODULO.name}). {_SOURCES_HELP}.")
+@click.option("--no-dp-suffix", is_flag=True, help="Plan: replicas get no _dp{k} engine_id "
+              "suffix (the multiprocessing path before vLLM PR 47987).")
+@click.option("--cpu-page-size", type=Size(), help="Live: bytes per worker slot, for a region "
+              "without a manifest (e.g. 64KiB).")
+def verify_rank_layout(inv: Invocation, engine_id: str | None, world_size: int | None,
+                       dp_size: int | None, devices: str | None, rank_source: str | None,
+                       no_dp_suffix: bool, cpu_page_size: int | None) -> Outcome:
     """Prove that no two workers share bytes.
 
     Plan mode (no ENGINE_ID) computes every replica's engine_id and every
@@ -85,8 +75,7 @@ def verify_rank_layout(
         return _plan(inv, world_size, dp_size, devices, rank_source, no_dp_suffix)
     _refuse("plan", ("--dp-size", dp_size is not None), ("--devices", devices is not None),
             ("--rank-source", rank_source is not None), ("--no-dp-suffix", no_dp_suffix))
-    page = None if cpu_page_size is None else parse_size(cpu_page_size, what="--cpu-page-size")
-    return _live(inv, engine_id, world_size, page)
+    return _live(inv, engine_id, world_size, cpu_page_size)
 
 
 def _refuse(mode: str, *given: tuple[str, bool]) -> None:
@@ -139,7 +128,7 @@ def _status(codes: tuple[str, ...]) -> str:
     return ",".join(codes) or "ok"
 
 
-def _render_plan(out: Console, plan: LayoutPlan) -> None:
+def _render_plan(out: Out, plan: LayoutPlan) -> None:
     suffix = "" if plan.dp_suffix else ", no _dp suffix"
     lines = [f"Plan: {plan.dp_size} replica(s) x {plan.world_size} worker(s); rank source "
              f"{plan.rank_source.name} ({plan.rank_source.description}); devices "
@@ -176,7 +165,7 @@ def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | N
     return _outcome(data, problems, lambda out: _render_live(out, check))
 
 
-def _render_live(out: Console, check: LiveCheck) -> None:
+def _render_live(out: Out, check: LiveCheck) -> None:
     lines = [f"Region {check.path} ({format_bytes(check.size_bytes)})"]
     g = check.geometry
     if g is not None:

@@ -67,7 +67,9 @@ def _probe(address: str, timeout: float) -> None:
     if address == "auto" or not host or not port.isdigit():
         return  # ray resolves these itself, quickly
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout, 10)).close()
+        # --timeout 0 (every node late) still gets an answer about the address
+        wait = min(timeout, 10.0) if timeout > 0 else 10.0
+        socket.create_connection((host.strip("[]"), int(port)), timeout=wait).close()
     except OSError as exc:
         raise OperationFailedError(
             f"cannot connect to the Ray cluster at {address!r}: {exc.strerror or exc}; pass "

@@ -1,6 +1,6 @@
 """Optional dependencies by job: which extra brings which module, and the one refusal.
 
-The base install (typer, rich, psutil, prometheus_client) runs every node-local
+The base install (click, rich, psutil, prometheus_client) runs every node-local
 command and the engine hook's steps. torch and numpy come with the `copy` extra:
 the copy workers, tensor views and `vllm-offload benchmark` need them, and inside
 a vLLM environment they are there anyway. An entry point that needs an extra
