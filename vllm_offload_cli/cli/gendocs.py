@@ -106,10 +106,11 @@ def _option(p: click.Option) -> Opt:
     takes_value = not (p.is_flag or p.count)
     long = next((o for o in p.opts if o.startswith("--")), p.opts[0])
     default = None
+    given = p.to_info_dict()["default"]  # None where there is none (click's documented view)
     if takes_value and isinstance(p.show_default, str):
         default = p.show_default
-    elif takes_value and p.show_default is not False and p.default is not None:
-        default = str(p.default)
+    elif takes_value and p.show_default is not False and given is not None:
+        default = str(given)
     metavar = p.metavar or p.type.get_metavar(p, click.Context(click.Command(long))) or \
         long.lstrip("-").upper().replace("-", "_")
     return Opt(names=tuple(p.opts) + tuple(p.secondary_opts), help=(p.help or "").strip(),
