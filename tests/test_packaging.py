@@ -319,6 +319,56 @@ def test_man_page_and_completions_land_where_tools_look(image_venv: Path) -> Non
         assert "man vllm-offload(1)" not in proc.stdout + proc.stderr
 
 
+def install_route() -> str:
+    """The install lines of contrib/README.md, as an operator pastes them."""
+    text = (REPO / "contrib" / "README.md").read_text()
+    block = text.split("<!-- install-route", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    return block.strip()
+
+
+@pytest.mark.slow  # a fresh venv or a build, once per session
+def test_the_documented_install_route_works(dists: dict[str, Path], tmp_path: Path,
+                                            shm_dir: Path) -> None:
+    """contrib/README.md's lines as written, from the built wheel, with / moved into
+    tmp_path: the command, the man page and the bash completion are where the units,
+    man and bash look, and `systemd-analyze verify` accepts the gc unit's
+    Documentation=man: line (pipx, which the files assumed, cannot do this on Debian 12)."""
+    if not SYSTEM_PYTHON.exists():
+        pytest.skip("no distribution python3 at /usr/bin/python3")
+    root = tmp_path / "root"
+    lines = [ln for ln in install_route().splitlines() if "apt-get" not in ln]
+    assert all(ln.startswith("sudo ") for ln in lines)
+    script = "\n".join(ln.removeprefix("sudo ") for ln in lines)
+    assert "pip install .\n" in script and "pipx" not in script
+    script = (script.replace("/opt/", f"{root}/opt/").replace("/usr/local/", f"{root}/usr/local/")
+              .replace("pip install .\n", f"pip install {shlex.quote(str(dists['wheel']))}\n")
+              .replace("python3 -m venv", f"{SYSTEM_PYTHON} -m venv"))
+    (root / "usr" / "local" / "bin").mkdir(parents=True)
+
+    proc = run(f"set -e\n{script}", env=venv_env(), timeout=INSTALL_TIMEOUT)
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exe = root / "usr" / "local" / "bin" / "vllm-offload"
+    version = run([str(exe), "--version"], env=venv_env(VLLM_OFFLOAD_SHM_DIR=str(shm_dir)))
+    assert version.returncode == 0 and __version__ in version.stdout, version.stderr
+    completion = root / "usr/local/share/bash-completion/completions/vllm-offload"
+    assert completion.read_bytes() == (REPO / "completions" / "vllm-offload.bash").read_bytes()
+    manpath = {"MANPATH": str(root / "usr" / "local" / "share" / "man")}
+    man = shutil.which("man")
+    if man is not None:
+        found = run([man, "-w", "vllm-offload"], env=venv_env(**manpath))
+        assert found.returncode == 0, found.stderr
+        assert Path(found.stdout.strip()).read_bytes() == (REPO / "man" / "vllm-offload.1"
+                                                           ).read_bytes()
+    analyze = shutil.which("systemd-analyze")
+    if analyze is not None and man is not None:
+        unit = tmp_path / "vllm-offload-gc.service"
+        unit.write_text((REPO / "contrib" / "systemd" / unit.name).read_text()
+                        .replace("/usr/local/bin/vllm-offload", str(exe)))
+        verified = run([analyze, "verify", str(unit)], env=venv_env(**manpath))
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
 def test_containerfile_installs_the_base_package_only() -> None:
     steps = containerfile_steps()
     (run_step,) = [args for instruction, args in steps if instruction == "RUN"]
