@@ -38,6 +38,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.region import ranks
 from vllm_offload_cli.core.region.segments import effective_segments, layout_of
 
@@ -239,7 +240,7 @@ class _Source:
                 if (isinstance(node, ast.Assign) and len(node.targets) == 1
                         and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name):
                     value = _int_expr(node.value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise UnsupportedVllm(f"{self.where(name)} is not a positive integer constant")
         return value
 

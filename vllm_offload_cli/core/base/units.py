@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from typing import TypeGuard
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 
@@ -127,3 +128,17 @@ def format_bytes(n: int | float | None, *, compact: bool = False) -> str:
             return f"{text} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """An int that is not a bool (Python and JSON both let True pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_problem(name: str, value: object, minimum: int = 1) -> str | None:
+    """Why `value` is not an integer of at least `minimum`, or None."""
+    if not is_int(value):
+        return f"{name} must be an integer, got {value!r}"
+    if value < minimum:
+        return f"{name} must be greater than {minimum - 1}, got {value}"
+    return None

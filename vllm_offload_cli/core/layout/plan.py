@@ -20,6 +20,7 @@ from typing import Any
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.problems import Problem, WorkerRef
 from vllm_offload_cli.core.base.text import joined
+from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.region.ranks import RankSource, WorkerPlace
 
 MAX_WORKERS = 65536  # a plan bigger than any host is a typo, not a layout
@@ -278,7 +279,7 @@ def plan_layout(
 
 
 def _require_count(option: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise InvalidInputError(f"{option} must be an integer greater than 0, got {value!r}",
                                 code="invalid_layout")
 

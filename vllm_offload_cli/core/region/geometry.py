@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.problems import Problem
+from vllm_offload_cli.core.base.units import int_problem, is_int
 
 PAGESIZE = mmap.PAGESIZE
 
@@ -75,27 +76,21 @@ class Geometry:
 
 
 def _require_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"{name} must be an integer, got {value!r}",
-                                code="invalid_geometry")
-    if value <= 0:
-        raise InvalidInputError(f"{name} must be greater than 0, got {value}",
-                                code="invalid_geometry")
+    problem = int_problem(name, value)
+    if problem is not None:
+        raise InvalidInputError(problem, code="invalid_geometry")
 
 
 def geometry_problem(g: Geometry) -> str | None:
     """Say what makes a geometry unusable, or None."""
     for name in ("num_blocks", "row_stride", "cpu_page_size"):
-        value = getattr(g, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"{name} must be an integer, got {value!r}"
-        if value <= 0:
-            return f"{name} must be greater than 0, got {value}"
+        problem = int_problem(name, getattr(g, name))
+        if problem is not None:
+            return problem
     if g.world_size is not None:
-        if isinstance(g.world_size, bool) or not isinstance(g.world_size, int):
-            return f"world_size must be an integer, got {g.world_size!r}"
-        if g.world_size <= 0:
-            return f"world_size must be greater than 0, got {g.world_size}"
+        problem = int_problem("world_size", g.world_size)
+        if problem is not None:
+            return problem
     problems = stride_problems(g.row_stride, g.cpu_page_size, g.world_size)
     return problems[0].message if problems else None
 
@@ -136,7 +131,7 @@ def mismatches(have: Geometry, *, num_blocks: int | None = None, row_stride: int
 
 def check_rank(g: Geometry, rank: int) -> None:
     """Refuse a rank whose slot would fall outside the row (or the world)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+    if not is_int(rank) or rank < 0:
         raise InvalidInputError(f"rank must be an integer >= 0, got {rank!r}",
                                 code="rank_out_of_range")
     limit = g.world_size if g.world_size is not None else g.max_slots

@@ -31,6 +31,7 @@ from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OperationFailedError,
 )
+from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.system import libc, memory, mounts, numa, smaps
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def record_from_json(doc: Any) -> dict[str, Any] | None:
         raise ValueError(f"unknown numa_policy {policy!r}")
     nodes = doc.get("numa_nodes", [])
     if not isinstance(nodes, list) or len(nodes) > _MASK_BITS or any(
-            isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < _MASK_BITS
+            not is_int(n) or not 0 <= n < _MASK_BITS
             for n in nodes):
         raise ValueError("numa_nodes must be a list of node numbers")
     huge = doc.get("huge_pages", "never")

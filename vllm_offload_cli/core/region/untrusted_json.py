@@ -15,6 +15,8 @@ import math
 import re
 from typing import Any
 
+from vllm_offload_cli.core.base.units import is_int
+
 MAX_DEPTH = 8
 MAX_STRING = 255
 _MAX_NUMBER_CHARS = 32  # 2**64 has 20 digits; a float repr needs at most 24
@@ -111,7 +113,7 @@ def field(doc: dict[str, Any], key: str, where: str) -> Any:
 
 
 def integer(value: Any, where: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise UntrustedJsonError(f"{where} must be an integer")
     if not lo <= value <= hi:
         raise UntrustedJsonError(f"{where} must be in [{lo}, {hi}], got {value}")

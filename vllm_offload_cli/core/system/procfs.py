@@ -103,23 +103,29 @@ def read_maps(pid: int) -> bytes | Unreadable:
         return _why(exc)
 
 
+def parse_maps_line(raw: bytes) -> Mapping | None:
+    """One line of maps (or a mapping's first line in smaps); None for any other line.
+    Anonymous memory is a mapping of inode 0."""
+    parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
+    if len(parts) < 5:
+        return None
+    addr, _perms, offset, dev, inode = parts[:5]
+    try:
+        start, end = (int(x, 16) for x in addr.split("-"))
+        fid = FileId(parse_dev(dev), int(inode))
+        off = int(offset, 16)
+    except ValueError:
+        return None
+    path, deleted = strip_deleted(parts[5] if len(parts) > 5 else "")
+    return Mapping(start=start, end=end, offset=off, file_id=fid, path=path, deleted=deleted)
+
+
 def parse_maps(data: bytes) -> Iterator[Mapping]:
     """File mappings in maps text (anonymous memory skipped)."""
     for raw in data.splitlines():
-        parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
-        if len(parts) < 5:
-            continue
-        addr, _perms, offset, dev, inode = parts[:5]
-        try:
-            start, end = (int(x, 16) for x in addr.split("-"))
-            fid = FileId(parse_dev(dev), int(inode))
-            off = int(offset, 16)
-        except ValueError:
-            continue
-        if fid.ino == 0:
-            continue  # anonymous memory
-        path, deleted = strip_deleted(parts[5] if len(parts) > 5 else "")
-        yield Mapping(start=start, end=end, offset=off, file_id=fid, path=path, deleted=deleted)
+        m = parse_maps_line(raw)
+        if m is not None and m.file_id.ino != 0:
+            yield m
 
 
 # -- /proc/PID/fd -------------------------------------------------------------------

@@ -6,16 +6,14 @@ each at most once per process and ask for every file they care about at once.
 
 from __future__ import annotations
 
-import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.procfs import PROC
 
-_HEADER = re.compile(
-    rb"^([0-9a-f]+)-([0-9a-f]+) \S+ [0-9a-f]+ ([0-9a-f]+):([0-9a-f]+) (\d+)")
 _NODE = re.compile(rb"\bN(\d+)=(\d+)")
 _KPAGE = re.compile(rb"\bkernelpagesize_kB=(\d+)")
 _HUGE_KEYS = (b"ShmemPmdMapped", b"FilePmdMapped")
@@ -42,15 +40,14 @@ def read_smaps(pid: int, *, wanted: set[FileId] | None = None, start: int | None
         with open(f"{PROC}/{pid}/smaps", "rb") as f:
             current: MappedPages | None = None
             for line in f:
-                m = _HEADER.match(line)
+                m = procfs.parse_maps_line(line)
                 if m is not None:
-                    addr = int(m.group(1), 16)
-                    if start is not None and addr > start:
+                    if start is not None and m.start > start:
                         break  # mappings come in address order: the one wanted is read
-                    fid = FileId(os.makedev(int(m.group(3), 16), int(m.group(4), 16)),
-                                 int(m.group(5)))
-                    keep = (wanted is None or fid in wanted) and (start is None or addr == start)
-                    current = out.setdefault(addr, MappedPages(file_id=fid)) if keep else None
+                    keep = ((wanted is None or m.file_id in wanted)
+                            and (start is None or m.start == start))
+                    current = (out.setdefault(m.start, MappedPages(file_id=m.file_id)) if keep
+                               else None)
                     continue
                 if current is None:
                     continue
