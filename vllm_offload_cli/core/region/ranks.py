@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.units import is_int
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class WorkerPlace:
     def __post_init__(self) -> None:
         for name in ("local_rank", "device_index", "world_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise InvalidInputError(f"{name} must be an integer, got {value!r}",
                                         code="invalid_worker_place")
             if value < 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.units import is_int
 
 VLLM_CPU_SEGMENTS = 32  # what vLLM 0.33's CPUOffloadingSpec asks for (the newest rule)
 MIN_SEGMENT_BYTES = 1 << 30  # vLLM does not make a file for less
@@ -45,10 +46,10 @@ class Segment:
 def effective_segments(requested: int, size_bytes: int, *,
                        min_bytes: int = MIN_SEGMENT_BYTES) -> int:
     """vLLM's rule: the requested count, capped so no file is under `min_bytes` (>= 1)."""
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+    if not is_int(requested) or requested < 1:
         raise InvalidInputError(f"segments must be an integer >= 1, got {requested!r}",
                                 code="invalid_segments")
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 1:
+    if not is_int(min_bytes) or min_bytes < 1:
         raise InvalidInputError(f"the smallest segment must be >= 1 byte, got {min_bytes!r}",
                                 code="invalid_segments")
     return max(1, min(requested, size_bytes // min_bytes))

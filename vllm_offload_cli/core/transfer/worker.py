@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.extras import COPY, require
 from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.transfer import pinning
 from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
 from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction, make_job
@@ -163,7 +164,7 @@ class CopyWorker:
         self._submit(job_id, Direction.LOAD, src_blocks, dst_blocks)
 
     def _submit(self, job_id: int, direction: Direction, src: Any, dst: Any) -> None:
-        if isinstance(job_id, bool) or not isinstance(job_id, int):
+        if not is_int(job_id):
             raise InvalidInputError(f"job id must be an integer, got {job_id!r}",
                                     code="invalid_job_id")
         job = make_job(job_id, direction, src, dst, device_blocks=self.num_device_blocks,
