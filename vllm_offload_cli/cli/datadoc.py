@@ -103,7 +103,10 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("needed_bytes, free_bytes", "room needed for the regions to create, and free"),
         ("dry_run", "nothing was reclaimed"),
         ("replicas[]", "{engine_id, path, action, state_seen, engine_holders, reclaimed_paths, "
-         "reclaimed_bytes, needed_bytes, free_bytes, notes}"),
+         "reclaimed_bytes, needed_bytes, free_bytes, notes, reclaimed_for_room}"),
+        ("reclaimed_for_room[]", "{engine_id, paths, bytes, freed_bytes, manifest, age_seconds, "
+         "uid, reason, hidden_pids}: stale leftovers of other engine_ids removed (dry run: to "
+         "be removed) so the regions fit"),
     ),
     "benchmark": (
         ("rows[]", "{block_bytes, pattern, mode, blocks_per_transfer, transfer_bytes, store, "

@@ -31,10 +31,15 @@ from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
 @click.option("--dry-run", "-n", is_flag=True,
               help="Say what would be reclaimed; remove nothing.")
 @click.option("--segments", type=click.IntRange(min=1), metavar="N", help="Segment files per "
-              "region the engine expects (vLLM's CPU spec: min(32, size // 1GiB); tiering: "
-              "1). Default: not compared.")
+              "region the engine expects (vLLM 0.33's CPU spec: min(32, size // 1GiB); "
+              "0.31's and 0.32's CPU spec, and every release's tiering spec: 1). Default: "
+              "not compared.")
+@click.option("--reclaim-for-room/--no-reclaim-for-room", default=True,
+              help="When the regions do not fit, first remove this user's stale leftovers of "
+              "other engine_ids (a crashed engine's, as gc would), oldest first, only as many "
+              "as needed. Off also with VLLM_OFFLOAD_RECLAIM_FOR_ROOM=0.")
 def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run: bool,
-              segments: int | None) -> Outcome:
+              segments: int | None, reclaim_for_room: bool) -> Outcome:
     """Refuse an engine_id held by a live process (exit 4), reclaim a provably stale
     leftover region of it, and check that the regions fit in the shm directory, the
     memory cgroup and available memory (exit 5). Run it before `vllm serve`, with
@@ -44,11 +49,13 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
     segment count) the engine will map: a stale one of another shape is reclaimed,
     a pre-provisioned one is exit 6 with the command that removes it.
     With --dp-size N the replicas' ids ENGINE_ID_dp0 .. _dp{N-1} are checked and the
-    room for all of them at once. Exit status: 0 ready; 2 bad input; 4 in use; 5 too
-    little room; 6 a leftover that is not safe to touch, or a pre-provisioned region
-    of another shape.
+    room for all of them at once. Without room, this user's stale leftovers of other
+    engine_ids (a crashed engine's) are removed first, oldest first, as gc would.
+    Exit status: 0 ready; 2 bad input; 4 in use; 5 too little room; 6 a leftover
+    that is not safe to touch, or a pre-provisioned region of another shape.
     """
-    from vllm_offload_cli.engine.claim import claim, startup_lock  # not needed by --help
+    from vllm_offload_cli.engine import room  # not needed by --help
+    from vllm_offload_cli.engine.claim import claim, startup_lock
     from vllm_offload_cli.engine.shape import RegionShape
 
     validate_engine_id(engine_id)
@@ -65,9 +72,12 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
                                  shape=RegionShape(size_bytes=per_replica,
                                                    num_segments=segments)))
         needed = per_replica * sum(1 for r in results if r.action != "join")
-        cap = capacity.measure(shm_dir)
         # a dry run has not freed the leftovers yet: count them as room
         reclaimable = sum(r.reclaimed_bytes for r in results if r.action == "would_reclaim")
+        made = room.make_room(shm_dir, max(needed - reclaimable, 0), dry_run=dry_run) \
+            if reclaim_for_room and room.enabled() else ()
+        reclaimable += sum(r.freed_bytes for r in made) if dry_run else 0
+        cap = capacity.measure(shm_dir)
         capacity.check_fits(max(needed - reclaimable, 0), cap, shm_dir=shm_dir,
                             engine_id=engine_id)
     data: dict[str, Any] = {
@@ -78,6 +88,8 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
         "free_bytes": cap.shm.free_bytes,
         "dry_run": dry_run,
         "replicas": jsonable(results),
+        # other engine_ids' stale leftovers removed (dry run: to be removed) to make room
+        "reclaimed_for_room": jsonable(made),
     }
     return Outcome(data=data, render=lambda out: _render(out, data))
 
@@ -98,5 +110,9 @@ def _render(out: Out, data: dict[str, Any]) -> None:
         if r["notes"]:
             line += f"; {'; '.join(r['notes'])}"
         out.print(line, markup=False)
+    for r in data["reclaimed_for_room"]:
+        out.print(f"{r['engine_id']}: a stale leftover of another engine_id "
+                  f"{'would be' if data['dry_run'] else 'was'} removed to make room "
+                  f"({format_bytes(r['freed_bytes'])})", markup=False)
     out.print(f"Ready: {format_bytes(data['needed_bytes'])} needed, "
               f"{format_bytes(data['free_bytes'])} free in the shm directory.", markup=False)

@@ -43,6 +43,7 @@ from vllm_offload_cli.core.host.procscan import flock_holders
 from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
+from vllm_offload_cli.core.reclaim.report import RemovedRegion
 from vllm_offload_cli.core.region import capacity, fsguard
 from vllm_offload_cli.core.region.locking import lock_waiting
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
@@ -53,6 +54,8 @@ from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
     read_token,
 )
+from vllm_offload_cli.engine.room import enabled as room_enabled
+from vllm_offload_cli.engine.room import make_room
 from vllm_offload_cli.engine.shape import (
     RegionShape,
     mismatch,
@@ -83,6 +86,8 @@ class ClaimResult:
     needed_bytes: int  # new bytes the engine will map (0 when joining)
     free_bytes: int | None = None  # tightest limit after the reclaim (None: not checked)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # other engine_ids' stale leftovers removed (or, dry, to be) to make room (engine.room)
+    reclaimed_for_room: tuple[RemovedRegion, ...] = ()
 
 
 STARTUP_LOCK_NAME = "startup.lock"
@@ -442,10 +447,14 @@ def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str
 def _fits(done: _Progress, action: str, size_bytes: int | None,
           shm_dir: str | os.PathLike[str]) -> ClaimResult:
     """The name is free: check that `size_bytes` fit (exit 5 when not)."""
-    free = None
+    free: int | None = None
+    room: tuple[RemovedRegion, ...] = ()
     if size_bytes is not None:
+        if room_enabled():
+            room = make_room(shm_dir, size_bytes)
         cap = capacity.measure(Path(shm_dir))
         capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=done.engine_id)
         free = min(x for x in (cap.shm.free_bytes, cap.cgroup_free_bytes,
                                cap.mem_available_bytes) if x is not None)
-    return done.result(action, needed_bytes=size_bytes or 0, free_bytes=free)
+    return done.result(action, needed_bytes=size_bytes or 0, free_bytes=free,
+                       reclaimed_for_room=room)

@@ -2,8 +2,8 @@
 
 vLLM PR 47987 derives the slot from the device the worker runs on,
 `current_device_index() % world_size`; that is right only when every replica
-owns `world_size` device indices with distinct residues. vLLM 0.33 uses the
-worker's logical rank within its replica instead. Both live here as named,
+owns `world_size` device indices with distinct residues. vLLM 0.32 and 0.33
+use the worker's logical rank within its replica instead. Both live here as named,
 pure functions so the engine hook, the region's manifest and
 `verify-rank-layout` agree on what each name means. No torch import: the
 caller supplies the device index it read from torch.
@@ -53,7 +53,8 @@ def device_modulo(place: WorkerPlace) -> int:
 
 
 def logical(place: WorkerPlace) -> int:
-    """vLLM 0.33: the worker's logical rank within its replica, whatever its device."""
+    """vLLM 0.32 and 0.33: the worker's logical rank within its replica, whatever its
+    device."""
     return place.local_rank
 
 
@@ -80,7 +81,8 @@ DEVICE_MODULO = RankSource(
     description="current_device_index() % world_size (vLLM PR 47987)", device_based=True)
 LOGICAL = RankSource(
     name="logical", compute=logical,
-    description="the worker's logical rank within its replica (vLLM 0.33)", device_based=False)
+    description="the worker's logical rank within its replica (vLLM 0.32, 0.33)",
+    device_based=False)
 DEVICE_INDEX = RankSource(
     name="device-index", compute=device_index,
     description="current_device_index() unfolded (vLLM before PR 47987)", device_based=True)
