@@ -116,12 +116,15 @@ def weak_root_python(caps: str) -> Callable[..., list[str]]:
     return lambda *args: without_caps(caps, [sys.executable, *args])
 
 
-# -- /proc mount options: parsed from real mountinfo lines ---------------------------
+# -- /proc mount options ---------------------------------------------------------------
 
-MOUNTINFO = """\
-22 27 0:21 / /proc rw,relatime shared:12 - proc proc rw
-26 22 0:23 / /proc/sys/fs/binfmt_misc rw - autofs systemd-1 rw
-"""
+def table(*lines: str) -> list[mounts.Mount]:
+    """A mount table from 'point fstype options' lines, in mount order."""
+    return [mounts.Mount(point, fstype, mounts.parse_options(options))
+            for point, fstype, options in (line.split() for line in lines)]
+
+
+PROC_AND_BINFMT = ("/proc proc rw", "/proc/sys/fs/binfmt_misc autofs rw")
 
 
 @pytest.mark.parametrize(("options", "codes"), [
@@ -137,19 +140,18 @@ MOUNTINFO = """\
     ("rw,hidepid=invisible,subset=pid", [visibility.HIDEPID, visibility.PROC_SUBSET]),
 ])
 def test_proc_mount_options(options: str, codes: list[str]) -> None:
-    text = MOUNTINFO.replace("- proc proc rw", f"- proc proc {options}")
-    mount = visibility.proc_mount(mounts.parse_mountinfo(text))
+    mount = visibility.proc_mount(table(f"/proc proc {options}", PROC_AND_BINFMT[1]))
     spots = visibility.mount_blind_spots(mount, {4242})
     assert [s.code for s in spots] == codes
 
 
 def test_the_proc_mount_on_top_is_the_one_that_counts() -> None:
-    over = MOUNTINFO + "63 22 0:39 / /proc rw,nosuid - proc proc rw,hidepid=2\n"
-    on_top = visibility.proc_mount(mounts.parse_mountinfo(over))
+    over = (*PROC_AND_BINFMT, "/proc proc rw,nosuid,hidepid=2")
+    on_top = visibility.proc_mount(table(*over))
     assert on_top == visibility.ProcMount("2", None, None)
-    covered = over + "70 63 0:40 / /proc rw - tmpfs tmpfs rw\n"
+    covered = (*over, "/proc tmpfs rw")
     # not a proc at all any more
-    assert visibility.proc_mount(mounts.parse_mountinfo(covered)) is None
+    assert visibility.proc_mount(table(*covered)) is None
 
 
 def test_this_host_is_seen_whole() -> None:

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -222,12 +221,10 @@ def test_manifest_with_a_bad_placement_is_corrupt(cli: Any, shm_dir: Path, bad: 
 # -- huge pages ----------------------------------------------------------------------------------
 
 def test_thp_support_follows_the_kernel_and_the_mount(tmp_path: Path) -> None:
-    table = mounts.parse_mountinfo(textwrap.dedent("""\
-        22 1 0:21 / / rw,relatime - ext4 /dev/vda1 rw
-        30 22 0:27 / /dev/shm rw,nosuid - tmpfs tmpfs rw,size=1024k
-        31 22 0:28 / /mnt/huge rw - tmpfs none rw,size=1024k,huge=advise
-        32 22 0:29 / /mnt/always\\040x rw - tmpfs none rw,huge=within_size
-        """))
+    table = [mounts.Mount(point, fstype, mounts.parse_options(options)) for point, fstype, options
+             in (("/", "ext4", "rw,relatime"), ("/dev/shm", "tmpfs", "rw,nosuid,size=1024k"),
+                 ("/mnt/huge", "tmpfs", "rw,size=1024k,huge=advise"),
+                 ("/mnt/always x", "tmpfs", "rw,huge=within_size"))]
 
     def support(setting: str, where: str) -> page_policy.ThpSupport:
         return page_policy.judge_thp(where, memory.selected_word(setting), table)
@@ -242,6 +239,15 @@ def test_thp_support_follows_the_kernel_and_the_mount(tmp_path: Path) -> None:
     assert not other.allowed and "not on tmpfs" in other.reason
     missing = page_policy.judge_thp("/dev/shm", None, table)
     assert not missing.allowed
+
+
+def test_the_mount_table_is_this_hosts(shm_dir: Path) -> None:
+    """psutil's table, read for real: the shm directory is on tmpfs, /proc is proc."""
+    table = mounts.mounts()
+    held = mounts.mount_of(os.path.realpath(shm_dir), table)
+    assert held is not None and held.fstype == "tmpfs" and "size" in held.options
+    proc = mounts.top_mount_at("/proc", table)
+    assert proc is not None and proc.fstype == "proc"
 
 
 def test_huge_pages_where_the_kernel_refuses(cli: Any, shm_dir: Path) -> None:

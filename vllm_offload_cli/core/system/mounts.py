@@ -1,52 +1,34 @@
-"""/proc/self/mountinfo: which filesystem holds a path, and with which options."""
+"""Which filesystem holds a path, and with which options (psutil's mount table)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.system.procfs import PROC
-
-_OCTAL = re.compile(r"\\([0-7]{3})")
+import psutil
 
 
 @dataclass(frozen=True)
 class Mount:
-    """One mountinfo line: where, what filesystem, and its superblock options."""
+    """One mount: where, what filesystem, and its options."""
 
-    point: str  # decoded: the kernel writes a space as \040
+    point: str
     fstype: str
-    options: dict[str, str]  # super options; a flag without value maps to ""
+    options: dict[str, str]  # a flag without value maps to ""
 
 
-def _decode(field: str) -> str:
-    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> list[Mount]:
-    """Mounts in mountinfo order (a later mount at the same point is on top)."""
-    out = []
-    for line in text.splitlines():
-        head, sep, tail = line.partition(" - ")
-        fields, super_fields = head.split(), tail.split()
-        if not sep or len(fields) < 5 or len(super_fields) < 1:
-            continue
-        options: dict[str, str] = {}
-        for opt in (super_fields[2] if len(super_fields) > 2 else "").split(","):
-            if opt:
-                key, _, value = opt.partition("=")
-                options[key] = value
-        out.append(Mount(_decode(fields[4]), super_fields[0], options))
-    return out
+def parse_options(text: str) -> dict[str, str]:
+    """'rw,hidepid=2' -> {'rw': '', 'hidepid': '2'}."""
+    return {key: value for key, _, value in (o.partition("=") for o in text.split(",") if o)}
 
 
 def mounts() -> list[Mount]:
-    """This process's mounts; empty when mountinfo cannot be read."""
+    """This process's mounts in mount order (a later one at the same point is on top);
+    empty when the table cannot be read."""
     try:
-        with open(f"{PROC}/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            return parse_mountinfo(f.read())
-    except OSError:
+        table = psutil.disk_partitions(all=True)
+    except (OSError, psutil.Error):
         return []
+    return [Mount(p.mountpoint, p.fstype, parse_options(p.opts)) for p in table]
 
 
 def top_mount_at(point: str, table: list[Mount]) -> Mount | None:

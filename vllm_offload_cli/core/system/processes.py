@@ -85,15 +85,6 @@ def pids() -> list[int]:
     return sorted(psutil.pids())
 
 
-def uids(pid: int) -> frozenset[int] | None:
-    """Real, effective and saved uids; None when they cannot be read (or it is gone)."""
-    proc = _process(pid)
-    try:
-        return None if proc is None else frozenset(proc.uids())
-    except psutil.Error:
-        return None
-
-
 def environ(pid: int) -> dict[str, str] | None:
     """The environment the process was exec'd with; None if it cannot be read."""
     proc = _process(pid)

@@ -279,12 +279,6 @@ def lock_entries() -> Iterator[LockEntry]:
 
 # -- status, namespaces ---------------------------------------------------------------
 
-def capability_mask(pid: int) -> int | Unreadable:
-    """CapPrm | CapEff of a process (psutil has no reader for capabilities)."""
-    ids = credentials(pid)
-    return ids if isinstance(ids, Unreadable) else ids[1]
-
-
 def credentials(pid: int) -> tuple[frozenset[int], int] | Unreadable:
     """(real, effective, saved and filesystem uids; CapPrm | CapEff) from one read of
     /proc/PID/status: what decides which files a process may open."""
