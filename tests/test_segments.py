@@ -118,6 +118,24 @@ def test_a_region_vllm_made_shows_its_layout_by_its_files(cli: Any, shm_dir: Pat
         ("a", "segmented"), ("b", "single-file")]
 
 
+def test_the_layout_is_the_manifests_file_count_and_old_manifests_still_read(
+        shm_dir: Path) -> None:
+    """`vllm_layout` is derived from `segments`; a manifest that still stores it (written
+    by an earlier release) reads as before, whatever it says there."""
+    import json
+
+    from vllm_offload_cli.core.region import manifest as manifest_io
+
+    with SharedOffloadRegion("old", 4, 0, 4096, 4096, shm_dir=shm_dir, world_size=1,
+                             num_segments=2, min_segment_bytes=4096) as region:
+        path = Path(region.manifest_path)
+        doc = json.loads(path.read_text())
+        assert "vllm_layout" not in doc and doc["segments"] == 2
+        assert manifest_io.read(str(path)).vllm_layout == "segmented"
+        path.write_text(json.dumps({**doc, "vllm_layout": "single-file"}))
+        assert manifest_io.read(str(path)).vllm_layout == "segmented"
+
+
 def test_an_exact_segment_count_is_a_request_and_excludes_a_layout(cli: Any,
                                                                   shm_dir: Path) -> None:
     args = ("create", "n", "--world-size", "2", "--cpu-page-size", "1MiB", "--size", "3GiB",

@@ -214,7 +214,7 @@ def test_tiering_name_is_released_only_after_the_scheduler_joined(
     workers = e.workers()
     assert all(info["name_linked"] for _, info in workers)  # the scheduler has yet to join
     manifest = json.loads(Path(f"/dev/shm/vllm_offload_{engine_id}.manifest.json").read_text())
-    assert (manifest["vllm_layout"], manifest["vllm_layout_basis"]) == ("single-file", "vllm")
+    assert (manifest["segments"], manifest["vllm_layout_basis"]) == (1, "vllm")  # single-file
     assert {a["rank_source"] for a in manifest["attachments"]} == {
         rules.tiering_worker.rank_source}  # as this release picks slots
     scheduler = e.spawn("scheduler", 0)

@@ -180,7 +180,7 @@ def test_create_makes_the_layout_of_the_vllm_installed_here(cli: Any, shm_dir: P
     assert [Path(p).name for p in made.json["data"]["paths"]] == ["vllm_offload_one.mmap"]
     assert made.json["warnings"] == []
     manifest = json.loads((shm_dir / "vllm_offload_one.manifest.json").read_text())
-    assert (manifest["vllm_layout"], manifest["vllm_layout_basis"]) == ("single-file", "vllm")
+    assert (manifest["segments"], manifest["vllm_layout_basis"]) == (1, "vllm")  # single-file
     human = cli("create", "two", "--world-size", "2", "--cpu-page-size", "1MiB", "--size",
                 "3GiB", "--no-populate", "--shm-dir", str(shm_dir))
     assert "layout    single-file (read from the vLLM 0.32.0 installed here)" in human.stdout

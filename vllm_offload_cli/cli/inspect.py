@@ -34,7 +34,7 @@ from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region import fsguard
-from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE, layout_of
+from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE
 from vllm_offload_cli.core.system.processes import ProcessRef
 
 STATES = ("live", "creating", "persistent", "stale", "unknown")
@@ -95,7 +95,7 @@ def vllm_layout(r: RegionInfo) -> str | None:
     released name's bare file: the first of several, or the only one.
     """
     if r.manifest is not None:
-        return r.manifest.vllm_layout or layout_of(r.manifest.segments)
+        return r.manifest.vllm_layout
     if any(s.segment > 0 for s in r.segments):
         return SEGMENTED
     return SINGLE_FILE if r.linked else None

@@ -36,7 +36,7 @@ from vllm_offload_cli.core.region.naming import (
     parse_manifest_filename,
     split_engine_id,
 )
-from vllm_offload_cli.core.region.segments import VLLM_LAYOUTS
+from vllm_offload_cli.core.region.segments import layout_of
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef
 
@@ -99,9 +99,13 @@ class Manifest:
         return tuple(a for a in self.attachments if ProcessRef(a.pid, a.start_ticks).alive())
     segments: int = 1  # files `.mmap`, `.mmap.1`, ... (vLLM's CPU spec splits big regions)
     engine_token: str | None = None  # the creating engine's token (engine hook), else None
-    # which vLLM layout was made (segments.SEGMENTED or SINGLE_FILE), and why: LAYOUT_BASES
-    vllm_layout: str | None = None  # None: written before it was recorded
+    # why this vLLM layout was made: LAYOUT_BASES (None: written before it was recorded)
     vllm_layout_basis: str | None = None
+
+    @property
+    def vllm_layout(self) -> str:
+        """Which vLLM can join it (segments.SEGMENTED or SINGLE_FILE): its file count says."""
+        return layout_of(self.segments)
 
     @property
     def base_engine_id(self) -> str:
@@ -132,7 +136,6 @@ class Manifest:
             "attachments": [asdict(a) for a in self.attachments],
             "segments": self.segments,
             "engine_token": self.engine_token,
-            "vllm_layout": self.vllm_layout,
             "vllm_layout_basis": self.vllm_layout_basis,
         }
         if self.placement is not None:
@@ -177,7 +180,6 @@ class Manifest:
             state=state,
             segments=uj.integer(doc.get("segments", 1), "segments", 1, MAX_SEGMENTS),
             engine_token=uj.opt_string(doc.get("engine_token"), "engine_token", 64),
-            vllm_layout=_one_of(doc.get("vllm_layout"), "vllm_layout", VLLM_LAYOUTS),
             vllm_layout_basis=_one_of(doc.get("vllm_layout_basis"), "vllm_layout_basis",
                                       LAYOUT_BASES),
             placement=_placement(doc.get("placement")),

@@ -23,7 +23,6 @@ MIN_SEGMENT_BYTES = 1 << 30  # vLLM does not make a file for less
 # The two layouts vLLM's releases make, by the files on disk.
 SEGMENTED = "segmented"  # `.mmap`, `.mmap.1`, ...: only vLLM 0.33's CPU spec joins it
 SINGLE_FILE = "single-file"  # one `.mmap`: every release's tiering spec, 0.31/0.32's CPU spec
-VLLM_LAYOUTS = (SEGMENTED, SINGLE_FILE)
 
 
 def layout_of(files: int) -> str:

@@ -58,7 +58,6 @@ from vllm_offload_cli.core.region.segments import (
     MIN_SEGMENT_BYTES,
     Segment,
     effective_segments,
-    layout_of,
     split,
 )
 from vllm_offload_cli.core.system import libc
@@ -248,7 +247,6 @@ class SharedOffloadRegion:
             placement=None if self.placement.is_default else self.placement.to_record(),
             state=manifest_io.CREATING,  # `ready` once sized and pre-faulted (_attach)
             segments=len(self.segments), engine_token=self.engine_token,
-            vllm_layout=layout_of(len(self.segments)),
             vllm_layout_basis=self._vllm_layout_basis,
         ))
         self._manifest_written = True
