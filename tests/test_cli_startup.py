@@ -1,4 +1,4 @@
-"""Each run imports what its command needs: no other subcommand, no rich for --json.
+"""Each run imports what its command needs: no other subcommand, no rich for a plain run.
 
 Measured in benchmarks/cli_startup.py; here only which modules load, in a
 fresh interpreter, so a stray top-level import fails a test instead of a
@@ -39,14 +39,26 @@ def _subcommands(modules: set[str]) -> set[str]:
     (["garbage-collect", "--dry-run", "--json"], {"gc"}),
     (["gc", "--dry-run", "--json"], {"gc"}),
     (["verify-rank-layout", "--world-size", "2", "--json"], {"verify"}),
+    # text for people is plain text too: rich only draws a terminal's progress bar
+    (["inspect"], {"inspect"}),
+    (["inspect", "-v", "--wide"], {"inspect"}),
+    (["gc", "--dry-run"], {"gc"}),
+    (["verify-rank-layout", "--world-size", "2"], {"verify"}),
+    (["inspect", "--help"], {"inspect"}),
 ])
 def test_a_command_imports_only_itself(argv: list[str], own: set[str],
                                        shm_dir: Path) -> None:
     extra = ["--shm-dir", str(shm_dir)] if own & {"inspect", "gc"} else []
     modules = _modules(*argv, *extra)
     assert _subcommands(modules) == own
-    assert not {"rich", "pydantic", "torch"} & {m.split(".")[0] for m in modules}
+    assert not {"rich", "pydantic", "typer", "torch"} & {m.split(".")[0] for m in modules}
     assert "vllm_offload_cli.core.region.shared_region" not in modules
+
+
+def test_help_lists_every_command_without_rich_or_torch() -> None:
+    modules = _modules("--help")
+    assert not {"rich", "pydantic", "typer", "torch", "ray"} & {m.split(".")[0]
+                                                                for m in modules}
 
 
 def test_help_still_lists_every_command() -> None:

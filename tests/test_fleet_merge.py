@@ -8,6 +8,8 @@ timed out are what the Ray runner reports for them.
 from __future__ import annotations
 
 import io
+import json
+import math
 import os
 import time
 from pathlib import Path
@@ -15,18 +17,19 @@ from typing import Any
 
 import pytest
 from region_files import region_file
-from rich.console import Console
 
 from vllm_offload_cli.cli import inspect as inspect_cli
+from vllm_offload_cli.cli.common import Out
 from vllm_offload_cli.cli.fleet import node_task
+from vllm_offload_cli.cli.fleet_render import render_gc, render_inspect, render_verify
 from vllm_offload_cli.core.base.exit_status import PRECEDENCE, ExitStatus
-from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
 from vllm_offload_cli.fleet.result import (
     ANSWERED,
     FAILED,
     TIMED_OUT,
     FleetResult,
     NodeResult,
+    answered,
 )
 
 INSPECT: dict[str, Any] = {"engine_ids": None, "fmt": inspect_cli.Format.table, "output": None,
@@ -52,7 +55,7 @@ def _fleet(command: str, *nodes: NodeResult) -> FleetResult:
 
 def _show(render: Any, result: FleetResult, **kw: Any) -> str:
     buf = io.StringIO()
-    render(Console(file=buf, width=200), result, **kw)
+    render(Out(buf), result, **kw)
     return buf.getvalue()
 
 
@@ -244,3 +247,56 @@ def test_a_failed_removal_beside_a_missing_name_counts_as_failed() -> None:
     node = _said("a", 2, "not_found", "unlink_failed", data={"not_found": ["y"]})
     other = _said("b", 2, "not_found", data={"not_found": ["x"]})
     assert _fleet("garbage-collect", node, other).exit_code == ExitStatus.FAILED
+
+
+# -- the fleet table is inspect's table; a node's answer is another host's data ----------
+
+
+def test_the_fleet_table_is_inspects_table_with_a_node_column(shm_dir: Path) -> None:
+    region_file(shm_dir, "leak_dp1")
+    node = _answer("a", "inspect", INSPECT, shm_dir)
+    assert node.envelope is not None
+    fleet = _show(render_inspect, _fleet("inspect", node)).splitlines()
+    local = io.StringIO()
+    inspect_cli.render_table(Out(local), node.envelope["data"])
+    table = local.getvalue().splitlines()
+    assert fleet[0].split() == ["NODE", *table[0].split()]
+    owner = inspect_cli.TABLE_HEADERS.index("OWNER")
+    fleet_row, local_row = fleet[1].split()[1:], table[1].split()
+    assert fleet_row[owner] == str(os.geteuid())  # a uid's name is per host: the number
+    del fleet_row[owner], local_row[owner]
+    assert fleet_row == local_row
+
+
+def test_escape_sequences_from_a_node_never_reach_the_terminal() -> None:
+    evil = "\x1b]0;owned\x07\x1b[2J"
+    region = {"engine_id": f"e{evil}", "linked": True, "dp_rank": None, "state": "stale",
+              "uid": 0, "size_bytes": 4096, "resident_bytes": 0, "vllm_layout": evil,
+              "age_seconds": 5.0, "paths": [], "numa_nodes": {evil: 1},
+              "holders": [{"pid": 1, "name": evil, "rank": evil}],
+              "problems": [{"code": evil, "message": evil}]}
+    node = _said("a", 0, data={"shm_dir": evil, "regions": [region],
+                               "shm": {"total_bytes": 1, "free_bytes": 1}})
+    for wide in (False, True):
+        text = _show(render_inspect, _fleet("inspect", node), wide=wide)
+        assert "\x1b" not in text and "\x07" not in text and "\\x1b" in text
+
+
+@pytest.mark.parametrize(("answer", "why"), [
+    (["not", "an", "envelope"], "a list, not a JSON object"),
+    ("a string", "a str, not a JSON object"),
+    ({"exit_code": 0, "data": {"regions": ["a string region"]}}, "data.regions"),
+    ({"exit_code": 0, "data": {"regions": [{"engine_id": "x", "age_seconds": math.nan}]}},
+     "not plain JSON"),
+    ({"exit_code": "0", "data": {}}, "no integer exit_code"),
+    ({"exit_code": 0, "data": {}, "errors": "boom"}, "errors is not a list"),
+])
+def test_a_malformed_node_answer_is_a_failed_node_not_a_crash(shm_dir: Path, answer: Any,
+                                                               why: str) -> None:
+    bad = answered("b" * 56, "10.0.0.2", answer, 0.1)
+    assert (bad.outcome, bad.reason_code) == (FAILED, "malformed_answer") and why in bad.reason
+    result = _fleet("inspect", _answer("a", "inspect", INSPECT, shm_dir), bad)
+    assert result.exit_code == ExitStatus.PARTIAL
+    text = _show(render_inspect, result)
+    assert "node 10.0.0.2: FAILED: malformed answer" in text
+    json.dumps(result.data(), allow_nan=False)  # --json on the head still works

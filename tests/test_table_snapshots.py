@@ -76,13 +76,13 @@ def test_owner_is_the_user_name_or_the_number() -> None:
 def test_inspect_table_snapshot(width: int, terminal: bool) -> None:
     sink = io.StringIO()
     console = common.safe_console(sink, width=width, force_terminal=terminal)
-    render_table(console, INVENTORY)
+    render_table(console, inspect_cli.inventory_data(INVENTORY))
     assert sink.getvalue() == SNAPSHOT
 
 
 def test_wide_lists_every_holder_on_the_same_line() -> None:
     sink = io.StringIO()
-    render_table(common.safe_console(sink, width=80), INVENTORY, wide=True)
+    render_table(common.Out(sink), inspect_cli.inventory_data(INVENTORY), wide=True)
     first = sink.getvalue().splitlines()[1]
     assert first.endswith(", ".join(f"{4200 + i} python3 r{i}" for i in range(6)) + "  -")
 

@@ -37,16 +37,18 @@ from vllm_offload_cli.cli.common import (
     envelope_of,
     output_params,
     run_boundary,
-    safe_console,
 )
+from vllm_offload_cli.cli.fleet_render import render_gc, render_inspect, render_verify
 from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
-from vllm_offload_cli.fleet.render import render_gc, render_inspect, render_verify
 from vllm_offload_cli.fleet.result import FleetResult
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from vllm_offload_cli.cli.common import Out
+
+# (out, result, the run, its options): prints a fleet answer for people
+Render = Callable[["Out", FleetResult, Invocation, dict[str, Any]], None]
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -101,7 +103,7 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
 
 
 def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, short_help: str,
-                   render: Callable[[Console, FleetResult, int], None]) -> click.Command:
+                   render: Render) -> click.Command:
     """A fleet command with the node-local command's own options (less `fixed` ones)."""
     own = [p for p in local.command.params if p.name not in fixed and p.name not in COMMON]
     name = f"fleet {local.name}"
@@ -122,8 +124,8 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, short_hel
             for w in result.warnings(__version__):
                 inv.warn(w["code"], w["message"])
             return Outcome(data=result.data(), exit_code=result.exit_code,
-                           errors=result.errors(), render=lambda out: render(
-                               safe_console(out.file, soft_wrap=False), result, inv.verbosity))
+                           errors=result.errors(),
+                           render=lambda out: render(out, result, inv, values))
 
         ctx.exit(run_boundary(inv, body))
 
@@ -148,7 +150,7 @@ fleet_app.add_command(_fleet_command(
     answer and no node reported worse; nodes without a named region are
     skipped (exit 2 only when no node has it).
     """, "inspect on every node: one table with a NODE column.",
-    lambda out, result, _: render_inspect(out, result)))
+    lambda out, result, _, values: render_inspect(out, result, wide=values["wide"])))
 
 fleet_app.add_command(_fleet_command(
     gc.garbage_collect, {"prometheus": None, "timeout": NODE_TIMEOUT},
@@ -161,7 +163,7 @@ fleet_app.add_command(_fleet_command(
     important node status (see EXIT STATUS), 7 (partial) when a node failed or
     did not answer and no node reported worse.
     """, "garbage-collect on every node; --dry-run shows the plan (alias: gc).",
-    lambda out, result, verbosity: render_gc(out, result, quiet=verbosity < 0)))
+    lambda out, result, inv, _: render_gc(out, result, quiet=inv.verbosity < 0)))
 
 fleet_app.add_command(_fleet_command(
     verify.verify_rank_layout, {}, """verify-rank-layout on every node.
@@ -172,4 +174,4 @@ fleet_app.add_command(_fleet_command(
     CUDA_VISIBLE_DEVICES). Exit 3 when a node found problems, 7 when a node
     failed or did not answer (and no node reported worse; see EXIT STATUS).
     """, "verify-rank-layout on every node.",
-    lambda out, result, _: render_verify(out, result)))
+    lambda out, result, *_: render_verify(out, result)))

@@ -66,6 +66,7 @@ def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
         "shm": {"total_bytes": inv.shm.total_bytes, "free_bytes": inv.shm.free_bytes},
         "uninspectable_processes": inv.uninspectable_processes,
         "visibility": inv.visibility.to_dict(),
+        "gc_would_free_bytes": gc_would_free(inv),
     }
 
 
@@ -196,7 +197,6 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     data = inventory_data(found, placed)
     data["measurement_errors"] = refusals
     data["not_found"] = missing
-    data["gc_would_free_bytes"] = gc_would_free(found)
     flagged = [r.engine_id for r in found.regions if r.state == "stale" or r.problems]
     if check:
         data["check"] = {"flagged": flagged}
@@ -210,7 +210,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
         if fmt is Format.json:
             inv.json_output = True
         if (found.regions or not missing) and not (check and inv.verbosity < 0):
-            shown = lambda out: render_table(out, found, placed, wide=wide,  # noqa: E731
+            shown = lambda out: render_table(out, data, wide=wide,  # noqa: E731
                                              why=inv.verbosity > 0)
 
     def render(out: Out) -> None:
@@ -267,20 +267,6 @@ def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
             "summary": "; ".join(parts)}
 
 
-def _holders_text(r: RegionInfo, wide: bool) -> str:
-    """Narrow: the count and the first pid ('3 (4242,...)'); wide: every holder."""
-    if not r.holders:
-        return "-"
-    if not wide:
-        first = r.holders[0].pid
-        return f"{len(r.holders)} ({first}{',...' if len(r.holders) > 1 else ''})"
-    parts = []
-    for h in r.holders:
-        rank = "" if h.rank is None else f" r{h.rank}"
-        parts.append(f"{h.pid} {printable(h.name or '?')}{rank}")
-    return ", ".join(parts)
-
-
 def owner_name(uid: int | None) -> str:
     """The user name of `uid` as `ls -l` shows it; the number when it has none."""
     if uid is None:
@@ -291,68 +277,134 @@ def owner_name(uid: int | None) -> str:
 
 
 
-def _layout_text(r: RegionInfo) -> str:
-    """`segmented/3` (files), `single-file`, or `-` where it cannot be told."""
-    layout = vllm_layout(r)
-    if layout == SEGMENTED:
-        files = r.manifest.segments if r.manifest is not None else len(r.segments)
-        return f"{layout}/{files}"
-    return layout or "-"
+# -- the table: built from the JSON dicts, so `fleet inspect` shows nodes' answers alike --
+
+TABLE_HEADERS = ["ENGINE ID", "DP", "STATE", "OWNER", "SIZE", "RESIDENT", "LAYOUT", "NUMA",
+                 "AGE", "HOLDERS", "PROBLEMS"]
+TABLE_RIGHT = (4, 5, 8)  # numbers: aligned right
 
 
-def _numa_text(p: Placement | None) -> str:
-    """Resident share per node, then the huge-page share if any: 'n0:62%,n1:38%,thp:100%'."""
-    if p is None or not p.numa_nodes:
+def _text(value: object) -> str:
+    return printable(str(value))
+
+
+def _number(value: object) -> int | float | None:
+    """A count or size from a JSON dict; None for anything else (a bool, a string)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _dicts(value: object) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _holders_text(r: dict[str, Any], wide: bool) -> str:
+    """Narrow: the count and the first pid ('3 (4242,...)'); wide: every holder."""
+    holders = _dicts(r.get("holders"))
+    if not holders:
         return "-"
-    total = sum(p.numa_nodes.values())
-    parts = [f"n{n}:{b * 100 / total:.0f}%" for n, b in sorted(p.numa_nodes.items())]
-    if p.huge_page_bytes:
-        parts.append(f"thp:{min(100.0, p.huge_page_bytes * 100 / total):.0f}%")
+    if not wide:
+        more = ",..." if len(holders) > 1 else ""
+        return f"{len(holders)} ({_text(holders[0].get('pid'))}{more})"
+    parts = []
+    for h in holders:
+        rank = "" if h.get("rank") is None else f" r{_text(h['rank'])}"
+        parts.append(f"{_text(h.get('pid'))} {_text(h.get('name') or '?')}{rank}")
+    return ", ".join(parts)
+
+
+def _layout_text(r: dict[str, Any]) -> str:
+    """`segmented/3` (files), `single-file`, or `-` where it cannot be told."""
+    layout = r.get("vllm_layout")
+    if layout == SEGMENTED:
+        return f"{layout}/{len(r.get('paths') or ())}"
+    return "-" if layout is None else _text(layout)
+
+
+def _numa_text(r: dict[str, Any]) -> str:
+    """Resident share per node, then the huge-page share if any: 'n0:62%,n1:38%,thp:100%'."""
+    nodes = r.get("numa_nodes")
+    if not isinstance(nodes, dict):
+        return "-"
+    shares = {str(n): _number(b) or 0 for n, b in nodes.items()}
+    total = sum(shares.values())
+    if not total:
+        return "-"
+    parts = [f"n{_text(n)}:{b * 100 / total:.0f}%"
+             for n, b in sorted(shares.items(), key=lambda nb: (len(nb[0]), nb[0]))]
+    huge = _number(r.get("huge_page_bytes"))
+    if huge:
+        parts.append(f"thp:{min(100.0, huge * 100 / total):.0f}%")
     return ",".join(parts)
 
 
-def render_table(out: Out, found: Inventory,
-                 placed: dict[str, Placement] | None = None, *, wide: bool = False,
+def _bytes_text(value: object) -> str:
+    n = _number(value)
+    return "-" if n is None else format_bytes(n, compact=True)
+
+
+def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
+               owner: Callable[[int | None], str] | None = None) -> list[str]:
+    """One table row of a region's JSON dict; every cell printable.
+
+    `refused`: residency measurement was refused (`?`, not `-`). `owner`: how a uid
+    is shown (by default its name here; a fleet shows the number: names are per host).
+    """
+    name = _text(r.get("engine_id"))
+    uid = r.get("uid")
+    uid = uid if isinstance(uid, int) and not isinstance(uid, bool) else None
+    resident = r.get("resident_bytes")
+    return [name if r.get("linked") else f"{name} (unlinked)",
+            "-" if r.get("dp_rank") is None else _text(r.get("dp_rank")),
+            _text(r.get("state")), (owner or owner_name)(uid), _bytes_text(r.get("size_bytes")),
+            "?" if refused and resident is None else _bytes_text(resident), _layout_text(r),
+            _numa_text(r), format_age(r.get("age_seconds")), _holders_text(r, wide),
+            ",".join(_text(p.get("code")) for p in _dicts(r.get("problems"))) or "-"]
+
+
+def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: str = ""
+                 ) -> list[str]:
+    """The sentences under the table: each problem, and with `why` what made a region
+    stale or unknown."""
+    lines = [f"  {prefix}{_text(r.get('engine_id'))}: {_text(p.get('message'))}"
+             for r in regions for p in _dicts(r.get("problems"))]
+    if why:
+        lines += [f"  {prefix}{_text(r.get('engine_id'))}: {_text(r.get('state'))}: "
+                  f"{_text((r.get('evidence') or {}).get('summary'))}"
+                  for r in regions if r.get("state") in ("stale", "unknown")
+                  and isinstance(r.get("evidence"), dict)]
+    return lines
+
+
+def footer(data: dict[str, Any]) -> str:
+    """'/dev/shm: 55.0 GiB free of 64.0 GiB; 3 region(s), 1 stale; gc would free 1.0 GiB'."""
+    regions = _dicts(data.get("regions"))
+    shm = data.get("shm")
+    shm = shm if isinstance(shm, dict) else {}
+    unknown = sum(r.get("state") == "unknown" for r in regions)
+    stale = sum(r.get("state") == "stale" for r in regions)
+    free = _number(data.get("gc_would_free_bytes"))
+    return (f"{_text(data.get('shm_dir'))}: {format_bytes(_number(shm.get('free_bytes')))} "
+            f"free of {format_bytes(_number(shm.get('total_bytes')))}; {len(regions)} "
+            f"region(s), {stale} stale"
+            f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}"
+            f"{f'; gc would free {format_bytes(free)}' if stale and free is not None else ''}")
+
+
+def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
                  why: bool = False) -> None:
-    """One line per region at any width; problem codes in the row, sentences below."""
+    """inspect's table, from its JSON data: one line per region at any width, problem
+    codes in the row, sentences below, the shm directory's footer."""
+    regions = _dicts(data.get("regions"))
     lines = []
-    if not found.regions:
-        lines.append(f"No offload regions in {found.shm_dir}.")
+    if not regions:
+        lines.append(f"No offload regions in {_text(data.get('shm_dir'))}.")
     else:
-        headers = ["ENGINE ID", "DP", "STATE", "OWNER", "SIZE", "RESIDENT", "LAYOUT", "NUMA",
-                   "AGE", "HOLDERS", "PROBLEMS"]
-        rows = []
-        for r in found.regions:
-            name = r.engine_id if r.linked else f"{r.engine_id} (unlinked)"
-            where = None if placed is None else placed.get(r.paths[0])
-            rows.append([printable(name), "-" if r.dp_rank is None else str(r.dp_rank),
-                         r.state, owner_name(r.uid), format_bytes(r.size_bytes, compact=True),
-                         "?" if r.resident_error else format_bytes(r.resident_bytes,
-                                                                   compact=True),
-                         _layout_text(r),
-                         _numa_text(where),
-                         format_age(r.age_seconds), _holders_text(r, wide),
-                         ",".join(p.code for p in r.problems) or "-"])
-        lines.append(text_table(headers, rows, right=(4, 5, 8)))
-        for r in found.regions:
-            for p in r.problems:
-                lines.append(f"  {printable(r.engine_id)}: {printable(p.message)}")
-        if why:
-            now = time.time()
-            for r in found.regions:
-                if r.state in ("stale", "unknown"):
-                    lines.append(f"  {printable(r.engine_id)}: {r.state}: "
-                                 f"{printable(evidence(r, now)['summary'])}")
-    shm = found.shm
-    unknown = sum(r.state == "unknown" for r in found.regions)
-    stale = sum(r.state == "stale" for r in found.regions)
-    lines.append(f"{found.shm_dir}: {format_bytes(shm.free_bytes)} free of "
-                 f"{format_bytes(shm.total_bytes)}; {len(found.regions)} region(s), "
-                 f"{stale} stale"
-                 f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}"
-                 f"{f'; gc would free {format_bytes(gc_would_free(found))}' if stale else ''}")
-    for o in found.orphan_manifests:
-        lines.append(f"  orphaned manifest: {printable(o.path)}")
+        refused = "residency" in (data.get("measurement_errors") or {})
+        lines.append(text_table(TABLE_HEADERS, [region_row(r, wide=wide, refused=refused)
+                                                for r in regions], right=TABLE_RIGHT))
+        lines += region_notes(regions, why=why)
+    lines.append(footer(data))
+    lines += [f"  orphaned manifest: {_text(o)}" for o in data.get("orphan_manifests") or ()]
     write_text(out, "\n".join(lines))
 
 

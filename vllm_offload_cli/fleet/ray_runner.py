@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
-from vllm_offload_cli.fleet.result import ANSWERED, FAILED, TIMED_OUT, NodeResult
+from vllm_offload_cli.fleet.result import FAILED, TIMED_OUT, NodeResult, answered
 
 INSTALL_HINT = "install it with: pip install 'vllm-offload[ray]'"
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
@@ -180,5 +180,4 @@ def _result(ray: Any, node: dict[str, Any], ref: Any, done_at: dict[Any, float],
         code, reason = _failure(exc, ray)
         return NodeResult(node_id=node_id, node_name=name, outcome=FAILED, reason=reason,
                           reason_code=code, seconds=done_at[ref])
-    return NodeResult(node_id=node_id, node_name=name, outcome=ANSWERED, envelope=doc,
-                      seconds=done_at[ref])
+    return answered(node_id, name, doc, done_at[ref])

@@ -10,6 +10,7 @@ is `exit_status.PRECEDENCE`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,52 @@ class NodeResult:
             return status
         others = [e for e in self._errors() if e.get("code") != NOT_FOUND]
         return ExitStatus.FAILED if others else ExitStatus.SUCCESS
+
+
+# entries of a node's data that are records: each must be a JSON object
+_RECORD_LISTS = ("regions", "removed", "kept", "problems", "failures")
+
+
+def malformed(doc: object) -> str | None:
+    """Why a node's answer is not an envelope this host can merge; None when it is.
+
+    The answer comes from another host: it must be JSON-clean (no NaN, no objects
+    JSON cannot say) and have the envelope's shape, or the merge, the table and
+    `--json` on this host would fail on it.
+    """
+    try:
+        json.dumps(doc, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return f"not plain JSON ({exc})"
+    if not isinstance(doc, dict):
+        return f"a {type(doc).__name__}, not a JSON object"
+    code = doc.get("exit_code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        return "no integer exit_code"
+    if not isinstance(doc.get("data"), dict):
+        return "no data object"
+    for key in ("errors", "warnings"):
+        entries = doc.get(key) or []
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            return f"{key} is not a list of objects"
+    for key in _RECORD_LISTS:
+        entries = doc["data"].get(key)
+        if entries is not None and (not isinstance(entries, list)
+                                    or not all(isinstance(e, dict) for e in entries)):
+            return f"data.{key} is not a list of objects"
+    return None
+
+
+def answered(node_id: str, node_name: str, doc: object, seconds: float) -> NodeResult:
+    """A node's answer, or a failed node when the answer cannot be read (and says why)."""
+    why = malformed(doc)
+    if why is not None:
+        return NodeResult(node_id=node_id, node_name=node_name, outcome=FAILED,
+                          reason=f"malformed answer: {why}", reason_code="malformed_answer",
+                          seconds=seconds)
+    assert isinstance(doc, dict)
+    return NodeResult(node_id=node_id, node_name=node_name, outcome=ANSWERED, envelope=doc,
+                      seconds=seconds)
 
 
 @dataclass(frozen=True, kw_only=True)
