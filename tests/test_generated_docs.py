@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.cli.gendocs import README, outputs, readme_with_exit_status
+from tools.gendocs import README, outputs, readme_with_exit_status
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 
 ROOT = Path(__file__).resolve().parents[1]
-FIX = "regenerate with `python -m vllm_offload_cli.cli.gendocs` from the repository root"
+FIX = "regenerate with `python -m tools.gendocs` from the repository root"
 
 
 @pytest.mark.parametrize(("rel", "text"), sorted(outputs().items()))
@@ -121,7 +121,7 @@ COMP_WORDS=(vllm-offload fleet inspect ""); COMP_CWORD=3; _vllm_offload; echo "$
 
 
 def _documented(command: str, prefix: str = "") -> set[str]:
-    from vllm_offload_cli.cli.datadoc import DATA
+    from tools.datadoc import DATA
 
     names = set()
     for key, _ in DATA[command]:

@@ -397,6 +397,7 @@ def test_wheel_carries_license_man_page_and_completions(dists: dict[str, Path]) 
     assert package <= names
     strays = {n for n in names if not n.startswith(("vllm_offload_cli/", dist_info, data))}
     assert not strays  # no tests, benchmarks or contrib in site-packages
+    assert not [n for n in names if n.rsplit("/", 1)[-1] in ("gendocs.py", "datadoc.py")]
 
     assert metadata["License-Expression"] == "Apache-2.0"
     assert metadata.get_all("License-File") == ["LICENSE"]

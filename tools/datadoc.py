@@ -1,6 +1,6 @@
 """What each command's `--json` `data` holds: the man page's JSON reference.
 
-Kept beside the command tree and rendered by `gendocs`; a test runs the
+Rendered into the man page by `tools/gendocs.py`; a test runs the
 commands and fails when their `data` carries a key this reference does not
 describe. Paths use `[]` for list items (`regions[].holders[]`).
 """

@@ -1,0 +1,1 @@
+"""Development tooling: generated docs, not part of the installed package."""
