@@ -384,3 +384,50 @@ def test_a_rank_that_cannot_prove_a_leftover_unused_refuses_it(
     else:
         assert seen.ok and seen.info["action"] == "reclaimed", seen.info
         assert seen.info["ino"] != before[0]
+
+
+def test_a_released_region_stays_fully_visible_while_any_holder_lives(
+        engines: Any, cli: Any, shm_dir: Path) -> None:
+    """Once the hook released the names (vLLM's barrier passed), inspect and
+    verify-rank-layout still see the geometry, every rank, the creator and the age, from
+    the manifest each holder carries; nothing of it is left when the last holder goes."""
+    ranks = engines().start(WORLD)
+    assert [r.ask(f"fill {k + 1}") for k, r in enumerate(ranks)] == ["ok"] * WORLD
+
+    def inspected() -> dict[str, Any]:
+        doc = cli("inspect", "--shm-dir", str(shm_dir), "--json").json["data"]
+        [region] = doc["regions"]
+        return region  # type: ignore[no-any-return]
+
+    def verified(exit_code: int = 0) -> dict[str, Any]:
+        result = cli("verify-rank-layout", "prod", "--shm-dir", str(shm_dir), "--json")
+        assert result.exit_code == exit_code, result.stdout + result.stderr
+        return result.json["data"]  # type: ignore[no-any-return]
+
+    named, named_check = inspected(), verified()
+    creator = next(r for r in ranks if r.info["creator"])
+    assert creator.ask("release") == '{"released": true}'
+    assert region_files(shm_dir) == []
+    released, released_check = inspected(), verified()
+    assert (released["linked"], released["state"]) == (False, "live")
+    for key in ("geometry", "size_bytes", "base_engine_id"):
+        assert released[key] == named[key]
+    assert released["geometry"] is not None
+    assert sorted(h["rank"] for h in released["holders"]) == list(range(WORLD))
+    assert released["age_seconds"] >= named["age_seconds"]
+    for key in ("geometry", "geometry_source", "rank_source", "workers"):
+        assert released_check[key] == named_check[key]
+    assert released_check["path"].endswith("vllm_offload_prod.mmap (deleted)")
+    # the creator dies (SIGKILL): the others still carry what it wrote
+    creator.kill()
+    rest = [r for r in ranks if r is not creator]
+    assert sorted(h["rank"] for h in inspected()["holders"]) == sorted(
+        r.info["rank"] for r in rest)
+    check = verified(exit_code=3)  # as for a named region: a worker of the engine is gone
+    assert check["geometry"] == named_check["geometry"]
+    assert [(p["code"], p["ranks"]) for p in check["problems"]] == [
+        ("rank_missing", [creator.info["rank"]])]
+    for r in rest:
+        r.kill()
+    assert cli("inspect", "--shm-dir", str(shm_dir), "--json").json["data"]["regions"] == []
+    assert region_files(shm_dir) == []

@@ -37,7 +37,7 @@ def main() -> None:
         sys.exit(3)
     region = lease.region
     assert region.fd is not None and region.mmap_obj is not None
-    print(json.dumps({"pid": os.getpid(), "creator": region.creator,
+    print(json.dumps({"pid": os.getpid(), "rank": rank, "creator": region.creator,
                       "action": lease.claimed.action,
                       "reclaimed_bytes": lease.claimed.reclaimed_bytes,
                       "ino": os.fstat(region.fd).st_ino}), flush=True)
@@ -50,12 +50,13 @@ def main() -> None:
         if words[0] == "fill" and rank is not None:
             value = bytes([int(words[1])]) * size
             for block in range(int(num_blocks)):
-                start = block * stride + rank * size
+                start = block * stride + rank * int(page)
                 mm[start:start + size] = value
             print("ok", flush=True)
         elif words[0] == "zero" and rank is not None:
-            zero = all(mm[b * stride + rank * size:b * stride + (rank + 1) * size].count(0)
-                       == size for b in range(int(num_blocks)))
+            at = rank * int(page)
+            zero = all(mm[b * stride + at:b * stride + at + size].count(0) == size
+                       for b in range(int(num_blocks)))
             print(json.dumps({"zero": zero}), flush=True)
         elif words[0] == "release":
             print(json.dumps({"released": lease.release_name()}), flush=True)

@@ -21,6 +21,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionNotFoundError,
     UnsafeRegionError,
 )
+from vllm_offload_cli.core.region import carried
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.core.region.ranks import LOGICAL
@@ -72,7 +73,11 @@ class RegionHold:
         self.region = region
         self.claimed = claimed
         self._creator = region.creator
-        self.pre_provisioned = _pre_provisioned(region)
+        m = _own_manifest(region)
+        self.pre_provisioned = m is not None and m.persistent and m.complete
+        # what inspect, verify and gc need once the names are released: carried by
+        # every process of the engine, gone with the last of them
+        self._carried = None if m is None else carried.carry(m)
         self._pid = os.getpid()
         atexit.register(self._close_at_exit)  # a process that never shuts vLLM down
 
@@ -102,20 +107,23 @@ class RegionHold:
         """Detach, unlock, unmap; unlink where this process made a non-persistent region."""
         atexit.unregister(self._close_at_exit)
         self.region.cleanup()
+        if self._carried is not None:
+            os.close(self._carried)
+            self._carried = None
 
     def _close_at_exit(self) -> None:
         if os.getpid() == self._pid:  # a forked child inherits the handler, not the hold
             self.close()
 
 
-def _pre_provisioned(region: SharedOffloadRegion) -> bool:
-    """Whether the manifest of this very file says `vllm-offload create` made it to keep."""
+def _own_manifest(region: SharedOffloadRegion) -> manifest_io.Manifest | None:
+    """The manifest of this very file, if it has one of ours."""
     try:
         m, _ = manifest_io.read_matching(region.manifest_path, region.identity,
                                          owner_uid=os.geteuid())
     except (OffloadError, OSError):
-        return False
-    return m is not None and m.persistent and m.complete
+        return None
+    return m
 
 
 def check_slot(region: SharedOffloadRegion, token: str | None, *, replicated: bool) -> None:

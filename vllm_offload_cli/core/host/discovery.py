@@ -30,7 +30,7 @@ from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
 from vllm_offload_cli.core.host.visibility import Visibility
-from vllm_offload_cli.core.region import fsguard, locking, openers
+from vllm_offload_cli.core.region import carried, fsguard, locking, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
 from vllm_offload_cli.core.region.geometry import Geometry
@@ -376,7 +376,7 @@ def discover(
         if wanted is not None and engine_id not in wanted:
             continue
         for fid, uses in by_inode.items():
-            regions.append(_deleted_region(engine_id, fid, uses, measure_residency))
+            regions.append(_deleted_region(engine_id, fid, uses, measure_residency, now))
 
     regions = _flag_collisions(regions)
     orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
@@ -458,8 +458,9 @@ def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
 
 
 def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
-                    measure: bool) -> RegionInfo:
-    """A region whose name is gone: all we know comes through its users' /proc entries."""
+                    measure: bool, now: float) -> RegionInfo:
+    """A region whose name is gone: all we know comes through its users' /proc entries,
+    the manifest they carry (`core.region.carried`) included."""
     parts = split_engine_id(engine_id)
     path = next(u.path for u in uses if u.path)
     size = max((u.size_hint or 0) for u in uses)
@@ -479,11 +480,14 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
     seg = SegmentFile(path=path, segment=0 if parsed is None else parsed.segment, file_id=fid,
                       size_bytes=size, uid=uid, mode=None, mtime=None,
                       linked=False, resident_bytes=resident, resident_error=refusal)
+    manifest = carried.carried_by((u.pid for u in uses if u.kind != "lock"), fid, uid)
     return RegionInfo(
         engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
         segments=(seg,), linked=False, size_bytes=size, resident_bytes=resident, uid=uid,
-        mode=mode, age_seconds=None, geometry=None, manifest=None, manifest_path=None,
-        holders=holders_of(uses), locked=False, state=LIVE, problems=(),
+        mode=mode, age_seconds=None if manifest is None else max(now - manifest.created_at, 0.0),
+        geometry=None if manifest is None else manifest.geometry, manifest=manifest,
+        manifest_path=None, holders=holders_of(uses, manifest), locked=False, state=LIVE,
+        problems=(),
     )
 
 
@@ -626,7 +630,7 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
                                         mpath if has_manifest else None, allowed_uids,
                                         time.time()), vis)] if segments else []
     linked = {s.file_id for s in segments if s.file_id is not None}
-    regions += [_deleted_region(engine_id, fid, uses, False) for fid, uses in
+    regions += [_deleted_region(engine_id, fid, uses, False, time.time()) for fid, uses in
                 _deleted_only(scan, linked, shm).get(engine_id, {}).items()]
     orphans = []
     if has_manifest and not regions:
@@ -639,3 +643,44 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
         shm_dir=shm, regions=tuple(_flag_collisions(regions)), orphan_manifests=tuple(orphans),
         shm=shm_usage(shm), uninspectable_processes=scan.denied,
         scanned_processes=scan.scanned, visibility=vis)
+
+
+def open_released(shm_dir: str | os.PathLike[str], engine_id: str
+                  ) -> tuple[int, RegionInfo] | None:
+    """A read-only descriptor of `engine_id`'s region whose name was released (its bare
+    file; one whose holders carry a manifest first), and what discovery knows of it.
+
+    Opened through a holder's descriptor or mapping, checked to be that very
+    inode (`procfs.open_fd`); None when no such region is held, or none can be opened.
+    """
+    shm = _shm_dir(shm_dir)
+    validate_engine_id(engine_id)
+    scan = scan_processes(shm, name=region_filename(engine_id))
+    best: tuple[int, RegionInfo] | None = None
+    for fid, uses in _deleted_only(scan, set(), shm).get(engine_id, {}).items():
+        named = [u for u in uses if u.path]
+        parsed = parse_region_filename(os.path.basename(named[0].path))
+        if not any(u.deleted for u in named) or parsed is None or parsed.segment != 0:
+            continue
+        info = _deleted_region(engine_id, fid, uses, False, time.time())
+        if best is not None and (best[1].manifest is not None or info.manifest is None):
+            continue
+        fd = _open_through(uses, fid)
+        if fd is None:
+            continue
+        if best is not None:
+            os.close(best[0])
+        best = (fd, info)
+    return best
+
+
+def _open_through(uses: list[FileUse], fid: FileId) -> int | None:
+    for u in uses:
+        fd = None
+        if u.kind == "fd" and u.fd is not None:
+            fd = procfs.open_fd(u.pid, u.fd, fid)
+        elif u.kind == "map" and u.span is not None:
+            fd = procfs.open_mapping(u.pid, *u.span, fid)
+        if fd is not None:
+            return fd
+    return None

@@ -28,6 +28,7 @@ from vllm_offload_cli.core.base.errors import (
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.text import joined
 from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.host.discovery import RegionInfo, open_released
 from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region import manifest as manifest_io
@@ -143,29 +144,43 @@ def check_region(
     allowed_uids = fsguard.inspection_uids(allowed_uids)
     path = str(region_path(shm_dir, engine_id))
     mpath = str(manifest_path(shm_dir, engine_id))
+    released: RegionInfo | None = None
     try:
         fd = fsguard.open_existing(path, os.O_RDONLY, engine_id=engine_id)
     except RegionNotFoundError:
-        raise RegionNotFoundError(
-            f"no region named {engine_id} in {shm_dir} ({path} does not exist); "
-            "`vllm-offload inspect` lists them", path=path, engine_id=engine_id) from None
+        # an engine started through the hook released the name: its processes still
+        # hold the region, and carry its manifest (core.region.carried)
+        found = open_released(shm_dir, engine_id)
+        if found is None:
+            raise RegionNotFoundError(
+                f"no region named {engine_id} in {shm_dir} ({path} does not exist, and no "
+                "process holds one whose name was released); `vllm-offload inspect` lists "
+                "them", path=path, engine_id=engine_id) from None
+        fd, released = found
     try:
         return _check_open(fd, path, mpath, engine_id, world_size, cpu_page_size,
-                           allowed_uids)
+                           allowed_uids, released)
     finally:
         os.close(fd)
 
 
 def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int | None,
-                cpu_page_size: int | None, allowed_uids: fsguard.AllowedUids
-                ) -> LiveCheck:
+                cpu_page_size: int | None, allowed_uids: fsguard.AllowedUids,
+                released: RegionInfo | None = None) -> LiveCheck:
+    """`released`: the file's name is gone; its manifest is the one its holders carry."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeRegionError(f"{path} is not a regular file; it is no region",
                                 path=path, engine_id=engine_id, code="not_regular_file")
+    if released is not None:
+        path = f"{path} (deleted)"
     problems = [Problem(code=p.code, message=f"{path} {p.message}")
-                for p in fsguard.stat_problems(st, allowed_uids=allowed_uids)]
-    manifest, mproblem = _manifest_for(mpath, st, allowed_uids)
+                for p in fsguard.stat_problems(st, allowed_uids=allowed_uids,
+                                               expect_linked=released is None)]
+    if released is None:
+        manifest, mproblem = _manifest_for(mpath, st, allowed_uids)
+    else:
+        manifest, mproblem = released.manifest, None
     if mproblem is not None:
         problems.append(mproblem)
 
@@ -232,7 +247,8 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
 
     return LiveCheck(
         engine_id=engine_id, path=path,
-        manifest_path=mpath if manifest is not None else None, size_bytes=st.st_size,
+        manifest_path=mpath if manifest is not None and released is None else None,
+        size_bytes=st.st_size,
         geometry=geometry, geometry_source=source,
         rank_source=None if manifest is None else manifest.rank_source,
         workers=tuple(workers), rankless_openers=rankless, stale_attachments=stale,

@@ -212,10 +212,16 @@ def may_write(pid: int, fids: Collection[FileId]) -> bool | Unreadable:
 
 def fd_targets(pid: int) -> list[str] | Unreadable:
     """What each descriptor of a process shows as its target (readlink)."""
+    links = fd_links(pid)
+    return links if isinstance(links, Unreadable) else [t for _, t in links]
+
+
+def fd_links(pid: int) -> list[tuple[int, str]] | Unreadable:
+    """(descriptor, target) of each descriptor of a process (readlink)."""
     entries = _fd_entries(pid)
     if isinstance(entries, Unreadable):
         return entries
-    return [t for t in (fd_target(pid, int(e)) for e in entries) if t is not None]
+    return [(int(e), t) for e in entries if (t := fd_target(pid, int(e))) is not None]
 
 
 def fd_target(pid: int, fd: int) -> str | None:
@@ -244,6 +250,11 @@ def stat_mapping(pid: int, start: int, end: int, expect: FileId) -> os.stat_resu
     """The same for a mapping (/proc/PID/map_files, root only): a region that
     lives on only in its mappings still has an owner."""
     return stat_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
+
+
+def open_mapping(pid: int, start: int, end: int, expect: FileId) -> int | None:
+    """Our own read-only descriptor of a file another process maps (root only)."""
+    return open_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
 
 
 # -- /proc/locks ----------------------------------------------------------------------

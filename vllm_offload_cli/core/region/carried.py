@@ -1,0 +1,121 @@
+"""A released region's manifest, carried by the processes that hold the region.
+
+When the engine hook releases a region's names (every worker mapped it), its
+manifest goes with them: nothing is left in the shm directory for a SIGKILL
+to leak. What `inspect`, `verify-rank-layout` and `gc` need (geometry, ranks,
+creator, age) stays findable by inode all the same: each engine process that
+holds a region also holds a sealed anonymous file (memfd) named after the
+region's device and inode, holding the manifest as it read it right after
+attaching (its own attachment included). The kernel frees it with the
+process, so it lives exactly as long as its holder: nothing of it outlives
+the region, even after SIGKILL.
+
+Reading it trusts nothing: only processes that hold the region are looked
+at (found by inode), only an anonymous file of that exact name, a regular
+file owned by the region's owner with no group/other bits, read bounded and
+validated as any manifest, and only if it describes that very inode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import stat
+from collections.abc import Iterable
+from dataclasses import replace
+
+from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base.errors import OffloadError
+from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region import untrusted_json as uj
+from vllm_offload_cli.core.region.manifest import Manifest
+from vllm_offload_cli.core.system import procfs
+from vllm_offload_cli.core.system.files import FileId, open_proc_link
+
+PREFIX = "vllm-offload-manifest-"
+_TARGET = re.compile(r"/memfd:" + PREFIX + r"(\d+)-(\d+)(?: \(deleted\))?")
+_SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
+
+
+def carry(m: Manifest) -> int | None:
+    """This process's sealed copy of the manifest `m` (of the region it describes); None
+    where no anonymous file can be made. The caller keeps the descriptor open while it
+    holds the region and closes it with the region."""
+    if not hasattr(os, "memfd_create"):
+        return None
+    data = json.dumps(m.to_json(), sort_keys=True, allow_nan=False).encode()
+    try:
+        fd = os.memfd_create(f"{PREFIX}{m.region_dev}-{m.region_ino}",
+                             os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError:
+        return None
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        seals = 0
+        for name in _SEALS:
+            seals |= getattr(fcntl, name, 0)
+        if hasattr(fcntl, "F_ADD_SEALS"):  # immutable from here on
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def carried_by(pids: Iterable[int], region: FileId, owner_uid: int | None) -> Manifest | None:
+    """The manifest of `region` that its holders `pids` carry, their attachments merged.
+
+    None when none of them carries a valid one (a region vLLM made, a holder
+    this user cannot inspect, an owner we could not read).
+    """
+    if owner_uid is None:
+        return None
+    found: list[Manifest] = []
+    for pid in sorted(set(pids)):
+        deadline.check("reading the manifests holders carry")
+        m = _carried(pid, region, owner_uid)
+        if m is not None:
+            found.append(m)
+    if not found:
+        return None
+    attachments = {(a.pid, a.start_ticks, a.rank): a for m in found for a in m.attachments}
+    return replace(found[0], attachments=tuple(sorted(
+        attachments.values(), key=lambda a: (a.attached_at, a.pid))))
+
+
+def _carried(pid: int, region: FileId, owner_uid: int) -> Manifest | None:
+    links = procfs.fd_links(pid)
+    if isinstance(links, procfs.Unreadable):
+        return None
+    for fd_number, target in links:
+        named = _TARGET.fullmatch(target)
+        if named is None or (int(named.group(1)), int(named.group(2))) != (region.dev,
+                                                                           region.ino):
+            continue
+        fd = open_proc_link(f"{procfs.PROC}/{pid}/fd/{fd_number}")
+        if fd is None:
+            continue
+        try:
+            m = _parse(fd, owner_uid)
+        finally:
+            os.close(fd)
+        if m is not None and (m.region_dev, m.region_ino) == (region.dev, region.ino):
+            return m
+    return None
+
+
+def _parse(fd: int, owner_uid: int) -> Manifest | None:
+    st = os.fstat(fd)
+    if (not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid or st.st_mode & 0o077
+            or st.st_size > manifest_io.MAX_BYTES):
+        return None
+    with contextlib.suppress(OSError, ValueError, TypeError, OffloadError):
+        data = os.pread(fd, manifest_io.MAX_BYTES + 1, 0)
+        return Manifest.from_json(uj.loads(data, max_bytes=manifest_io.MAX_BYTES))
+    return None
