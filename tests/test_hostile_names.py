@@ -8,6 +8,7 @@ string (the encoder escapes control characters as \\u001b itself).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 
 from tests.conftest import run_cli_subprocess
 from tests.region_files import region_file
-from vllm_offload_cli.core.base.text import printable
+from vllm_offload_cli.core.base.text import json_safe, printable, valid_unicode
 from vllm_offload_cli.core.region.naming import (
     engine_id_problem,
     parse_manifest_filename,
@@ -154,3 +155,75 @@ def test_error_messages_escape_what_they_quote(cli: Any, shm_dir: Path) -> None:
         result = cli(*args, "--shm-dir", str(shm))
         assert "\x1b" not in result.stdout + result.stderr, args
         assert "dir\\x1b[31mevil" in result.stdout + result.stderr, args
+
+
+# -- issue 30, finding 10: text that is not UTF-8 ---------------------------------------
+
+UNDECODABLE = b"\xff\xfe\x1b[31mx"  # a process name is bytes: any user can set these
+SHOWN = "\\xff\\xfe\\x1b[31mx"
+
+
+def _strict_json(text: str) -> Any:
+    """Parse as a strict parser would: a lone surrogate (escaped or not) is refused."""
+    doc = json.loads(text)
+    json.dumps(doc, ensure_ascii=False).encode("utf-8")  # UnicodeEncodeError if one is
+    return doc
+
+
+def test_text_that_is_not_utf8_is_shown_as_its_bytes() -> None:
+    name = UNDECODABLE.decode("utf-8", "surrogateescape")
+    assert printable(name) == SHOWN
+    assert printable("a\ud800b") == "a\\ud800b"  # a lone surrogate a JSON string made
+    assert valid_unicode(name) == "\\xff\\xfe\x1b[31mx"  # controls stay: JSON escapes them
+    assert json_safe({name: [name, 1, None]}) == {valid_unicode(name): [valid_unicode(name),
+                                                                        1, None]}
+    assert valid_unicode("plain é \U0001f600") == "plain é \U0001f600"
+
+
+@pytest.fixture
+def undecodable_holder(shm_dir: Path) -> Iterator[subprocess.Popen[str]]:
+    """A real process whose name is not UTF-8, mapping region `held`."""
+    path = region_file(shm_dir, "held")
+    code = _MAPPER.replace("sys.argv[2].encode()", "bytes.fromhex(sys.argv[2])")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path), UNDECODABLE.hex()],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def test_a_process_name_that_is_not_utf8_crashes_no_output(
+        shm_dir: Path, undecodable_holder: subprocess.Popen[str]) -> None:
+    """Was UnicodeEncodeError in `inspect --wide` and in gc's text (after its removals)."""
+    for args in (("inspect", "--wide"), ("gc", "--min-age", "0", "-v")):
+        result = run_cli_subprocess(*args, "--shm-dir", str(shm_dir))
+        assert result.exit_code == 0, result.stderr
+        assert SHOWN in result.stdout and "\x1b" not in result.stdout + result.stderr
+    result = run_cli_subprocess("inspect", "--json", "--shm-dir", str(shm_dir))
+    assert result.exit_code == 0, result.stderr
+    [holder] = _strict_json(result.stdout)["data"]["regions"][0]["holders"]
+    assert holder["name"] == "\\xff\\xfe\x1b[31mx"
+
+
+def test_a_manifest_string_with_a_lone_surrogate_crashes_no_output(shm_dir: Path) -> None:
+    """A manifest is JSON any writer of the file chose: `\\ud800` parses to a string no
+    encoder writes. verify-rank-layout crashed on it."""
+    made = run_cli_subprocess("create", "sur", "--world-size", "2", "--cpu-page-size", "4KiB",
+                              "--num-blocks", "2", "--shm-dir", str(shm_dir))
+    assert made.exit_code == 0, made.stderr
+    manifest = shm_dir / "vllm_offload_sur.manifest.json"
+    text = manifest.read_text()
+    assert '"rank_source": null' in text
+    manifest.write_text(text.replace('"rank_source": null', '"rank_source": "lo\\ud800"'))
+    shown = run_cli_subprocess("verify-rank-layout", "sur", "--shm-dir", str(shm_dir))
+    assert shown.exit_code == 0, shown.stderr
+    assert "lo\\ud800" in shown.stdout
+    doc = run_cli_subprocess("verify-rank-layout", "sur", "--json", "--shm-dir", str(shm_dir))
+    assert doc.exit_code == 0, doc.stderr
+    assert _strict_json(doc.stdout)["data"]["rank_source"] == "lo\\ud800"

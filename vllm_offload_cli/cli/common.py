@@ -29,7 +29,7 @@ from click.core import ParameterSource
 
 from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.exit_status import ExitStatus
-from vllm_offload_cli.core.base.text import printable
+from vllm_offload_cli.core.base.text import json_safe, printable
 
 if TYPE_CHECKING:  # rich loads only when something is rendered for people
     from rich.console import Console
@@ -206,13 +206,17 @@ def envelope(command: str, *, ok: bool, exit_code: int, data: dict[str, Any],
 
 
 def print_json(doc: dict[str, Any]) -> None:
-    """Strict JSON: strings raw (the encoder escapes control characters), never NaN.
+    """Strict JSON: strings raw (the encoder escapes control characters), never NaN,
+    no lone surrogate (each byte of a name that is not UTF-8 becomes the text `\\xNN`).
 
     Indented for a person at a terminal; one line into a pipe, where the C encoder
     (which indentation would turn off) writes it several times faster.
     """
     indent = 2 if sys.stdout.isatty() else None
-    sys.stdout.write(json.dumps(doc, indent=indent, sort_keys=False, allow_nan=False) + "\n")
+    payload = json.dumps(doc, indent=indent, sort_keys=False, allow_nan=False)
+    if "\\ud" in payload:  # a lone surrogate (a name that is not UTF-8), or a pair: redo
+        payload = json.dumps(json_safe(doc), indent=indent, sort_keys=False, allow_nan=False)
+    sys.stdout.write(payload + "\n")
     sys.stdout.flush()
 
 

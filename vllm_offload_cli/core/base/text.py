@@ -4,28 +4,53 @@ Any local user can name a file in /dev/shm or a process (`prctl(PR_SET_NAME)`),
 so such a string may carry terminal escape sequences aimed at root's terminal.
 Human output shows every control character as `\\xNN`; JSON output keeps the
 raw string, since the JSON encoder escapes control characters itself.
+A name need not be UTF-8 at all: its bytes arrive as lone surrogates
+(`surrogateescape`), which no encoder writes and strict JSON parsers reject;
+both outputs show each such byte as `\\xNN` (`valid_unicode`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 # C0 controls, DEL, C1 controls, line/paragraph separators and the bidi
 # overrides that reorder what a terminal shows. Backslashes stay as they are:
 # rich's markup escaping uses them, and a name cannot fake a control character
 # that way, only look like the escaped form of one.
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_CONTROL_RE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def _escape(match: re.Match[str]) -> str:
     code = ord(match.group())
+    if 0xDC80 <= code <= 0xDCFF:  # one byte that was not UTF-8 (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def printable(text: str) -> str:
-    """`text` with control characters escaped as `\\xNN`: safe to show on a terminal."""
+    """`text` with control characters and bytes that were not UTF-8 escaped as `\\xNN`:
+    safe to show on a terminal, and encodable."""
     return _CONTROL_RE.sub(_escape, text)
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with its lone surrogates (bytes that were not UTF-8) written as `\\xNN`."""
+    return _SURROGATE_RE.sub(_escape, text)
+
+
+def json_safe(value: Any) -> Any:
+    """A JSON document (dicts, lists, strings) with every string `valid_unicode`."""
+    if isinstance(value, str):
+        return valid_unicode(value)
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def joined(items: Iterable[object], last: str = "and") -> str:
