@@ -104,6 +104,9 @@ def test_restarted_replica_beside_its_ghost_is_a_dp_collision(cli: Any, shm_dir:
     assert set(found) == {"r_dp1", "r_dp1 (unlinked)"}
     for reg in found.values():
         assert "dp_collision" in [p["code"] for p in reg["problems"]]
+    table = cli("inspect", "--shm-dir", str(shm_dir)).stdout
+    [why] = [p["message"] for p in found["r_dp1"]["problems"] if p["code"] == "dp_collision"]
+    assert table.count(why) == 1  # one sentence for both regions, said once
 
 
 def _write(path: Path, size: int, mode: int = 0o600) -> None:
@@ -287,3 +290,23 @@ def test_why_a_region_is_stale(cli: Any, shm_dir: Path, holders: Any) -> None:
     assert verbose.stdout.rstrip().endswith(f"1 stale; gc would free {format_bytes(size)}")
     gc = cli("gc", "--dry-run", "--min-age", "0", "--json", "--shm-dir", str(shm_dir))
     assert gc.json["data"]["freed_bytes"] == size  # the footer's figure is gc's own
+
+
+def test_a_symlink_named_like_a_region_is_a_problem_not_a_stale_region(
+        cli: Any, shm_dir: Path, tmp_path: Path) -> None:
+    """gc never removes it, so `stale 0B` promised what gc does not do."""
+    target = tmp_path / "target"
+    target.write_text("x")
+    (shm_dir / "vllm_offload_ln.mmap").symlink_to(target)
+    doc = cli("inspect", "--json", "--shm-dir", str(shm_dir)).json["data"]
+    assert doc["regions"] == []
+    [entry] = doc["unsafe_entries"]
+    assert entry["engine_id"] == "ln" and entry["paths"] == [str(shm_dir / "vllm_offload_ln.mmap")]
+    assert [p["code"] for p in entry["problems"]] == ["symlink"]
+    table = cli("inspect", "--shm-dir", str(shm_dir)).stdout
+    assert "0 region(s), 0 stale" in table and "not a region (symlink)" in table
+    assert cli("inspect", "--check", "-q", "--shm-dir", str(shm_dir)).exit_code == 3
+    prom = cli("inspect", "--format", "prometheus", "--shm-dir", str(shm_dir)).stdout
+    assert "vllm_offload_unsafe_entries 1.0" in prom and 'state="stale"} 1.0' not in prom
+    gc = cli("gc", "--min-age", "0", "--no-syslog", "--shm-dir", str(shm_dir))
+    assert gc.exit_code == 0 and (shm_dir / "vllm_offload_ln.mmap").is_symlink()

@@ -44,6 +44,20 @@ def test_a_stale_leftover_is_reclaimed_and_a_dry_run_only_says_so(cli: Any,
     assert _left(shm_dir) == []
 
 
+def test_a_dry_run_and_a_real_run_report_the_same_bytes(cli: Any, shm_dir: Path) -> None:
+    """A leftover an engine died while pre-faulting: half its pages were ever written. The
+    dry run said its apparent size, the real run the memory freed."""
+    path = region_file(shm_dir, "prod", fill=False)
+    with open(path, "r+b") as f:
+        f.write(b"\1" * (SIZE // 2))
+    freed = path.stat().st_blocks * 512
+    assert 0 < freed < SIZE
+    dry = preflight(cli, shm_dir, "prod", "--size", "4MiB", "--dry-run", expect=0)
+    real = preflight(cli, shm_dir, "prod", "--size", "4MiB", expect=0)
+    assert [r["reclaimed_bytes"] for r in (dry["data"]["replicas"][0],
+                                           real["data"]["replicas"][0])] == [freed, freed]
+
+
 def test_an_engine_id_held_by_a_live_process_exits_4_naming_it(cli: Any, shm_dir: Path,
                                                                 holders: Any) -> None:
     h = holders("vllm", str(shm_dir), "prod", *GEOMETRY)

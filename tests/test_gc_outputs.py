@@ -189,7 +189,16 @@ def test_a_missing_or_stuck_syslog_never_fails_or_stalls_gc(shm_dir: Path, tmp_p
     code, doc, err = gc(shm_dir, "--json", env={SOCKET_ENV: str(tmp_path / "absent")})
     assert code == 0 and [r["engine_id"] for r in doc["data"]["removed"]] == ["a"]
     assert doc["data"]["syslog"]["dropped"] == 1
-    assert "system log" not in err and "syslog" not in err  # a host without one: no noise
+    assert "system log" not in err and "syslog" not in err  # --json: one document, no noise
+    assert "syslog_dropped" in [w["code"] for w in doc["warnings"]]
+    region_file(shm_dir, "c")  # text mode, even -q as the schedules run it: said on stderr
+    proc = subprocess.run([*CLI, "gc", "-q", "--min-age", "0", "--shm-dir", str(shm_dir)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, SOCKET_ENV: str(tmp_path / "absent")})
+    assert proc.returncode == 0 and "Removed c:" in proc.stdout
+    assert ("Warning: system log: 1 removal record(s) not written "
+            f"({tmp_path / 'absent'}: no syslog socket: No such file or directory)") \
+        in proc.stderr
 
     assert syslog.fill() > 0  # nobody reads it: a send would block
     region_file(shm_dir, "b")

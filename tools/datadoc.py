@@ -63,6 +63,9 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
          "counts what it frees)"),
         ("check", "with --check: {flagged: engine_ids stale or with a problem} (exit 3 when "
          "any)"),
+        ("unsafe_entries[]", "{engine_id, paths, problems}: names like a region's that are "
+         "no regular file (a symlink, a FIFO): not regions, never stale, left by gc; --check "
+         "flags them"),
         ("orphan_manifests[]", "manifests whose region is gone"),
         ("shm", "{total_bytes, free_bytes} of the shm filesystem"),
         ("uninspectable_processes", "processes whose /proc entries could not be read"),

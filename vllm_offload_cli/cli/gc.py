@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
-from vllm_offload_cli.core.base.text import shortened
+from vllm_offload_cli.core.base.text import printable, shortened
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
 
@@ -133,8 +134,7 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
         logged = audit.record_removals(report.removed)
         data["syslog"] = jsonable(logged)
         if logged.problem is not None:
-            inv.info(f"system log: {logged.dropped} line(s) not recorded ({logged.socket}: "
-                     f"{logged.problem})")
+            _say_audit_dropped(inv, logged.dropped, logged.socket, logged.problem)
     warn_useless_waiver(inv, shm_private_to_namespace)
     _warn_lease_only(inv, report)
     errors = [{"code": e.code, "message": e.message} for e in report.errors]
@@ -166,6 +166,17 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
         code = most_important((code, ExitStatus.PARTIAL if changed else output_status))
     return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
                    render=lambda out: _render(inv, out, report, output + refusals + missing))
+
+
+def _say_audit_dropped(inv: Invocation, dropped: int, socket: str, problem: str) -> None:
+    """The audit record never drops silently: a warning in JSON, and in text mode a line
+    on stderr even with -q (the removals it would have recorded are printed with -q too);
+    -qq silences it."""
+    message = (f"system log: {dropped} removal record(s) not written ({socket}: {problem}); "
+               "the lines above are the only record")
+    inv.warnings.append({"code": "syslog_dropped", "message": message})
+    if not inv.json_output and inv.verbosity > -2:
+        sys.stderr.write(f"Warning: {printable(message)}\n")
 
 
 def _warn_lease_only(inv: Invocation, report: GcReport) -> None:

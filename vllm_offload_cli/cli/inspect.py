@@ -176,6 +176,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                          shm_private_to_namespace=shm_private_to_namespace)
         placed = None if no_residency else observe_all(found.regions)
     missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
+    found, unsafe = split_unsafe(found)
     if state is not None:
         found = dataclasses.replace(found, regions=tuple(
             r for r in found.regions if r.state == state.value))
@@ -197,12 +198,15 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     data = inventory_data(found, placed)
     data["measurement_errors"] = refusals
     data["not_found"] = missing
+    data["unsafe_entries"] = [{"engine_id": r.engine_id, "paths": r.paths,
+                               "problems": [jsonable(p) for p in r.problems]} for r in unsafe]
     flagged = [r.engine_id for r in found.regions if r.state == "stale" or r.problems]
+    flagged += [r.engine_id for r in unsafe]
     if check:
         data["check"] = {"flagged": flagged}
     shown: Callable[[Out], None] | None = None
     if fmt is Format.prometheus:
-        metrics.emit(_registry(found, placed, refusals), output)
+        metrics.emit(_registry(found, placed, refusals, len(unsafe)), output)
         if output is not None:
             data["output"] = str(output)
             shown = lambda out: out.print(f"Wrote {output}")  # noqa: E731
@@ -224,6 +228,17 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                            ExitStatus.PROBLEMS_FOUND if check and flagged
                            else ExitStatus.SUCCESS])
     return Outcome(data=data, exit_code=code, errors=not_found, render=render)
+
+
+def split_unsafe(found: Inventory) -> tuple[Inventory, list[RegionInfo]]:
+    """Names like a region's whose files are none regular (a symlink, a FIFO): no region,
+    never stale (gc never removes them), but a problem to show: (regions, those)."""
+    unsafe = [r for r in found.regions if r.linked and all(s.file_id is None
+                                                            for s in r.segments)]
+    if not unsafe:
+        return found, []
+    return dataclasses.replace(found, regions=tuple(
+        r for r in found.regions if r not in unsafe)), unsafe
 
 
 def gc_would_free(found: Inventory) -> int:
@@ -365,8 +380,10 @@ def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: st
                  ) -> list[str]:
     """The sentences under the table: each problem, and with `why` what made a region
     stale or unknown."""
-    lines = [f"  {prefix}{_text(r.get('engine_id'))}: {_text(p.get('message'))}"
-             for r in regions for p in _dicts(r.get("problems"))]
+    # dict.fromkeys: a dp_collision names both regions of one engine_id in one sentence
+    lines = list(dict.fromkeys(f"  {prefix}{_text(r.get('engine_id'))}: "
+                               f"{_text(p.get('message'))}"
+                               for r in regions for p in _dicts(r.get("problems"))))
     if why:
         lines += [f"  {prefix}{_text(r.get('engine_id'))}: {_text(r.get('state'))}: "
                   f"{_text((r.get('evidence') or {}).get('summary'))}"
@@ -405,6 +422,9 @@ def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
         lines += region_notes(regions, why=why)
     lines.append(footer(data))
     lines += [f"  orphaned manifest: {_text(o)}" for o in data.get("orphan_manifests") or ()]
+    lines += [f"  not a region ({_text(p.get('code'))}): {_text(p.get('message'))}; gc leaves "
+              "it, remove it by hand after checking it"
+              for e in _dicts(data.get("unsafe_entries")) for p in _dicts(e.get("problems"))]
     write_text(out, "\n".join(lines))
 
 
@@ -423,7 +443,7 @@ def _created_at(r: RegionInfo) -> float | None:
 
 
 def _registry(found: Inventory, placed: dict[str, Placement] | None = None,
-              refusals: dict[str, dict[str, Any]] | None = None) -> Any:
+              refusals: dict[str, dict[str, Any]] | None = None, unsafe: int = 0) -> Any:
     """Gauges by region; a textfile written once a minute stays true (no ages, no empty
     labels: a region without a DP rank has no `vllm_offload_region_dp_rank` sample).
 
@@ -487,6 +507,9 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None,
                    "filter or policy.", ["what"], registry=registry)
     for what in MEASUREMENTS:
         errors.labels(what).set((refusals or {}).get(what, {}).get("regions", 0))
+    Gauge("vllm_offload_unsafe_entries", "Names like a region's that are no regular file "
+          "(a symlink, a FIFO): never removed by gc, to be checked by hand.",
+          registry=registry).set(unsafe)
     Gauge("vllm_offload_orphan_manifests", "Manifests whose region is gone.",
           registry=registry).set(len(found.orphan_manifests))
     return registry

@@ -351,7 +351,9 @@ def _would_reclaim(done: _Progress, r: RegionInfo, want: RegionShape | None) -> 
     """A dry run's answer for a stale region: what the reclaim would free."""
     other = None if want is None else mismatch(r, want)
     return done.result(WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
-                       reclaimed_bytes=sum(s.size_bytes for s in r.segments),
+                       # what the real run reports: tmpfs memory freed (st_blocks), not
+                       # the apparent size of a partly written (sparse) leftover
+                       reclaimed_bytes=sum(s.allocated_bytes or 0 for s in r.segments),
                        notes=() if other is None else (f"another shape: {other}",))
 
 
