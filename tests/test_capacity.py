@@ -47,6 +47,21 @@ def test_cgroup_v1_and_unlimited(tmp_path: Path) -> None:
     assert cgroup_headroom(tmp_path / "absent", cg) == (None, None)
 
 
+def test_cgroup_v1_takes_the_tightest_ancestor_too(tmp_path: Path) -> None:
+    """A pod's limit one level above the container's (v1's hierarchy) was missed, so
+    `create` was OOM-killed instead of exiting 5 (issue 30, finding 11)."""
+    proc, cg = tmp_path / "proc", tmp_path / "cg"
+    _tree(proc, {"self/cgroup": "4:memory:/kubepods/pod1/ctr\n"})
+    _tree(cg, {
+        "memory/memory.limit_in_bytes": str(1 << 62), "memory/memory.usage_in_bytes": "0",
+        "memory/kubepods/pod1/memory.limit_in_bytes": str(4 * GiB),
+        "memory/kubepods/pod1/memory.usage_in_bytes": str(3 * GiB),
+        "memory/kubepods/pod1/ctr/memory.limit_in_bytes": str(1 << 62),
+        "memory/kubepods/pod1/ctr/memory.usage_in_bytes": str(GiB),
+    })
+    assert cgroup_headroom(proc, cg) == (4 * GiB, GiB)
+
+
 def _cap(shm_free: int, cg_free: int | None, avail: int | None) -> Capacity:
     return Capacity(shm=ShmUsage(64 * GiB, shm_free),
                     cgroup_limit_bytes=None if cg_free is None else 99 * GiB,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -32,7 +33,8 @@ def cgroup_headroom(proc_root: Path = Path(PROC),
     """(limit, free) of the tightest memory cgroup above this process, or (None, None).
 
     tmpfs pages are charged to the cgroup of the process that faults them, and
-    every ancestor's limit applies (cgroup v2 walks up; v1 has one level).
+    every ancestor's limit applies, in cgroup v2 and in v1's memory hierarchy alike
+    (a Kubernetes pod's limit sits one level above its containers').
     """
     try:
         lines = (proc_root / "self" / "cgroup").read_text().splitlines()
@@ -46,16 +48,23 @@ def cgroup_headroom(proc_root: Path = Path(PROC),
         _, controllers, rel = parts
         rel = rel.lstrip("/")
         if controllers == "":
-            node = cgroup_root / rel if rel else cgroup_root
-            while True:
+            for node in _up(cgroup_root, rel):
                 best = _tighter(best, node / "memory.max", node / "memory.current")
-                if node == cgroup_root or cgroup_root not in node.parents:
-                    break
-                node = node.parent
         elif "memory" in controllers.split(","):
-            base = cgroup_root / "memory" / rel
-            best = _tighter(best, base / "memory.limit_in_bytes", base / "memory.usage_in_bytes")
+            for node in _up(cgroup_root / "memory", rel):
+                best = _tighter(best, node / "memory.limit_in_bytes",
+                                node / "memory.usage_in_bytes")
     return best if best is not None else (None, None)
+
+
+def _up(top: Path, rel: str) -> Iterator[Path]:
+    """The cgroup `rel` under `top`, then each ancestor up to `top` itself."""
+    node = top / rel if rel else top
+    while True:
+        yield node
+        if node == top or top not in node.parents:
+            return
+        node = node.parent
 
 
 def _tighter(best: tuple[int, int] | None, limit_file: Path,
