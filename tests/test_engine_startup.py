@@ -196,7 +196,7 @@ def test_importing_the_hook_needs_neither_vllm_nor_torch() -> None:
 
 
 def test_the_token_is_made_once_and_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV, engine_token, process_token
+    from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV, engine_token, read_token
 
     monkeypatch.setenv(ENGINE_TOKEN_ENV, "not-a-token")  # malformed: replaced
     token = engine_token()
@@ -208,14 +208,14 @@ def test_the_token_is_made_once_and_inherited(monkeypatch: pytest.MonkeyPatch) -
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert child.stdout is not None and child.stdout.readline()  # running, exec done
-        assert process_token(child.pid) == token  # what a sibling rank reads from /proc
+        assert read_token(child.pid)[0] == token  # what a sibling rank reads from /proc
     finally:
         child.communicate(b"\n")
     from vllm_offload_cli.core.system import processes
 
     env = processes.environ(os.getpid())  # set after exec: not in environ
     assert env is not None and ENGINE_TOKEN_ENV not in env
-    assert process_token(os.getpid()) == token  # ...but our beacon says it
+    assert read_token(os.getpid())[0] == token  # ...but our beacon says it
 
 
 def test_a_worker_forked_after_the_token_was_set_is_still_this_engine() -> None:
@@ -234,7 +234,7 @@ def test_a_worker_forked_after_the_token_was_set_is_still_this_engine() -> None:
     os.close(read)
     try:
         assert (processes.environ(pid) or {}).get(identity.ENGINE_TOKEN_ENV) != token
-        assert identity.process_token(pid) == token
+        assert identity.read_token(pid)[0] == token
     finally:
         os.close(write)
         os.waitpid(pid, 0)
@@ -253,7 +253,7 @@ def test_a_process_holding_another_engines_beacon_is_read_as_that_engine() -> No
                              stdout=subprocess.PIPE, env=env)
     try:
         assert child.stdout is not None and child.stdout.readline()
-        assert identity.process_token(child.pid) == other != identity.engine_token()
+        assert identity.read_token(child.pid)[0] == other != identity.engine_token()
     finally:
         child.communicate(b"\n")
 

@@ -54,7 +54,7 @@ INVENTORY = Inventory(
         _region("del", state="live", holders=1, linked=False),
     ),
     orphan_manifests=(), shm=ShmUsage(total_bytes=64 << 30, free_bytes=55 << 30),
-    uninspectable_processes=0, scanned_processes=300)
+    uninspectable_processes=0)
 
 SNAPSHOT = (Path(__file__).parent / "snapshots" / "inspect_table.txt").read_text()
 

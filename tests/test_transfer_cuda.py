@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from vllm_offload_cli.core.base.errors import OperationFailedError
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.region.geometry import default_row_stride
@@ -115,7 +116,9 @@ def test_cleanup_unpins_and_unmaps(shm_dir: Path) -> None:
     assert worker.pinned and r.is_pinned
     worker.submit_store(1, list(range(16)), list(range(16)))
     r.cleanup()  # drains, unregisters, then unmaps
-    assert worker.closed and not r.is_pinned and r.mmap_obj is None
+    assert not r.is_pinned and r.mmap_obj is None
+    with pytest.raises(OperationFailedError, match="shut down"):
+        worker.submit_store(2, [0], [0])
     assert [x.job_id for x in worker.get_finished()] == [1]
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from vllm_offload_cli.core.host.discovery import discover
-from vllm_offload_cli.core.region.segments import effective_segments
+from vllm_offload_cli.core.region.segments import effective_segments, layout_of
 from vllm_offload_cli.engine.vllm_rules import read_rules
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
@@ -230,7 +230,7 @@ def test_cpu_spec_from_a_real_vllm_config(start: Any, engine_id: str) -> None:
     files = effective_segments(rules.cpu_worker.segments, want.num_chunks * want.row_stride,
                                min_bytes=1 << 20)
     assert files == (min(32, want.num_chunks * want.row_stride // (1 << 20))
-                     if rules.cpu_layout == "segmented" else 1)
+                     if layout_of(rules.cpu_worker.segments) == "segmented" else 1)
     for w in workers:
         assert w["spec"] == "HardenedCPUOffloadingSpec"
         assert w["spec_base"] == "vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec"

@@ -40,11 +40,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def subcommand_names() -> list[str]:
-    """Every name a command line may use: the commands, then their aliases."""
-    return [*COMMANDS, *ALIASES]
-
-
 class CommandLine(Group):
     """Lazy subcommands; usage errors honour `--json` and print one `Error:` line otherwise."""
 

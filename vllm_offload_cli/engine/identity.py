@@ -72,16 +72,10 @@ def _hold_beacon(token: str) -> None:
     _beacon = (token, fd)
 
 
-def process_token(pid: int) -> str | None:
-    """Another process's token: from its initial environment, else from a beacon it holds;
-    None if it has neither or they cannot be read."""
-    return read_token(pid)[0]
-
-
 def read_token(pid: int) -> tuple[str | None, bool]:
-    """(token, readable): the token as `process_token` finds it, and whether the
-    process's environment could be read at all (False: nothing can be told).
-    One read of the environment."""
+    """(token, readable): another process's token, from its initial environment, else
+    from a beacon it holds (None if neither can be read), and whether its environment
+    could be read at all (False: nothing can be told). One read of the environment."""
     env = processes.environ(pid)
     value = None if env is None else env.get(ENGINE_TOKEN_ENV)
     if valid_token(value):

@@ -40,7 +40,7 @@ from typing import Any
 
 from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.region import ranks
-from vllm_offload_cli.core.region.segments import effective_segments, layout_of
+from vllm_offload_cli.core.region.segments import effective_segments
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +109,6 @@ class VllmRules:
     def files(self, call: RegionCall, size_bytes: int) -> int:
         """How many files vLLM asks for at `call` for a region of `size_bytes` (its rule)."""
         return effective_segments(call.segments, size_bytes, min_bytes=self.min_segment_bytes)
-
-    @property
-    def cpu_layout(self) -> str:
-        """SEGMENTED where the CPU spec splits regions, else SINGLE_FILE."""
-        return layout_of(self.cpu_worker.segments)
 
     @property
     def name(self) -> str:

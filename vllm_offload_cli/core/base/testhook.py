@@ -13,7 +13,6 @@ import os
 import signal
 
 PAUSE_ENV = "VLLM_OFFLOAD_TEST_PAUSE_AT"
-POINTS = ("after_manifest", "after_ftruncate", "mid_prefault")
 
 
 def pause_at(point: str) -> None:

@@ -83,19 +83,6 @@ def parse_duration(text: str, *, what: str = "duration") -> float:
     return float(total)
 
 
-def format_duration(seconds: float) -> str:
-    """90 -> '90s', 300 -> '5m', 5400 -> '1h30m': what parse_duration reads back."""
-    whole = round(seconds)
-    if whole != seconds or whole < 60:
-        return f"{seconds:g}s"
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if whole >= size:
-            parts.append(f"{whole // size}{unit}")
-            whole %= size
-    return "".join(parts)
-
-
 def format_age(seconds: object) -> str:
     """An age as ps and kubectl print one: 45s, 11m, 3h12m, 2d3h, 9d; '-' when unknown.
 

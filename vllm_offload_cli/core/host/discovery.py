@@ -157,7 +157,6 @@ class Inventory:
     orphan_manifests: tuple[OrphanManifest, ...]
     shm: ShmUsage
     uninspectable_processes: int
-    scanned_processes: int
     visibility: Visibility = field(default_factory=lambda: Visibility((), ()))
 
     def find(self, engine_id: str) -> list[RegionInfo]:
@@ -382,8 +381,7 @@ def discover(
     orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
     return Inventory(
         shm_dir=shm, regions=tuple(regions), orphan_manifests=tuple(orphans),
-        shm=shm_usage(shm), uninspectable_processes=scan.denied,
-        scanned_processes=scan.scanned, visibility=vis,
+        shm=shm_usage(shm), uninspectable_processes=scan.denied, visibility=vis,
     )
 
 
@@ -641,8 +639,7 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
                                           mtime=st.st_mtime))
     return Inventory(
         shm_dir=shm, regions=tuple(_flag_collisions(regions)), orphan_manifests=tuple(orphans),
-        shm=shm_usage(shm), uninspectable_processes=scan.denied,
-        scanned_processes=scan.scanned, visibility=vis)
+        shm=shm_usage(shm), uninspectable_processes=scan.denied, visibility=vis)
 
 
 def open_released(shm_dir: str | os.PathLike[str], engine_id: str

@@ -44,7 +44,6 @@ class FileUse:
 @dataclass
 class ProcessScan:
     uses: dict[FileId, list[FileUse]] = field(default_factory=lambda: defaultdict(list))
-    scanned: int = 0
     denied_pids: list[int] = field(default_factory=list)
 
     @property
@@ -155,7 +154,6 @@ def _scan(want: _Filter, own_fds: Collection[int],
         maps = None if fds is None else _scan_maps(pid, want, scan.uses)
         if maps is None:
             continue  # exited mid-scan: it holds nothing now
-        scan.scanned += 1
         if fds or maps:
             scan.denied_pids.append(pid)
     return scan

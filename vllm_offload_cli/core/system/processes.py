@@ -60,12 +60,6 @@ def start_ticks(pid: int) -> int | None:
     return None if now is None else now[1]
 
 
-def running(pid: int) -> bool:
-    """The pid names a process that has not exited (zombies have)."""
-    now = procfs.stat_identity(pid)
-    return now is not None and now[0] not in _EXITED
-
-
 def comm(pid: int) -> str | None:
     """The process's name (comm); None if it is gone or hidden."""
     proc = _process(pid)

@@ -50,10 +50,6 @@ class ResultSink:
         with self._cond:
             return job_id in self._in_flight or any(r.job_id == job_id for r in self._ready)
 
-    def in_flight(self) -> set[int]:
-        with self._cond:
-            return set(self._in_flight)
-
     def add(self, result: TransferResult) -> None:
         with self._cond:
             self._in_flight.discard(result.job_id)

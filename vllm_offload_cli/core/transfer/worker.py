@@ -197,10 +197,6 @@ class CopyWorker:
                 return False
         return True
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def shutdown(self, cancel_pending: bool = False) -> None:
         """Finish (or, on CPU, cancel) queued jobs, release the views and unpin; idempotent.
 
