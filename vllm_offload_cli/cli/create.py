@@ -17,7 +17,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionBusyError,
     UnsafeRegionError,
 )
-from vllm_offload_cli.core.base.exit_status import ExitStatus
+from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc, with_statuses
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import shortened
 from vllm_offload_cli.core.base.units import format_bytes
@@ -198,8 +198,8 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
               "--numa-node", help="bind: only these nodes; interleave: round-robin over them "
               "(default: all nodes); preferred: this node first.")
 @click.option("--huge-pages", type=EnumChoice(HugePages), default=HugePages.never.value,
-              help="Transparent huge pages: always (error, exit 5, where the kernel refuses), "
-              "auto (warn and continue), never.")
+              help=with_statuses("Transparent huge pages: always (error, exit {NO_SPACE}, "
+                                 "where the kernel refuses), auto (warn and continue), never."))
 @click.option("--segments", type=click.IntRange(min=1), metavar="N",
               show_default="as --vllm-layout makes them",
               help="Split into exactly this many files .mmap, .mmap.1, ... as vLLM does (1 for "
@@ -218,6 +218,7 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
               "min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file (vLLM 0.31 and "
               "0.32, every tiering spec), or auto: what the CPU spec of the vLLM installed here "
               "makes (segmented when none is found).")
+@statuses_in_doc
 def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
            dp_rank: int | None, num_blocks: int | None, size: int | None, no_populate: bool,
            hold: bool, threads: int | None, numa_node: str | None,
@@ -231,7 +232,7 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
     an engine to join; `gc` keeps it unless given --include-persistent. Root
     provisions for a service user with --owner (like a tmpfiles.d `f` line): the
     files and manifest become that user's, so an engine running as it joins.
-    --hold ends on SIGINT (exit 130) or SIGTERM (exit 0), removing the region.
+    --hold ends on SIGINT (exit {INTERRUPTED}) or SIGTERM (exit {SUCCESS}), removing the region.
     """
     from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, layout_of
     from vllm_offload_cli.core.region.shared_region import (

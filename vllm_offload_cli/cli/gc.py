@@ -21,7 +21,12 @@ from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
-from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
+from vllm_offload_cli.core.base.exit_status import (
+    ExitStatus,
+    most_important,
+    statuses_in_doc,
+    with_statuses,
+)
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.text import printable, shortened
@@ -88,8 +93,9 @@ def _kept_dict(k: Problem) -> dict[str, object]:
               "default one line per removed region, identifier vllm-offload; socket /dev/log, "
               "env VLLM_OFFLOAD_SYSLOG_SOCKET).")
 @click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
-              help="Stop after this long, report what was removed, exit 1: seconds, or 90s, "
-              "5m, 2h; 0: already up.")
+              help=with_statuses("Stop after this long, report what was removed, exit "
+                                 "{FAILED}: seconds, or 90s, 5m, 2h; 0: already up."))
+@statuses_in_doc
 def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
                     min_age: float, include_persistent: bool, all_users: bool,
                     prometheus: Path | None, shm_private_to_namespace: bool, no_syslog: bool,
@@ -102,16 +108,17 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
     persistent. Every kept region is listed with the reason; every removed one
     is also recorded in the system log (identifier vllm-offload). Where a holder
     could be hidden (a PID namespace that is not the host's, hidepid, processes
-    it may not inspect and no lease proof), it removes nothing it cannot prove
-    unused. The --prometheus file is checked first: an unwritable one is exit 2
-    with nothing removed. Exit status: 0 when nothing failed (kept regions are
-    not failures), 1 when a removal failed, 2 for bad usage or a named ENGINE_ID
-    that matches no region or manifest (the others are still collected), 6 when
-    it refused to judge because a holder could be hidden, 7 (partial) when it
-    removed regions but could not write --prometheus afterwards (the removals
-    are still reported in full), 5 when nothing was removed and --prometheus could not be
-    written for lack of space (1 for another write error). After --timeout it stops between regions,
-    reports what it removed, and exits 1.
+    it may not inspect and no lease proof), it removes nothing it cannot prove unused.
+    The --prometheus file is checked first: an unwritable one is exit {USAGE} with
+    nothing removed. Exit status: {SUCCESS} when nothing failed (kept regions are
+    not failures), {FAILED} when a removal failed, {USAGE} for bad usage or a named
+    ENGINE_ID that matches no region or manifest (the others are still collected),
+    {UNSAFE} when it refused to judge because a holder could be hidden, {PARTIAL}
+    (partial) when it removed regions but could not write --prometheus afterwards
+    (the removals are still reported in full), {NO_SPACE} when nothing was removed
+    and --prometheus could not be written for lack of space ({FAILED} for another
+    write error). After --timeout it stops between regions, reports what it removed,
+    and exits {FAILED}.
     """
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run

@@ -26,7 +26,12 @@ from vllm_offload_cli.cli.params import Duration, EnumChoice
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
-from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important
+from vllm_offload_cli.core.base.exit_status import (
+    ExitStatus,
+    most_important,
+    statuses_in_doc,
+    with_statuses,
+)
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_age, format_bytes
@@ -136,11 +141,14 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
               "only inside this PID namespace: trust this namespace's /proc (regions are not "
               "shown `unknown` for it).")
 @click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
-              help="Give up after this long (exit 1): seconds, or 90s, 5m, 2h.")
+              help=with_statuses("Give up after this long (exit {FAILED}): seconds, or 90s, "
+                                 "5m, 2h."))
 @click.option("--state", "-s", type=EnumChoice(State),
               help="Only regions in this state; the table, JSON and --check see only those.")
-@click.option("--check", is_flag=True, help="Exit 3 when a region shown is stale or has a "
-              "problem, 0 otherwise, like `fuser -s`; with -q nothing is printed on stdout.")
+@click.option("--check", is_flag=True, help=with_statuses(
+    "Exit {PROBLEMS_FOUND} when a region shown is stale or has a problem, {SUCCESS} "
+    "otherwise, like `fuser -s`; with -q nothing is printed on stdout."))
+@statuses_in_doc
 def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                 output: Path | None, no_residency: bool, wide: bool,
                 shm_private_to_namespace: bool, timeout: float, state: State | None,
@@ -154,12 +162,12 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     (leaked, or a create that died).
     Names, process names and manifest fields are shown with control characters
     escaped (\\xNN); --json keeps them raw (JSON escapes them). A named ENGINE_ID
-    that matches no region is an error (exit 2), the others are still shown.
+    that matches no region is an error (exit {USAGE}), the others are still shown.
     With -v the table says why each stale or unknown region is so: its creator's
     pid and whether it lives, the recorded holders and whether they exited, and
     when anything last happened to it; the footer says what gc would free.
-    Exit status 1 when --timeout passes first; with --check, 3 when a region shown
-    is stale or has a problem (for scripts and health checks).
+    Exit status {FAILED} when --timeout passes first; with --check, {PROBLEMS_FOUND}
+    when a region shown is stale or has a problem (for scripts and health checks).
     """
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")

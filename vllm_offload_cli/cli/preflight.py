@@ -15,6 +15,7 @@ import click
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.cli.params import Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
+from vllm_offload_cli.core.base.exit_status import statuses_in_doc
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region import capacity
@@ -38,21 +39,23 @@ from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
               help="When the regions do not fit, first remove this user's stale leftovers of "
               "other engine_ids (a crashed engine's, as gc would), oldest first, only as many "
               "as needed. Off also with VLLM_OFFLOAD_RECLAIM_FOR_ROOM=0.")
+@statuses_in_doc
 def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run: bool,
               segments: int | None, reclaim_for_room: bool) -> Outcome:
-    """Refuse an engine_id held by a live process (exit 4), reclaim a provably stale
+    """Refuse an engine_id held by a live process (exit {BUSY}), reclaim a provably stale
     leftover region of it, and check that the regions fit in the shm directory, the
-    memory cgroup and available memory (exit 5). Run it before `vllm serve`, with
+    memory cgroup and available memory (exit {NO_SPACE}). Run it before `vllm serve`, with
     the ENGINE_ID the engine will be given (the base id when --dp-size > 1).
 
     An existing region is "ready" only with the size (and, with --segments, the
     segment count) the engine will map: a stale one of another shape is reclaimed,
-    a pre-provisioned one is exit 6 with the command that removes it.
-    With --dp-size N the replicas' ids ENGINE_ID_dp0 .. _dp{N-1} are checked and the
+    a pre-provisioned one is exit {UNSAFE} with the command that removes it.
+    With --dp-size N the replicas' ids ENGINE_ID_dp0 .. _dp{{N-1}} are checked and the
     room for all of them at once. Without room, this user's stale leftovers of other
     engine_ids (a crashed engine's) are removed first, oldest first, as gc would.
-    Exit status: 0 ready; 2 bad input; 4 in use; 5 too little room; 6 a leftover
-    that is not safe to touch, or a pre-provisioned region of another shape.
+    Exit status: {SUCCESS} ready; {USAGE} bad input; {BUSY} in use; {NO_SPACE} too
+    little room; {UNSAFE} a leftover that is not safe to touch, or a pre-provisioned
+    region of another shape.
     """
     from vllm_offload_cli.engine import room  # not needed by --help
     from vllm_offload_cli.engine.claim import claim, startup_lock

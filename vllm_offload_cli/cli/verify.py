@@ -24,7 +24,7 @@ from vllm_offload_cli.cli.common import (
 )
 from vllm_offload_cli.cli.params import ParsedChoice, Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.exit_status import ExitStatus
+from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
@@ -58,6 +58,7 @@ _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.val
               "suffix (the multiprocessing path before vLLM PR 47987).")
 @click.option("--cpu-page-size", type=Size(), help="Live: bytes per worker slot, for a region "
               "without a manifest (e.g. 64KiB).")
+@statuses_in_doc
 def verify_rank_layout(inv: Invocation, engine_id: str | None, world_size: int | None,
                        dp_size: int | None, devices: str | None, rank_source: str | None,
                        no_dp_suffix: bool, cpu_page_size: int | None) -> Outcome:
@@ -67,8 +68,8 @@ def verify_rank_layout(inv: Invocation, engine_id: str | None, world_size: int |
     worker's device and slot, and reports slot collisions, slots outside
     [0, W), shared engine_ids and shared devices. Live mode checks an existing
     region: size against geometry, attached ranks (each in range, each once,
-    none missing) and which slots were ever populated. Exit 3 when anything is
-    wrong.
+    none missing) and which slots were ever populated. Exit {PROBLEMS_FOUND} when
+    anything is wrong.
     """
     if engine_id is None:
         _refuse("live", ("--cpu-page-size", cpu_page_size is not None))

@@ -1,7 +1,8 @@
 """The core library: regions, discovery, safety checks and copy workers.
 
 Subpackages, each importing only those listed before it (tests/test_architecture.py
-enforces this): `base`, `region`, `host`, then `layout`, `reclaim` and `transfer`.
+enforces this): `base`, `system` (the one layer that reads the host), `region`,
+`host`, then `layout`, `reclaim` and `transfer` (which needs no `host`).
 
 Nothing under this package imports typer or rich, and only the modules that
 build tensor views or move bytes import torch (lazily), so `inspect` and

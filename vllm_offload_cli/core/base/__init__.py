@@ -1,1 +1,3 @@
-"""Foundations every package may use: errors, problems, units, libc, /proc basics, lazy torch."""
+"""Foundations every package may use, reading nothing of the host: errors and exit
+statuses, problems, units, text for untrusted strings, deadlines and bounded waits,
+optional extras, lazy torch, the crash tests' pause hook."""

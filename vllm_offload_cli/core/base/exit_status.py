@@ -9,7 +9,10 @@ committed man page and the README's table against it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable[..., object])
 
 
 class ExitStatus(enum.IntEnum):
@@ -90,3 +93,15 @@ def most_important(codes: Iterable[object]) -> ExitStatus:
     """The status among `codes` that comes first in PRECEDENCE; SUCCESS for none."""
     statuses = {as_status(c) for c in codes}
     return next((s for s in PRECEDENCE if s in statuses), ExitStatus.SUCCESS)
+
+
+def with_statuses(text: str) -> str:
+    """Help text whose `{BUSY}`-style names become their numbers, so that no help text
+    types a number this table could contradict (a literal brace is written `{{`)."""
+    return text.format_map({s.name: int(s) for s in ExitStatus})
+
+
+def statuses_in_doc(fn: F) -> F:
+    """A command whose docstring (its help) names exit statuses as `{NAME}`."""
+    fn.__doc__ = with_statuses(fn.__doc__ or "")
+    return fn

@@ -6,11 +6,12 @@ file format, one error policy: a process that vanished or denies access is a
 value (`GONE`, `DENIED`, or None where the difference does not matter), never
 an exception that escapes.
 
-psutil answers what it answers well: a process's identity (pid + start
-time), state, owner uids, name, environment and CPU affinity, the boot time
-and available memory. The rest is read by hand because psutil has no reader
-for it: mappings and descriptors matched by (device, inode), /proc/locks,
-smaps/numa_maps per mapping, mountinfo options, PID namespaces, capability
-masks, cgroup memory limits, sysfs NUMA topology, and the system calls of
-libc.py.
+psutil answers what it answers well: the pids, a process's name,
+environment and CPU affinity, the mount table and available memory. The rest
+is read by hand because psutil has no reader for it (or reads more than is
+needed): a process's identity and state from one read of /proc/PID/stat,
+its uids and capability masks from one read of /proc/PID/status, mappings
+and descriptors matched by (device, inode), /proc/locks, smaps/numa_maps per
+mapping, PID namespaces, cgroup memory limits, sysfs NUMA topology, and the
+system calls of libc.py.
 """

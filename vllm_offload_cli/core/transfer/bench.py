@@ -49,19 +49,17 @@ DEFAULT_BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)
 DEFAULT_SIZE = 256 * MiB
 # Default job size: bigger than a last-level cache, so that the worker and the
 # baseline both measure memory rather than whichever last left its bytes in
-# cache (with 32 MiB jobs ratios swung between 0.5x and 1.2x from run to run)
+# cache (benchmarks/README.md: why 128 MiB)
 AUTO_TRANSFER_BYTES = 128 * MiB
 # contiguous: one run on both sides. device-scattered: random device blocks
 # into consecutive region blocks (vLLM's store into freshly allocated offload
 # blocks) and back. scattered: random blocks on both sides (a fragmented cache).
 PATTERNS = ("contiguous", "device-scattered", "scattered")
 PIPELINE_DEPTH = 2  # jobs in flight per timed round, and copies per baseline round
-# Rounds per figure. On a 2-vCPU VM one round's worker/memcpy ratio spread by
-# +-0.1 around its median; the median of 5 rounds moved by +-0.05 from run to run,
-# enough for the worst of eight cells to read 0.05-0.1 below the typical figure.
-# 11 rounds add ~10 s to a default run.
+# Rounds per figure: the median of this many is steady from run to run on a busy
+# host (benchmarks/README.md: how the count was chosen).
 DEFAULT_REPEAT = 11
-# DESIGN section 6: CPU store/load against memcpy for blocks >= 64 KiB
+# The targets: CPU store/load against memcpy for blocks >= 64 KiB
 TARGET_RATIOS = {"contiguous": 0.9, "device-scattered": 0.8, "scattered": 0.75}
 TARGET_MIN_BLOCK = 64 * KiB
 
@@ -221,11 +219,9 @@ class _Baseline:
 
     On CPU the buffers are the benchmark's own device tensor and region mapping
     (the first bytes of one, the last of the other: what a contiguous job of the
-    same size moves), so that the baseline copies the same memory as the worker.
-    Separate scratch buffers were not a fair baseline: on a 2-vCPU VM the same
-    128 MiB copy_ ran at 13.8-14.2 GB/s between two fresh anonymous buffers and at
-    15.2-16.1 GB/s between the device tensor and the shm region, so the worker's
-    ratio told where the VM had put each buffer as much as how well it copied.
+    same size moves), so that the baseline copies the same memory as the worker:
+    separate scratch buffers copy at another speed than the region does, and the
+    ratio would tell where each buffer was placed (benchmarks/README.md).
     On CUDA it is the device's own pinned copy: a pinned host buffer and the GPU.
     """
 
@@ -363,7 +359,7 @@ class _Bench:
                   dst: Tensor) -> Throughput:
         """Rounds of: one plain copy, PIPELINE_DEPTH jobs in flight, one plain copy. The
         two copies around the jobs are their baseline, so a change of the host's memory
-        bandwidth during a round (other tenants of a VM) weighs on both sides alike."""
+        bandwidth during a round (other tenants of the host) weighs on both sides alike."""
         depth = PIPELINE_DEPTH
         self.jobs(worker, store, src, dst, depth)  # warm-up, both of them
         baseline.batch(store, depth)
@@ -518,8 +514,8 @@ def passive_openmp() -> str | None:
 
     The memcpy baseline runs on the main thread's OpenMP team, which by default spins
     for a while after each copy; interleaved with the copy worker, those spinning
-    threads took a core from the worker's copy threads and cut its measured speed
-    by a third on a 2-core host. Set only in the benchmark, never by the library.
+    threads take a core from the worker's copy threads (benchmarks/README.md). Set
+    only in the benchmark, never by the library.
     """
     global _wait_policy
     if _wait_policy is None and "torch" not in sys.modules:
@@ -561,7 +557,7 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
 
 
 def target_summary(rows: Sequence[BenchRow]) -> dict[str, Any]:
-    """Does the CPU path meet DESIGN's ratios to memcpy for blocks >= 64 KiB, per pattern?"""
+    """Does the CPU path meet TARGET_RATIOS to memcpy for blocks >= 64 KiB, per pattern?"""
     judged = [r for r in rows if r.block_bytes >= TARGET_MIN_BLOCK and r.mode == "cpu"]
     if not judged:
         return {}

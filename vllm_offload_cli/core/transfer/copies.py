@@ -44,12 +44,11 @@ SPLIT_MIN_BYTES = 1 << 20  # a batched call smaller than this stays on one threa
 # torch spreads a copy of more elements than this (at::internal::GRAIN_SIZE) over its
 # own threads; in a call split over two threads each would start its own team, four
 # threads on two CPUs. So there rows are copied in parts of at most this many
-# elements: 1 MiB rows went from 0.85x to 0.97x of memcpy, 2 MiB rows 0.93x to 1.00x.
+# elements (benchmarks/README.md has the figures).
 PART_MAX_ELEMENTS = 32768
 # index_select beats the batched call on small rows (one call instead of one per row)
-# and loses on large ones, where the batched call is split over two threads: over
-# 16-byte words 1.10-1.15x of memcpy against 0.92-0.94x at 256 KiB, 0.88x against
-# 0.96x at 512 KiB, 0.58x against 0.83x at 1 MiB. A fixed size: every host copies alike.
+# and loses on large ones, where the batched call is split over two threads
+# (benchmarks/README.md). A fixed size: every host copies alike.
 GATHER_MAX_ROW_BYTES = 512 << 10
 
 
@@ -142,10 +141,8 @@ def _pieces(pair: TensorPair, job: CopyJob, dsts: list[Tensor], srcs: list[Tenso
     sides. `in_parts`: rows are cut into parts of PART_MAX_ELEMENTS (for a call split
     over two threads).
 
-    Walking the region upwards is worth a tenth: loads of 64 KiB blocks scattered on
-    both sides, issued in the device's order, copied at 0.73x of memcpy where the
-    region's order reached 0.78-0.81x (and 0.54-0.58x against 0.62-0.79x when the
-    host's memory bandwidth was high).
+    Walking the region upwards is faster than the device's order for loads scattered
+    on both sides (benchmarks/README.md).
     """
     src, dst = pair.sides(job.direction)
     firsts_src, firsts_dst, lengths = job.runs

@@ -50,8 +50,8 @@ def as_block_ids(values: Any, *, what: str) -> Ids:
     ids: Any
     if isinstance(values, torch.Tensor):
         if values.dtype is torch.int64 and values.is_cpu and values.dim() == 1:
-            # the usual case, with the fewest calls: each costs 5-30 us on the submit
-            # path, whose caches the last copy flushed (integer tensors never need a
+            # the usual case, with the fewest calls: each is paid on the submit path,
+            # whose caches the last copy flushed (integer tensors never need a
             # detach: they cannot require grad)
             fresh: Ids = values.numpy().copy()
             return fresh

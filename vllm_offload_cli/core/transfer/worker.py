@@ -1,6 +1,6 @@
 """CopyWorker: moves KV blocks between device tensors and one worker's slot of a region.
 
-The engine-facing API of DESIGN section 5: `submit_store`/`submit_load` take
+The engine-facing API: `submit_store`/`submit_load` take
 a job id and pairwise (source block, destination block) lists, return at once,
 and every job is later reported exactly once by `get_finished()`, in
 submission order per direction. Block lists are validated before any byte
