@@ -149,3 +149,36 @@ def test_json_reference_names_every_data_key(cli: Any, shm_dir: Path) -> None:
     assert set(plan.json["data"]) <= _documented("verify-rank-layout")
     region = seen["inspect"].json["data"]["regions"][0]
     assert set(region) <= _documented("inspect", "regions[].")
+
+
+def _help_strings() -> list[tuple[str, int, str]]:
+    """(file, line, text) of every command docstring and `help=` text in the CLI's source."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "vllm_offload_cli" / "cli").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            texts: list[ast.AST] = []
+            if isinstance(node, ast.FunctionDef) and node.decorator_list:
+                texts = node.body[:1]
+            elif isinstance(node, ast.Call):
+                texts = [k.value for k in node.keywords if k.arg == "help"]
+                if getattr(node.func, "id", None) == "_fleet_command":
+                    texts += node.args[2:3]  # the fleet command's help
+            for t in texts:
+                for c in ast.walk(t):
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                        found.append((path.name, c.lineno, c.value))
+    return found
+
+
+def test_help_text_takes_exit_statuses_from_the_enum() -> None:
+    """A number typed in help text can contradict ExitStatus: help names `{NAME}`."""
+    import re
+
+    typed = [(f, line, m.group()) for f, line, text in _help_strings()
+             for m in re.finditer(r"\b[Ee]xit(?:s| status:?| code)? \d+", text)]
+    assert typed == []
+    man = (ROOT / "man" / "vllm-offload.1").read_text()
+    assert [s.name for s in ExitStatus if f"{{{s.name}}}" in man] == []  # every one filled

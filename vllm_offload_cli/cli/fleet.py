@@ -42,6 +42,7 @@ from vllm_offload_cli.cli.fleet_render import render_gc, render_inspect, render_
 from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
+from vllm_offload_cli.core.base.exit_status import with_statuses
 from vllm_offload_cli.fleet.result import FleetResult
 
 if TYPE_CHECKING:
@@ -77,8 +78,9 @@ def _fleet_params() -> list[click.Parameter]:
                      "ray://head:10001); default $RAY_ADDRESS, else 'auto' (the cluster this "
                      "host belongs to)."),
         click.Option(["--timeout"], type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
-                     help="Report a node that has not answered by then as timed out; the "
-                     "others' results are still shown (exit 7). Seconds, or 90s, 5m, 1h."),
+                     help=with_statuses("Report a node that has not answered by then as timed "
+                                        "out; the others' results are still shown (exit "
+                                        "{PARTIAL}). Seconds, or 90s, 5m, 1h.")),
         click.Option(["--shm-dir", "shm_dir"], type=click.Path(file_okay=False, path_type=Path),
                      metavar="DIR", show_default=False,
                      help="Directory that holds the regions on every node (default: each "
@@ -130,7 +132,7 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, short_hel
         ctx.exit(run_boundary(inv, body))
 
     return click.Command(local.name, callback=run, params=[*own, *_fleet_params()],
-                         help=inspect.cleandoc(doc), short_help=short_help)
+                         help=with_statuses(inspect.cleandoc(doc)), short_help=short_help)
 
 
 fleet_app = Group(
@@ -146,9 +148,9 @@ fleet_app.add_command(_fleet_command(
     Runs `vllm-offload inspect --json` on each alive node of the Ray cluster
     (one task pinned per node) and merges the answers. A node that fails or
     does not answer within --timeout is listed as such. Exit status: the most
-    important node status (see EXIT STATUS), 7 (partial) when a node did not
+    important node status (see EXIT STATUS), {PARTIAL} (partial) when a node did not
     answer and no node reported worse; nodes without a named region are
-    skipped (exit 2 only when no node has it).
+    skipped (exit {USAGE} only when no node has it).
     """, "inspect on every node: one table with a NODE column.",
     lambda out, result, _, values: render_inspect(out, result, wide=values["wide"])))
 
@@ -157,10 +159,10 @@ fleet_app.add_command(_fleet_command(
     """garbage-collect on every node.
 
     It is node-local garbage-collect, run on each node: every safety rule
-    holds there, and a node that refuses (exit 6, e.g. it cannot see all of
+    holds there, and a node that refuses (exit {UNSAFE}, e.g. it cannot see all of
     its host's processes) is reported as refused. Use --dry-run first: it shows
     the whole plan, node by node, and changes nothing. Exit status: the most
-    important node status (see EXIT STATUS), 7 (partial) when a node failed or
+    important node status (see EXIT STATUS), {PARTIAL} (partial) when a node failed or
     did not answer and no node reported worse.
     """, "garbage-collect on every node; --dry-run shows the plan (alias: gc).",
     lambda out, result, inv, _: render_gc(out, result, quiet=inv.verbosity < 0)))
@@ -169,9 +171,9 @@ fleet_app.add_command(_fleet_command(
     verify.verify_rank_layout, {}, """verify-rank-layout on every node.
 
     Live mode (ENGINE_ID) checks the region on the node(s) that have it; nodes
-    without it are skipped (exit 2 only when no node has it). Plan mode runs
+    without it are skipped (exit {USAGE} only when no node has it). Plan mode runs
     the plan on every node (useful with --devices env, which reads each node's
-    CUDA_VISIBLE_DEVICES). Exit 3 when a node found problems, 7 when a node
+    CUDA_VISIBLE_DEVICES). Exit {PROBLEMS_FOUND} when a node found problems, {PARTIAL} when a node
     failed or did not answer (and no node reported worse; see EXIT STATUS).
     """, "verify-rank-layout on every node.",
     lambda out, result, *_: render_verify(out, result)))
