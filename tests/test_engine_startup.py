@@ -177,6 +177,8 @@ def test_released_name_leaves_a_live_mapping_and_nothing_to_leak(engines: Any,
     refused = engines().spawn(0).ready()
     assert refused["code"] == "engine_id_collision" and "(deleted)" in refused["error"]
     assert refused["pid"] in {r.info["pid"] for r in ranks}
+    # ...and it says so: a new engine would get a fresh file, not share KV bytes
+    assert "fresh file" in refused["error"] and "share KV bytes" not in refused["error"]
     for r in ranks:
         r.kill()  # the kernel frees the bytes with the last mapping: nothing to reclaim
     again = engines().start(WORLD)
