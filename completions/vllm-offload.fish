@@ -2,6 +2,13 @@
 function __vllm_offload_engine_ids
     set -l d /dev/shm
     set -q VLLM_OFFLOAD_SHM_DIR; and set d $VLLM_OFFLOAD_SHM_DIR
+    set -l prev ''
+    for w in (commandline -opc)
+        test "$prev" = --shm-dir; and set d $w
+        string match -q -- '--shm-dir=*' $w
+        and set d (string replace -- --shm-dir= '' $w)
+        set prev $w
+    end
     for f in $d/vllm_offload_*.mmap
         string replace -r '^.*/vllm_offload_(.*)\.mmap$' '$1' -- $f
     end
@@ -9,6 +16,7 @@ end
 complete -c vllm-offload -f
 complete -c vllm-offload -n __fish_use_subcommand -l version -d 'Print the version'
 complete -c vllm-offload -n __fish_use_subcommand -a benchmark -d 'Measure pre-fault, store and load throughput of the copy workers against a plain memcpy.'
+complete -c vllm-offload -n __fish_use_subcommand -a completion -d 'Print the shell completion script; where the man page is.'
 complete -c vllm-offload -n __fish_use_subcommand -a create -d 'Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.'
 complete -c vllm-offload -n __fish_use_subcommand -a fleet -d 'Run inspect, gc or verify-rank-layout on every node of a Ray cluster at once (needs the ray extra).'
 complete -c vllm-offload -n __fish_use_subcommand -a garbage-collect -d 'Remove provably stale regions and orphaned manifests (alias: gc).'
@@ -31,6 +39,12 @@ complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fi
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l json -d 'Print exactly one JSON document on stdout, nothing else: the envelope with this command\'s data (JSON OUTPUT in vllm-offload(1)).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l verbose -s v -d 'More diagnostics on stderr (repeatable).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from benchmark; and not __fish_seen_subcommand_from fleet' -l quiet -s q -d 'Fewer diagnostics on stderr (repeatable).'
+complete -c vllm-offload -n '__fish_seen_subcommand_from completion; and not __fish_seen_subcommand_from fleet' -a '(__vllm_offload_engine_ids)'
+complete -c vllm-offload -n '__fish_seen_subcommand_from completion; and not __fish_seen_subcommand_from fleet' -l manpath -d 'Print the directory to add to MANPATH for `man vllm-offload` (a venv install: export MANPATH="$(vllm-offload completion --manpath):").'
+complete -c vllm-offload -n '__fish_seen_subcommand_from completion; and not __fish_seen_subcommand_from fleet' -l shm-dir -r -F -d 'Directory that holds the regions.'
+complete -c vllm-offload -n '__fish_seen_subcommand_from completion; and not __fish_seen_subcommand_from fleet' -l json -d 'Print exactly one JSON document on stdout, nothing else: the envelope with this command\'s data (JSON OUTPUT in vllm-offload(1)).'
+complete -c vllm-offload -n '__fish_seen_subcommand_from completion; and not __fish_seen_subcommand_from fleet' -l verbose -s v -d 'More diagnostics on stderr (repeatable).'
+complete -c vllm-offload -n '__fish_seen_subcommand_from completion; and not __fish_seen_subcommand_from fleet' -l quiet -s q -d 'Fewer diagnostics on stderr (repeatable).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from create; and not __fish_seen_subcommand_from fleet' -a '(__vllm_offload_engine_ids)'
 complete -c vllm-offload -n '__fish_seen_subcommand_from create; and not __fish_seen_subcommand_from fleet' -l world-size -x -d 'Workers per replica (one slot each in every row).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from create; and not __fish_seen_subcommand_from fleet' -l cpu-page-size -x -d 'Bytes per worker slot, e.g. 64KiB (K, M, G and KiB, MiB, GiB are powers of 1024; KB, MB, GB powers of 1000).'

@@ -18,7 +18,8 @@ import pytest
 PROBE = ("import sys, json, atexit; atexit.register(lambda: sys.stderr.write("
          "'\\nMODULES=' + json.dumps(sorted(sys.modules)) + '\\n')); "
          "from vllm_offload_cli.cli.app import main; main(sys.argv[1:])")
-SUBCOMMANDS = {"benchmark", "create", "fleet", "gc", "inspect", "preflight", "verify"}
+SUBCOMMANDS = {"benchmark", "completion", "create", "fleet", "gc", "inspect", "preflight",
+               "verify"}
 
 
 def _modules(*argv: str) -> set[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -182,3 +183,96 @@ def test_help_text_takes_exit_statuses_from_the_enum() -> None:
     assert typed == []
     man = (ROOT / "man" / "vllm-offload.1").read_text()
     assert [s.name for s in ExitStatus if f"{{{s.name}}}" in man] == []  # every one filled
+
+
+def _section(man: str, name: str) -> str:
+    return man.split(f"\n.SH {name}\n", 1)[1].split("\n.SH ", 1)[0]
+
+
+def test_environment_names_every_variable_the_code_reads() -> None:
+    import re
+
+    read = set()
+    for path in (ROOT / "vllm_offload_cli").rglob("*.py"):
+        text = path.read_text()
+        read |= set(re.findall(r'^[A-Z_]*ENV\w* = "([A-Z][A-Z0-9_]*[A-Z0-9])"', text, re.M))
+        read |= set(re.findall(r'(?:environ\.get|environ\.setdefault|getenv|environ)\W+'
+                               r'"([A-Z][A-Z0-9_]*[A-Z0-9])"', text))
+    assert {"VLLM_OFFLOAD_SHM_DIR", "VLLM_OFFLOAD_STRICT", "OMP_WAIT_POLICY"} <= read
+    man = (ROOT / "man" / "vllm-offload.1").read_text()
+    environment = _section(man, "ENVIRONMENT").replace("\\-", "-")
+    assert [name for name in sorted(read) if f".B {name}\n" not in environment] == []
+
+
+def test_files_examples_and_see_also_say_what_an_operator_needs() -> None:
+    man = (ROOT / "man" / "vllm-offload.1").read_text().replace("\\-", "-")
+    assert "/dev/shm/.vllm-offload-{uid}/startup.lock" in _section(man, "FILES")
+    examples = _section(man, "EXAMPLES")
+    assert "vllm-offload gc --dry-run" in examples and "vllm-offload completion bash" in examples
+    see_also = _section(man, "SEE ALSO")
+    for page in ("\\fBlsof\\fR(8)", "\\fBfuser\\fR(1)", "\\fBsystemd-tmpfiles\\fR(8)"):
+        assert page in see_also
+
+
+def _bash(script: str) -> list[str]:
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not installed")
+    run = f"source {ROOT / 'completions/vllm-offload.bash'}\n" + "\n".join(
+        f'COMP_WORDS=({line}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1)); _vllm_offload; '
+        'echo "${COMPREPLY[*]}"' for line in script.strip().splitlines())
+    return subprocess.run(["bash", "-c", run], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+
+
+def test_bash_lists_every_command_and_completes_from_the_lines_shm_dir(tmp_path: Path
+                                                                       ) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "vllm_offload_there.mmap").touch()
+    (tmp_path / "vllm_offload_here.mmap").touch()
+    out = _bash(f"""
+vllm-offload g
+vllm-offload inspect --shm-dir {other} ""
+vllm-offload --shm-dir {other} inspect ""
+vllm-offload gc --shm-dir={other} ""
+vllm-offload inspect ""
+vllm-offload verify-rank-layout --rank-source ""
+vllm-offload fleet verify-rank-layout --rank-source l
+""".replace("{tmp}", str(tmp_path)))
+    assert out[0].split() == ["garbage-collect", "gc"]
+    assert out[1:4] == ["there"] * 3
+    assert out[4] == ""  # /dev/shm has no such region; the env var is not set here
+    assert out[5].split() == ["device-modulo", "logical", "device-index"]
+    assert out[6] == "logical"
+
+
+def test_zsh_completes_engine_ids_from_the_lines_shm_dir(tmp_path: Path) -> None:
+    if shutil.which("zsh") is None:
+        pytest.skip("zsh is not installed")
+    (tmp_path / "vllm_offload_z1.mmap").touch()
+    script = (f"source {ROOT / 'completions/_vllm-offload'} 2>/dev/null; "
+              f"_vllm_offload_line=(vllm-offload --shm-dir {tmp_path} inspect ''); "
+              "_vllm_offload_ids")
+    out = subprocess.run(["zsh", "-f", "-c", script], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+    assert out.stdout.split() == ["z1"], out.stderr
+    zsh = (ROOT / "completions" / "_vllm-offload").read_text()
+    assert ":name:(device-modulo logical device-index)'" in zsh
+
+
+def test_fish_completes_engine_ids_and_rank_sources(tmp_path: Path) -> None:
+    if shutil.which("fish") is None:
+        pytest.skip("fish is not installed")
+    (tmp_path / "vllm_offload_f1.mmap").touch()
+    source = f"source {ROOT / 'completions/vllm-offload.fish'}"
+
+    def complete(line: str) -> list[str]:
+        run = subprocess.run(["fish", "--no-config", "-c", f"{source}; complete -C '{line}'"],
+                             capture_output=True, text=True, env={
+                                 "PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+        return [c.split("\t")[0] for c in run.stdout.splitlines()]
+
+    assert complete(f"vllm-offload inspect --shm-dir {tmp_path} ") == ["f1"]
+    assert complete(f"vllm-offload --shm-dir {tmp_path} gc ") == ["f1"]
+    assert sorted(complete("vllm-offload verify-rank-layout --rank-source ")) == [
+        "device-index", "device-modulo", "logical"]

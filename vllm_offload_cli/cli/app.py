@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "preflight": ("preflight", "preflight"),
     "verify-rank-layout": ("verify", "verify_rank_layout"),
     "fleet": ("fleet", "fleet_app"),
+    "completion": ("completion", "completion"),
 }
 
 

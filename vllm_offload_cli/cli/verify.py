@@ -52,6 +52,7 @@ _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.val
               "its own GPU, index 0).")
 @click.option("--rank-source", type=ParsedChoice(list(RANK_SOURCES),
                                                  lambda v: parse_rank_source(v).name),
+              metavar="NAME",
               show_default=DEVICE_MODULO.name, help=f"Plan: how a worker picks its slot "
               f"(default {DEVICE_MODULO.name}). {_SOURCES_HELP}.")
 @click.option("--no-dp-suffix", is_flag=True, help="Plan: replicas get no _dp{k} engine_id "
