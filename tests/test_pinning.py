@@ -115,7 +115,7 @@ def test_the_region_says_who_pinned_it_and_calls_back_before_unmapping(
     region.remove_close_callback(gone)
     region.remove_close_callback(gone)  # removing twice is harmless
     assert not region.is_pinned
-    region.set_pinned(True)
+    region.is_pinned = True
     with caplog.at_level(logging.ERROR, logger="vllm_offload_cli"):
         region.cleanup()
     assert calls == ["broken", "first, pinned=True"]

@@ -110,7 +110,7 @@ def main() -> None:
             mm, want = ours.mmap_obj, bytes([int(words[1])]) * page
             stride = ours.geometry.row_stride
             good = all(mm[b * stride + ours.rank * page:][:page] == want
-                       for b in range(ours.num_blocks))
+                       for b in range(ours.num_chunks))
             print(json.dumps({"match": good}), flush=True)
         elif words and words[0] == "exit":
             break

@@ -47,6 +47,13 @@ class InvalidInputError(OffloadError, ValueError):
     exit_status = ExitStatus.USAGE
 
 
+class SlotOverflowError(InvalidInputError, AssertionError):
+    """A view would run past this worker's slot (or the row): an AssertionError too,
+    because vLLM's own class asserts there and its callers expect that type."""
+
+    code = "slot_overflow"
+
+
 class RegionNotFoundError(OffloadError, LookupError):
     """No region with that engine_id exists in the shm directory."""
 

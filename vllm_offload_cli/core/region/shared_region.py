@@ -25,8 +25,9 @@ import errno
 import logging
 import mmap
 import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionBusyError,
     RegionNotFoundError,
     RegionTimeoutError,
+    SlotOverflowError,
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.problems import jsonable
@@ -45,7 +47,13 @@ from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import capacity, fsguard, locking, page_policy
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, check_rank, mismatches
+from vllm_offload_cli.core.region.geometry import (
+    PAGESIZE,
+    Geometry,
+    check_rank,
+    mismatches,
+    round_up,
+)
 from vllm_offload_cli.core.region.naming import (
     DEFAULT_SHM_DIR,
     gc_command,
@@ -85,18 +93,32 @@ def _pausing(progress: Progress | None) -> Progress:
 class SharedOffloadRegion:
     """One mmap'd file shared by every worker of one engine (one DP replica).
 
-    The positional arguments have vLLM's order and meaning. `rank=None` is the
-    scheduler's rank-less view (whole rows, whole-file pre-fault).
+    A drop-in for vLLM's class: the signature of vLLM 0.33 (`engine_id, num_chunks,
+    rank, kv_bytes_per_chunk, cpu_page_size, barrier=None, *, creator_memory_check,
+    populate_shard, num_segments`; 0.31/0.32's `populate_only_on_creator` too), its
+    attributes and its barrier protocol: once every worker has mapped the file the
+    creator drops the names, so no exit path can leak the bytes; a worker that fails
+    still arrives at the barriers it owes, so its peers fail on their own errors
+    instead of hanging. `rank=None` is the scheduler's rank-less view (whole rows,
+    whole-file pre-fault). The keyword-only arguments after those are ours.
     """
+
+    # vLLM's spec modules read this when they load (row strides are rounded up to it)
+    BLOCK_SIZE_ALIGNMENT: int = PAGESIZE
 
     def __init__(
         self,
         engine_id: str,
-        num_blocks: int,
+        num_chunks: int,
         rank: int | None,
-        kv_bytes_per_block: int,
+        kv_bytes_per_chunk: int,
         cpu_page_size: int,
+        barrier: Callable[[], object] | None = None,
         *,
+        creator_memory_check: Callable[[int], object] | None = None,
+        populate_shard: tuple[int, int] | None = None,
+        populate_only_on_creator: bool = False,
+        num_segments: int = 1,
         shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
         world_size: int | None = None,
         rank_source: str | RankSource | None = None,
@@ -113,67 +135,42 @@ class SharedOffloadRegion:
         numa_node: int | Sequence[int] | None = None,
         numa_policy: str | None = None,
         huge_pages: str = "never",
-        num_segments: int = 1,
         min_segment_bytes: int = MIN_SEGMENT_BYTES,
         vllm_layout_basis: str | None = None,
         engine_token: str | None = None,
     ) -> None:
-        self.page_size = PAGESIZE
-        # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
-        source_name = None if rank_source is None else parse_rank_source(rank_source).name
-        self.geometry = Geometry(num_blocks=num_blocks, row_stride=kv_bytes_per_block,
-                                 cpu_page_size=cpu_page_size, world_size=world_size)
-        if rank is not None:
-            check_rank(self.geometry, rank)
+        # what cleanup(), __repr__ and the failure path read, set before anything can fail
         self.engine_id = engine_id
-        self.num_blocks = num_blocks
         self.rank = rank
-        self._row_stride = kv_bytes_per_block
-        self.total_size_bytes = self.geometry.size_bytes
-        self.path = region_path(shm_dir, engine_id)  # validates engine_id
-        self.mmap_path = str(self.path)
-        self.manifest_path = str(manifest_path(shm_dir, engine_id))
-        self.shm_dir = Path(shm_dir)
-        self.persistent = persistent
-        self._pinned = False
+        self.page_size = PAGESIZE
+        self.fd: int | None = None
+        self.mmap_obj: mmap.mmap | None = None
         self.populate_stats: PopulateStats | None = None
         self.huge_page_bytes: int | None = None  # PMD-mapped bytes after pre-fault
-        # validated before the file exists: a request the host cannot meet creates nothing
-        self.placement = page_policy.choose(shm_dir, numa_nodes=numa_node, numa_policy=numa_policy,
-                                        huge_pages=huge_pages)
-        # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
-        self.segments: tuple[Segment, ...] = split(
-            num_blocks, kv_bytes_per_block,
-            effective_segments(num_segments, self.total_size_bytes,
-                               min_bytes=min_segment_bytes))
-        self._vllm_layout_basis = vllm_layout_basis
-        self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
-        self._segment_fds: list[int] = []  # open (and shared-locked) `.mmap.N`, N >= 1
-        self.engine_token = engine_token
-        self._allowed_uids = allowed_uids
+        self.is_pinned = False  # set by whoever page-locks the mapping (vLLM's worker, ours)
+        self.pinned_addresses: list[int] = []  # vLLM's registrations, unregistered at cleanup
         self._creator = False
         self._manifest_written = False
         self._attached = False
-        self._me = ProcessRef.current()
-        self._rank_source = source_name
-        self._device_index = device_index
-        self._layout = layout
+        self._closed = False
+        self._segment_fds: list[int] = []  # open (and shared-locked) `.mmap.N`, N >= 1
         self._views: list[torch.Tensor] = []
         self._base_tensor: torch.Tensor | None = None
         self._close_callbacks: list[Callable[[], None]] = []
-        if rank is not None:
-            self._worker_offset = rank * cpu_page_size
-            self._worker_area_end = (rank + 1) * cpu_page_size
-        self._canonical_offset = 0
-        self.fd: int | None = None
-        self.mmap_obj: mmap.mmap | None = None
-
-        if not self.shm_dir.is_dir():
-            raise InvalidInputError(
-                f"shm directory {self.shm_dir} does not exist or is not a directory",
-                path=str(self.shm_dir), engine_id=engine_id, code="bad_shm_dir",
-            )
+        # vLLM's barrier protocol: one rendezvous, a second after a sharded pre-fault
+        barriers_owed = 0 if barrier is None else 2 if populate_shard is not None else 1
         try:
+            if populate_only_on_creator and barrier is None:
+                raise InvalidInputError("populate_only_on_creator needs a barrier: joiners "
+                                        "must not use pages the creator has not populated")
+            self._describe(num_chunks, kv_bytes_per_chunk, cpu_page_size, shm_dir=shm_dir,
+                           world_size=world_size, rank_source=rank_source,
+                           device_index=device_index, layout=layout, persistent=persistent,
+                           allowed_uids=allowed_uids, numa_node=numa_node,
+                           numa_policy=numa_policy, huge_pages=huge_pages,
+                           num_segments=num_segments, min_segment_bytes=min_segment_bytes,
+                           vllm_layout_basis=vllm_layout_basis, engine_token=engine_token)
+            self._creator_memory_check = creator_memory_check
             if create_only:
                 self._refuse_corrupt_manifest()
             fd = self._open(create_only=create_only, join_timeout=join_timeout,
@@ -181,17 +178,114 @@ class SharedOffloadRegion:
             self.mmap_obj = self._map(fd)
             if self._creator:  # the file's NUMA policy is shared: only its creator sets it
                 page_policy.apply(self.mmap_obj, self.total_size_bytes, self.placement)
-            if populate_pages:
-                self.populate_stats = populate(
-                    self.mmap_obj, slot_ranges(self.geometry, rank),
-                    threads=populate_threads, progress=_pausing(progress),
-                )
-                if self.placement.advise_huge:
-                    self.huge_page_bytes = page_policy.huge_bytes_of(self.mmap_obj)
-            self._attach()
-        except BaseException:
+
+            def prefault(ranges: list[tuple[int, int]]) -> None:
+                if populate_pages and ranges:
+                    assert self.mmap_obj is not None
+                    self.populate_stats = populate(self.mmap_obj, ranges,
+                                                   threads=populate_threads,
+                                                   progress=_pausing(progress))
+
+            if populate_only_on_creator and self._creator:  # vLLM 0.31/0.32
+                prefault([(0, self.total_size_bytes)])
+            if barrier is not None:
+                self._attach()  # recorded while the manifest still has its name
+                barriers_owed -= 1
+                barrier()
+                # every worker has mapped the file: the names are no longer needed
+                if self._creator and not self.persistent:
+                    self.release_names()
+                    logger.info("released the names of %s: every worker mapped it",
+                                self.mmap_path)
+            if populate_shard is not None:
+                prefault(self._shard_range(populate_shard))
+                if barrier is not None:
+                    barriers_owed -= 1
+                    barrier()  # every share is pre-faulted
+            elif not populate_only_on_creator:
+                prefault(slot_ranges(self.geometry, rank))
+            if populate_pages and self.placement.advise_huge:
+                self.huge_page_bytes = page_policy.huge_bytes_of(self.mmap_obj)
+            if barrier is None:
+                self._attach()
+        except BaseException as exc:
             self._abandon()
+            if isinstance(exc, Exception):
+                self._release_peers(barrier, barriers_owed)
             raise
+
+    def _describe(self, num_chunks: int, kv_bytes_per_chunk: int, cpu_page_size: int, *,
+                  shm_dir: str | os.PathLike[str], world_size: int | None,
+                  rank_source: str | RankSource | None, device_index: int | None,
+                  layout: str, persistent: bool, allowed_uids: fsguard.AllowedUids,
+                  numa_node: int | Sequence[int] | None, numa_policy: str | None,
+                  huge_pages: str, num_segments: int, min_segment_bytes: int,
+                  vllm_layout_basis: str | None, engine_token: str | None) -> None:
+        """Validate the request and compute what the region will be; touches no file."""
+        # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
+        self._rank_source = None if rank_source is None else parse_rank_source(rank_source).name
+        self.geometry = Geometry(num_blocks=num_chunks, row_stride=kv_bytes_per_chunk,
+                                 cpu_page_size=cpu_page_size, world_size=world_size)
+        if self.rank is not None:
+            check_rank(self.geometry, self.rank)
+        self.num_chunks = num_chunks
+        self.cpu_page_size = cpu_page_size
+        self._row_stride = kv_bytes_per_chunk
+        self.total_size_bytes = self.geometry.size_bytes
+        self.path = region_path(shm_dir, self.engine_id)  # validates engine_id
+        self.mmap_path = str(self.path)
+        self.manifest_path = str(manifest_path(shm_dir, self.engine_id))
+        self.shm_dir = Path(shm_dir)
+        self.persistent = persistent
+        # validated before the file exists: a request the host cannot meet creates nothing
+        self.placement = page_policy.choose(shm_dir, numa_nodes=numa_node,
+                                            numa_policy=numa_policy, huge_pages=huge_pages)
+        # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
+        self.segments: tuple[Segment, ...] = split(
+            num_chunks, kv_bytes_per_chunk,
+            effective_segments(num_segments, self.total_size_bytes,
+                               min_bytes=min_segment_bytes))
+        self._vllm_layout_basis = vllm_layout_basis
+        self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
+        self.engine_token = engine_token
+        self._allowed_uids = allowed_uids
+        self._me = ProcessRef.current()
+        self._device_index = device_index
+        self._layout = layout
+        if self.rank is not None:
+            self._worker_offset = self.rank * cpu_page_size
+            self._worker_area_end = (self.rank + 1) * cpu_page_size
+        self._canonical_offset = 0
+        if not self.shm_dir.is_dir():
+            raise InvalidInputError(
+                f"shm directory {self.shm_dir} does not exist or is not a directory",
+                path=str(self.shm_dir), engine_id=self.engine_id, code="bad_shm_dir",
+            )
+
+    def _shard_range(self, shard: tuple[int, int]) -> list[tuple[int, int]]:
+        """vLLM's `populate_shard=(index, count)`: one contiguous, page-rounded share of
+        the whole file (a trailing share may be empty), for workers that map the same bytes."""
+        index, count = shard
+        if count <= 0 or not 0 <= index < count:
+            raise InvalidInputError(f"populate_shard {shard!r} needs 0 <= index < count")
+        share = round_up(-(-self.total_size_bytes // count), PAGESIZE)
+        start = min(index * share, self.total_size_bytes)
+        if start >= self.total_size_bytes:
+            return []
+        return [(start, min(share, self.total_size_bytes - start))]
+
+    def _release_peers(self, barrier: Callable[[], object] | None, owed: int) -> None:
+        """Arrive at the barriers this worker still owes, so that peers fail on their own
+        errors instead of waiting for the collective to time out; our error stays the one
+        raised."""
+        if barrier is None:
+            return
+        for _ in range(owed):
+            try:
+                barrier()
+            except Exception:
+                logger.warning("failed to release the peers waiting at the barrier of %s",
+                               getattr(self, "mmap_path", self.engine_id), exc_info=True)
 
     # -- opening ---------------------------------------------------------------
 
@@ -234,6 +328,8 @@ class SharedOffloadRegion:
         """We won O_EXCL: lock, check room, describe, then size the file."""
         assert self.fd is not None
         locking.lock_shared(self.fd, timeout=10.0, path=self.mmap_path)
+        if self._creator_memory_check is not None:  # vLLM's hook, e.g. HiSparse's host RAM
+            self._creator_memory_check(self.total_size_bytes)
         if preflight:
             capacity.preflight(self.total_size_bytes, self.shm_dir, engine_id=self.engine_id)
         st = os.fstat(self.fd)
@@ -460,31 +556,50 @@ class SharedOffloadRegion:
     def _base(self) -> torch.Tensor:
         if self._base_tensor is None:
             torch = import_torch()
-            if self.mmap_obj is None:
+            if self.mmap_obj is None or self._closed:
                 raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
             self._base_tensor = torch.frombuffer(self.mmap_obj, dtype=torch.int8)
         return self._base_tensor
 
+    @property
+    def base_tensor(self) -> torch.Tensor:
+        """The whole mapping as one int8 tensor (vLLM's HiSparse pins slices of it)."""
+        return self._base
+
+    def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
+        """This worker's slots as page-aligned (offset, length) ranges, one per row, as
+        vLLM 0.33 yields them: with several files each worker starts on a different one."""
+        if self.rank is None:
+            raise InvalidInputError("a rank-less region has no worker slot; pass a rank")
+        start_of_slot = self.rank * self.cpu_page_size
+        first = 0
+        if len(self.segments) > 1:
+            first = self.rank * self.num_chunks // (self._row_stride // self.cpu_page_size)
+        for i in range(self.num_chunks):
+            start = (first + i) % self.num_chunks * self._row_stride + start_of_slot
+            aligned = start - start % PAGESIZE
+            yield aligned, round_up(start + self.cpu_page_size, PAGESIZE) - aligned
+
     def _strided(self, offset: int, tensor_page_size: int) -> torch.Tensor:
         view: torch.Tensor = import_torch().as_strided(
-            self._base, size=(self.num_blocks, tensor_page_size), stride=(self._row_stride, 1),
+            self._base, size=(self.num_chunks, tensor_page_size), stride=(self._row_stride, 1),
             storage_offset=offset)
         self._views.append(view)
         return view
 
     def create_next_worker_view(self, tensor_page_size: int) -> torch.Tensor:
-        """The next tensor's page in this worker's slot: (num_blocks, size), strides (row, 1)."""
+        """The next tensor's page in this worker's slot: (num_chunks, size), strides (row, 1)."""
         if self.rank is None:
             raise InvalidInputError("a rank-less region has no worker slot; pass a rank")
         if tensor_page_size <= 0:
             raise InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
         end = self._worker_offset + tensor_page_size
         if end > self._worker_area_end:
-            raise InvalidInputError(
-                f"tensor page of {tensor_page_size} bytes overflows rank {self.rank}'s slot by "
-                f"{end - self._worker_area_end} bytes (cpu_page_size "
-                f"{self.geometry.cpu_page_size})", code="slot_overflow",
-            )
+            raise SlotOverflowError(
+                f"worker offset {end} exceeds worker area end {self._worker_area_end}: a "
+                f"tensor page of {tensor_page_size} bytes overflows rank {self.rank}'s slot "
+                f"by {end - self._worker_area_end} bytes (cpu_page_size "
+                f"{self.geometry.cpu_page_size})")
         view = self._strided(self._worker_offset, tensor_page_size)
         self._worker_offset = end
         return view
@@ -495,19 +610,18 @@ class SharedOffloadRegion:
             raise InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
         end = self._canonical_offset + tensor_page_size
         if end > self._row_stride:
-            raise InvalidInputError(
+            raise SlotOverflowError(
                 f"canonical pages need {end} bytes per row, more than the row stride "
-                f"{self._row_stride}", code="slot_overflow",
-            )
+                f"{self._row_stride}")
         view = self._strided(self._canonical_offset, tensor_page_size)
         self._canonical_offset = end
         return view
 
     def create_kv_memoryview(self) -> memoryview:
-        """Zero-copy (num_blocks, row_stride) byte view; block b is view[b]."""
-        if self.mmap_obj is None:
+        """Zero-copy (num_chunks, row_stride) byte view; chunk c is view[c]."""
+        if self.mmap_obj is None or self._closed:
             raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
-        return memoryview(self.mmap_obj).cast("B", (self.num_blocks, self._row_stride))
+        return memoryview(self.mmap_obj).cast("B", (self.num_chunks, self._row_stride))
 
     # -- lifetime --------------------------------------------------------------
 
@@ -551,15 +665,6 @@ class SharedOffloadRegion:
             self._creator = False
         self._close()
 
-    @property
-    def is_pinned(self) -> bool:
-        """Is the mapping page-locked for a GPU (by a copy worker of this process)?"""
-        return self._pinned
-
-    def set_pinned(self, pinned: bool) -> None:
-        """Record that the mapping was page-locked, or released, by whoever pinned it."""
-        self._pinned = pinned
-
     def add_close_callback(self, callback: Callable[[], None]) -> None:
         """Call `callback` in cleanup() before the mapping goes (the newest first): a copy
         worker drains and unpins there, so that no copy outlives the mapping."""
@@ -576,17 +681,21 @@ class SharedOffloadRegion:
                 callback()
             except Exception:  # the mapping must still be released
                 logger.exception("%s: a close callback failed", self.mmap_path)
-        self._pinned = False
+        self._unregister_pins()
+        self._closed = True
         # views hold references to the buffer export; drop them before closing the map
         self._views.clear()
         self._base_tensor = None
         if self.mmap_obj is not None:
             try:
                 self.mmap_obj.close()
+                self.mmap_obj = None
             except BufferError:
-                logger.warning("%s: views are still referenced; the mapping stays until they "
-                               "are freed", self.mmap_path)
-            self.mmap_obj = None
+                # a native user (a NIC, a C extension) still holds the buffer: unmapping
+                # would let it write into reused address space. Keep the mapping (as
+                # vLLM does); the descriptor and the names still go.
+                logger.warning("keeping %s mapped: buffers are still exported to native "
+                               "users", self.mmap_path)
         for fd in self._segment_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -605,6 +714,50 @@ class SharedOffloadRegion:
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
+    def _unregister_pins(self) -> None:
+        """Undo vLLM's page-locking as vLLM's own class does at cleanup: each address in
+        `pinned_addresses` (the whole mapping when none is listed), newest first, through
+        the unregister function vLLM's region module uses in this process. Our copy worker
+        unpins in its close callback, which runs before this and clears `is_pinned`."""
+        if not self.is_pinned:
+            return
+        addresses = list(self.pinned_addresses)
+        if not addresses and self.mmap_obj is not None:
+            addresses = [ctypes.addressof(ctypes.c_char.from_buffer(self.mmap_obj))]
+        unregister = _host_unregister()
+        for address in reversed(addresses):
+            try:
+                if unregister is not None:
+                    unregister(address)
+            except Exception:  # the mapping must still be released
+                logger.warning("%s: unregistering pinned memory at %#x failed", self.mmap_path,
+                               address, exc_info=True)
+        self.pinned_addresses.clear()
+        self.is_pinned = False
+
     def __repr__(self) -> str:
-        return (f"SharedOffloadRegion({self.engine_id!r}, rank={self.rank}, "
-                f"geometry={self.geometry}, creator={self._creator})")
+        # safe on an object whose __init__ failed early, or that was never initialised
+        return (f"SharedOffloadRegion({getattr(self, 'engine_id', '?')!r}, "
+                f"rank={getattr(self, 'rank', None)}, "
+                f"geometry={getattr(self, 'geometry', None)}, "
+                f"creator={getattr(self, '_creator', False)})")
+
+
+def _host_unregister() -> Callable[[int], object] | None:
+    """The function that undoes vLLM's host registration in this process.
+
+    vLLM 0.32+ registers through `host_register` and its region class unregisters
+    through the `host_unregister` its module imported; 0.31 called the CUDA runtime
+    directly. Only modules already loaded are consulted: whoever filled
+    `pinned_addresses` loaded them, and the core never imports vLLM.
+    """
+    for module in ("vllm.v1.kv_offload.cpu.shared_offload_region",
+                   "vllm.v1.kv_offload.cpu.host_register"):
+        unregister = getattr(sys.modules.get(module), "host_unregister", None)
+        if callable(unregister):
+            return unregister  # type: ignore[no-any-return]
+    torch = import_torch()
+    if not torch.cuda.is_available():
+        return None  # nothing can have been registered without a CUDA runtime
+    cudart = torch.cuda.cudart()
+    return lambda address: cudart.cudaHostUnregister(address)

@@ -79,7 +79,7 @@ class CopyWorker:
             raise InvalidInputError("all device tensors must have the same number of blocks "
                                     f"(dim 0), got {sorted(counts)}", code="invalid_tensor")
         self.num_device_blocks = rows[0].shape[0]
-        self.num_region_blocks = region.num_blocks
+        self.num_region_blocks = region.num_chunks
         self.region_views = self._views(region, rows, layout, region_views)
         self.row_bytes = tuple(r.shape[1] for r in rows)
         self.bytes_per_block = sum(self.row_bytes)
@@ -119,9 +119,9 @@ class CopyWorker:
             raise InvalidInputError(f"{len(views)} region views for {len(rows)} device tensors",
                                     code="invalid_tensor")
         for i, (view, r) in enumerate(zip(views, rows, strict=True)):
-            if view.dtype != torch.int8 or tuple(view.shape) != (region.num_blocks, r.shape[1]):
+            if view.dtype != torch.int8 or tuple(view.shape) != (region.num_chunks, r.shape[1]):
                 raise InvalidInputError(
-                    f"region view {i} must be int8 of shape ({region.num_blocks}, {r.shape[1]}), "
+                    f"region view {i} must be int8 of shape ({region.num_chunks}, {r.shape[1]}), "
                     f"got {view.dtype} {tuple(view.shape)}", code="invalid_tensor")
         return views
 
@@ -145,7 +145,7 @@ class CopyWorker:
         if state.pinned:
             self._pin_state = state
             self.pinned = True
-            region.set_pinned(True)
+            region.is_pinned = True
         else:
             self.pin_warning = state.warning
             logger.warning("%s: %s", region.mmap_path, state.warning)
@@ -218,7 +218,7 @@ class CopyWorker:
                 logger.warning("%s", problem)
             self._pin_state = None
             if region is not None:
-                region.set_pinned(False)
+                region.is_pinned = False
 
     def __enter__(self) -> CopyWorker:
         return self
