@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import netns
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 FLEET_TESTS = Path(__file__).with_name("test_fleet_ray.py")
 

@@ -30,7 +30,7 @@ from vllm_offload_cli.core.region.geometry import PAGESIZE
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SLOW_SITE = Path(__file__).parent / "helpers" / "slow_site"
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}

@@ -21,7 +21,8 @@ import pytest
 from vllm_offload_cli.core.reclaim.collector import collect
 
 CHURN = Path(__file__).parent / "helpers" / "churn.py"
-SECONDS = float(os.environ.get("VLLM_OFFLOAD_STRESS_SECONDS", "20"))
+# a fixed amount of work, not a time box: what is asserted is correctness, never speed
+SESSIONS = int(os.environ.get("VLLM_OFFLOAD_STRESS_SESSIONS", "300"))
 
 _COLLECTOR = textwrap.dedent("""
     import json, os, sys
@@ -42,7 +43,7 @@ def test_gc_never_removes_a_region_in_use(shm_dir: Path, tmp_path: Path) -> None
     results = tmp_path / "sessions"
     results.mkdir()
     churn = subprocess.Popen(
-        [sys.executable, str(CHURN), str(shm_dir), str(results), str(SECONDS), "6", "7"],
+        [sys.executable, str(CHURN), str(shm_dir), str(results), str(SESSIONS), "6", "7"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     stop = tmp_path / "stop"
     other = subprocess.Popen([sys.executable, "-c", _COLLECTOR, str(shm_dir), str(stop)],
@@ -86,12 +87,12 @@ def test_gc_never_removes_a_region_in_use(shm_dir: Path, tmp_path: Path) -> None
                f"removed by gc ({self_removed} more by their own creator), {kept_live} in-use "
                f"regions kept (this process), {checks} liveness checks")
 
-    assert len(sessions) == churned["sessions"], summary
+    assert len(sessions) == churned["sessions"] == SESSIONS, summary
     assert lost == [], f"gc removed regions still in use: {lost}; {summary}"
     assert failed == [], f"sessions failed: {failed[:5]}; {summary}"
     assert errors == [] and theirs["errors"] == [] and final.errors == ()
     assert final.kept == (), f"nothing is alive any more: {final.kept}"
     assert leftovers == [], f"left behind: {leftovers}"
     assert total_removed + self_removed == created, summary
-    assert created > 20 and removed + theirs["removed"] > 5, summary  # gc was exercised
+    assert total_removed > 0, summary  # sessions that died leaked regions: gc removed them
 

@@ -415,8 +415,9 @@ def test_inspect_shows_placement_of_held_unheld_and_empty_regions(
         assert held["placement"]["source"] == "numa_maps"
         assert held["placement"]["pid"] == worker.pid
         assert held["numa_nodes"] == {str(FIRST_NODE): 4 * PAGE}
-    for r in regions.values():
-        assert r["huge_page_bytes"] in (0, None) or r["huge_page_bytes"] >= 0
+    for r in regions.values():  # PMD-mapped bytes are resident bytes: never more
+        assert r["huge_page_bytes"] is None or (
+            0 <= r["huge_page_bytes"] <= (r["resident_bytes"] or 0)), r
     table = cli("inspect", "--shm-dir", str(shm_dir))
     assert "NUMA" in table.stdout and f"n{FIRST_NODE}:100%" in table.stdout
     prom = cli("inspect", "--shm-dir", str(shm_dir), "--format", "prometheus")

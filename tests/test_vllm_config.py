@@ -55,6 +55,7 @@ MODEL = {"architectures": ["VllmOffloadTinyForCausalLM"], "model_type": "llama",
 TP = 2
 BLOCK_TOKENS = 16
 OFFLOAD_GIB = 1 / 128  # --kv-offloading-size in GiB: 8 MiB
+pytestmark = pytest.mark.slow  # real vLLM engines start: about a minute each
 
 if vllm_stubs.vllm_root() is None:
     if REQUIRED:

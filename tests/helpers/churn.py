@@ -1,8 +1,8 @@
 """Region churn for the gc stress test: many short-lived processes create, join and leave.
 
-Usage: churn.py SHM_DIR RESULTS_DIR SECONDS CONCURRENCY SEED
+Usage: churn.py SHM_DIR RESULTS_DIR SESSIONS CONCURRENCY SEED
 
-Keeps CONCURRENCY forked children alive for SECONDS. Each child is one
+Runs SESSIONS forked children, CONCURRENCY at a time. Each child is one
 session: it opens a region (through SharedOffloadRegion on one of a few shared
 engine_ids, or like vLLM on an id of its own, with no lock), holds it for a
 random moment while checking every few milliseconds that its path still
@@ -116,14 +116,13 @@ def _session(shm_dir: str, results: str, n: int, seed: int) -> None:
 
 def main() -> None:
     shm_dir, results = sys.argv[1], sys.argv[2]
-    seconds, concurrency, seed = float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    sessions, concurrency, seed = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     import vllm_offload_cli.core.region.shared_region  # noqa: F401  # imported once, before forking
 
-    deadline = time.monotonic() + seconds
     children: set[int] = set()
     started = 0
-    while time.monotonic() < deadline or children:
-        while len(children) < concurrency and time.monotonic() < deadline:
+    while started < sessions or children:
+        while len(children) < concurrency and started < sessions:
             started += 1
             pid = os.fork()
             if pid == 0:
