@@ -101,13 +101,14 @@ _vllm_offload() {
         fi ;;
     "fleet inspect")
         case "$prev" in
+            --prometheus) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --state|-s) COMPREPLY=($(compgen -W "live creating persistent stale unknown" -- "$cur")); return ;;
             --address) COMPREPLY=(); return ;;
             --timeout) COMPREPLY=(); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--no-residency --wide -w --shm-private-to-namespace --state -s --check --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--prometheus --no-residency --wide -w --shm-private-to-namespace --state -s --check --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -155,12 +156,13 @@ _vllm_offload() {
         case "$prev" in
             --format|-f) COMPREPLY=($(compgen -W "table json prometheus" -- "$cur")); return ;;
             --output|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            --prometheus) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             --timeout) COMPREPLY=(); return ;;
             --state|-s) COMPREPLY=($(compgen -W "live creating persistent stale unknown" -- "$cur")); return ;;
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--format -f --output -o --no-residency --wide -w --shm-private-to-namespace --timeout --state -s --check --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--format -f --output -o --prometheus --no-residency --wide -w --shm-private-to-namespace --timeout --state -s --check --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -294,6 +294,24 @@ def test_why_a_region_is_stale(cli: Any, shm_dir: Path, holders: Any) -> None:
     assert gc.json["data"]["freed_bytes"] == size  # the footer's figure is gc's own
 
 
+def test_prometheus_file_is_the_one_way_gc_has(cli: Any, shm_dir: Path,
+                                               tmp_path: Path) -> None:
+    """`inspect --prometheus FILE` as `gc --prometheus FILE`: quiet, checked first."""
+    _write(shm_dir / "vllm_offload_p.mmap", ROW)
+    out = tmp_path / "regions.prom"
+    r = cli("inspect", "--prometheus", str(out), "--shm-dir", str(shm_dir))
+    assert (r.exit_code, r.stdout) == (0, "")
+    assert 'engine_id="p"' in out.read_text()
+    doc = cli("inspect", "--prometheus", str(out), "--json", "--shm-dir", str(shm_dir)).json
+    assert doc["data"]["output"] == str(out)
+    bad = cli("inspect", "--prometheus", str(tmp_path / "nodir" / "x.prom"), "--shm-dir",
+              str(shm_dir), "--json")
+    assert bad.exit_code == 2 and bad.json["errors"][0]["code"] == "bad_output"
+    both = cli("inspect", "--prometheus", str(out), "--format", "json", "--shm-dir",
+               str(shm_dir))
+    assert both.exit_code == 2
+
+
 def test_a_symlink_named_like_a_region_is_a_problem_not_a_stale_region(
         cli: Any, shm_dir: Path, tmp_path: Path) -> None:
     """gc never removes it, so `stale 0B` promised what gc does not do."""

@@ -132,6 +132,10 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
               help="Output format.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
               help="With --format prometheus: write this node_exporter textfile atomically.")
+@click.option("--prometheus", type=click.Path(dir_okay=False, path_type=Path),
+              metavar="FILE", help="Write the region metrics to this node_exporter textfile, "
+              "atomically: the option gc has (--format prometheus --output FILE, checked "
+              "before anything is looked at).")
 @click.option("--no-residency", is_flag=True, help="Skip what costs time per region: the "
               "mincore residency scan and the holders' NUMA and huge-page placement (RESIDENT, "
               "NUMA and their JSON fields are then null).")
@@ -150,7 +154,7 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
     "otherwise, like `fuser -s`; with -q nothing is printed on stdout."))
 @statuses_in_doc
 def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
-                output: Path | None, no_residency: bool, wide: bool,
+                output: Path | None, prometheus: Path | None, no_residency: bool, wide: bool,
                 shm_private_to_namespace: bool, timeout: float, state: State | None,
                 check: bool) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
@@ -169,6 +173,12 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     Exit status {FAILED} when --timeout passes first; with --check, {PROBLEMS_FOUND}
     when a region shown is stale or has a problem (for scripts and health checks).
     """
+    if prometheus is not None:  # one way to write a textfile, as gc writes its own
+        if output is not None or fmt is not Format.table:
+            raise InvalidInputError("--prometheus FILE is --format prometheus --output FILE: "
+                                    "give one of them", code="usage")
+        fmt, output = Format.prometheus, prometheus
+        metrics.check_writable(output)
     if output is not None and fmt is not Format.prometheus:
         raise InvalidInputError("--output goes with --format prometheus", code="usage")
     if fmt is Format.prometheus and inv.json_output and output is None:
@@ -217,7 +227,8 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
         metrics.emit(_registry(found, placed, refusals, len(unsafe)), output)
         if output is not None:
             data["output"] = str(output)
-            shown = lambda out: out.print(f"Wrote {output}")  # noqa: E731
+            if prometheus is None:  # --prometheus is quiet, as gc's is
+                shown = lambda out: out.print(f"Wrote {output}")  # noqa: E731
     else:
         if fmt is Format.json:
             inv.json_output = True
