@@ -10,7 +10,6 @@ core, describe the result. rich is imported only for what a terminal shows
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import logging
@@ -60,46 +59,20 @@ class Out:
     """A stream for people: plain text, control characters shown as `\\xNN`.
 
     Names and manifest fields come from other users; an ESC sequence among
-    them must not reach the operator's terminal. `print` takes rich's keyword
-    arguments and ignores them: nothing here is markup.
+    them must not reach the operator's terminal.
     """
 
     def __init__(self, file: TextIO) -> None:
         self.file = file
 
-    def print(self, *objects: object, sep: str = " ", **_rich_style: object) -> None:
-        write_text(self, sep.join(str(o) for o in objects))
+    def print(self, *objects: object) -> None:
+        write_text(self, " ".join(str(o) for o in objects))
 
 
-def write_text(out: Out | Console, text: str) -> None:
+def write_text(out: Out, text: str) -> None:
     """Plain text on `out`'s stream as is: no markup, no wrapping, no emoji codes."""
     out.file.write("".join(printable(line) + "\n" for line in text.split("\n")))
     out.file.flush()
-
-
-@functools.cache
-def _safe_console_class() -> type[Console]:
-    from rich.console import Console
-
-    class SafeConsole(Console):
-        """A Console that shows control characters in printed strings as `\\xNN`.
-
-        File names, process names and manifest fields come from other users; an
-        ESC sequence among them must not reach the operator's terminal. Rich
-        escapes markup but passes ESC and C1 bytes through, so every string given
-        to print() is escaped here; plain tables go through `write_text`.
-        """
-
-        def print(self, *objects: Any, **kwargs: Any) -> None:
-            super().print(*(printable(o) if isinstance(o, str) else o for o in objects),
-                          **kwargs)
-
-    return SafeConsole
-
-
-def safe_console(file: TextIO, **kwargs: Any) -> Console:
-    """A rich Console on `file` that escapes control characters (rich is imported here)."""
-    return _safe_console_class()(file=file, highlight=False, **kwargs)
 
 
 class _PrintableFormatter(logging.Formatter):
@@ -155,8 +128,11 @@ class Invocation:
 
     @cached_property
     def terminal(self) -> Console:
-        """stderr as rich sees it: for a progress bar or a coloured warning on a terminal."""
-        return safe_console(sys.stderr, stderr=True)
+        """stderr as rich sees it: for a progress bar or a coloured warning on a terminal.
+        Only our own text goes there, escaped (`printable`) before markup is escaped."""
+        from rich.console import Console
+
+        return Console(file=sys.stderr, stderr=True, highlight=False)
 
     def warn(self, code: str, message: str) -> None:
         self.warnings.append({"code": code, "message": message})
@@ -165,7 +141,8 @@ class Invocation:
         if sys.stderr.isatty():
             from rich.markup import escape
 
-            self.terminal.print(f"[yellow]Warning:[/] {escape(message)}", soft_wrap=True)
+            self.terminal.print(f"[yellow]Warning:[/] {escape(printable(message))}",
+                                soft_wrap=True)
         else:
             sys.stderr.write(f"Warning: {printable(message)}\n")
 

@@ -404,8 +404,7 @@ def _render(out: Out, data: dict[str, Any]) -> None:
     why = {"vllm": f"read from the vLLM {layout['vllm_version'] or ''} installed here",
            "newest": "the newest vLLM's: none is installed here",
            "requested": "as asked"}[layout["basis"]]
-    out.print(f"  layout    {layout['name']} ({why.replace('  ', ' ')})", highlight=False,
-              markup=False)
+    out.print(f"  layout    {layout['name']} ({why.replace('  ', ' ')})")
     if data["populated"]:
         out.print(f"  pre-fault {data['populate_seconds']:.3f} s "
                   f"({data['populate_gbps']:.2f} GB/s, {data['populate_threads']} thread(s))")

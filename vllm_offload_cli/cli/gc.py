@@ -231,7 +231,7 @@ def _render(inv: Invocation, out: Out, report: GcReport,
     """
 
     def say(text: str) -> None:
-        out.print(text, highlight=False, markup=False, soft_wrap=True)
+        out.print(text)
 
     quiet = inv.verbosity < 0
     verb = "Would remove" if report.dry_run else "Removed"
@@ -250,7 +250,7 @@ def _render(inv: Invocation, out: Out, report: GcReport,
     for path in report.temp_files_removed:
         say(f"{verb} leftover temporary file {path}")
     for failure in [*(e.message for e in report.errors), *(r["message"] for r in other_errors)]:
-        inv.err.print(f"Error: {failure}", highlight=False, markup=False, soft_wrap=True)
+        inv.err.print(f"Error: {failure}")
     if quiet and not (report.removed or report.orphan_manifests_removed
                       or report.temp_files_removed):
         return

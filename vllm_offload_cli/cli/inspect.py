@@ -240,8 +240,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
         if shown is not None:
             shown(out)
         for e in not_found:
-            inv.err.print(f"Error: {e['message']}", highlight=False, markup=False,
-                          soft_wrap=True)
+            inv.err.print(f"Error: {e['message']}")
 
     code = most_important([ExitStatus.USAGE if missing else ExitStatus.SUCCESS,
                            ExitStatus.PROBLEMS_FOUND if check and flagged

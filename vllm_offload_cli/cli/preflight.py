@@ -112,10 +112,10 @@ def _render(out: Out, data: dict[str, Any]) -> None:
             line += f" ({format_bytes(r['reclaimed_bytes'])})"
         if r["notes"]:
             line += f"; {'; '.join(r['notes'])}"
-        out.print(line, markup=False)
+        out.print(line)
     for r in data["reclaimed_for_room"]:
         out.print(f"{r['engine_id']}: a stale leftover of another engine_id "
                   f"{'would be' if data['dry_run'] else 'was'} removed to make room "
-                  f"({format_bytes(r['freed_bytes'])})", markup=False)
+                  f"({format_bytes(r['freed_bytes'])})")
     out.print(f"Ready: {format_bytes(data['needed_bytes'])} needed, "
-              f"{format_bytes(data['free_bytes'])} free in the shm directory.", markup=False)
+              f"{format_bytes(data['free_bytes'])} free in the shm directory.")
