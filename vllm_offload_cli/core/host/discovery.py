@@ -396,37 +396,20 @@ def _shm_dir(shm_dir: str | os.PathLike[str]) -> str:
 def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: ProcessScan,
             mpath: str | None, allowed_uids: fsguard.AllowedUids, now: float) -> RegionInfo:
     parts = split_engine_id(engine_id)
-    problems: list[Problem] = []
-    for seg in segments:
-        name = os.path.basename(seg.path)
-        problems += [Problem(p.code, f"{name} {p.message}") for p in seg.problems]
+    problems = [Problem(p.code, f"{os.path.basename(s.path)} {p.message}")
+                for s in segments for p in s.problems]
     bare = next((s for s in segments if s.segment == 0), None)
-    manifest, mproblem = (None, None) if mpath is None else manifest_io.read_matching(
-        mpath, None if bare is None else bare.file_id, allowed_uids=allowed_uids,
-        owner_uid=None if bare is None else bare.uid)
+    manifest, mproblem = _manifest_of(mpath, bare, allowed_uids)
     if mproblem is not None:
         problems.append(mproblem)
     size = sum(s.size_bytes for s in segments)
-    if bare is None:
-        problems.append(Problem("missing_segment", "segment files exist without the bare .mmap"))
-    numbers = sorted(s.segment for s in segments)
-    if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
-        problems.append(Problem("segment_gap", f"segments {numbers} are not consecutive"))
     geometry = manifest.geometry if manifest is not None else None
-    if geometry is not None and size != geometry.size_bytes:
-        problems.append(Problem(
-            "size_mismatch",
-            f"files hold {size} bytes but the manifest geometry needs {geometry.size_bytes} "
-            f"({geometry.num_blocks} rows of {geometry.row_stride})",
-        ))
+    problems += _files_problems(segments, bare, size, geometry)
     uses = [u for s in segments if s.file_id is not None for u in scan.holders(s.file_id)]
     holders = holders_of(uses, manifest)
     resident = None if any(s.resident_bytes is None for s in segments) else sum(
         s.resident_bytes or 0 for s in segments)
-    mtimes = [s.mtime for s in segments if s.mtime is not None]
-    age = now - max(mtimes) if mtimes else None
-    if manifest is not None:
-        age = now - max(manifest.created_at, max(mtimes, default=manifest.created_at))
+    age = _age(segments, manifest, now)
     first = bare or segments[0]
     state, creation = _state(manifest, bool(holders or locked))
     if creation is not None:
@@ -439,6 +422,43 @@ def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: Pro
         manifest=manifest, manifest_path=mpath, holders=holders, locked=locked, state=state,
         problems=tuple(problems),
     )
+
+
+def _manifest_of(mpath: str | None, bare: SegmentFile | None,
+                 allowed_uids: fsguard.AllowedUids) -> tuple[Manifest | None, Problem | None]:
+    """The manifest, if there is one and it describes the bare file (inode and owner)."""
+    if mpath is None:
+        return None, None
+    return manifest_io.read_matching(mpath, None if bare is None else bare.file_id,
+                                     allowed_uids=allowed_uids,
+                                     owner_uid=None if bare is None else bare.uid)
+
+
+def _files_problems(segments: list[SegmentFile], bare: SegmentFile | None, size: int,
+                    geometry: Geometry | None) -> list[Problem]:
+    """What the files say is wrong: no bare file, a gap in the segment numbers, or a size
+    the manifest's geometry does not describe."""
+    problems = []
+    if bare is None:
+        problems.append(Problem("missing_segment", "segment files exist without the bare .mmap"))
+    numbers = sorted(s.segment for s in segments)
+    if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        problems.append(Problem("segment_gap", f"segments {numbers} are not consecutive"))
+    if geometry is not None and size != geometry.size_bytes:
+        problems.append(Problem(
+            "size_mismatch",
+            f"files hold {size} bytes but the manifest geometry needs {geometry.size_bytes} "
+            f"({geometry.num_blocks} rows of {geometry.row_stride})",
+        ))
+    return problems
+
+
+def _age(segments: list[SegmentFile], manifest: Manifest | None, now: float) -> float | None:
+    """Seconds since the region last changed: its newest file, or its manifest's creation."""
+    mtimes = [s.mtime for s in segments if s.mtime is not None]
+    if manifest is not None:
+        return now - max(manifest.created_at, max(mtimes, default=manifest.created_at))
+    return now - max(mtimes) if mtimes else None
 
 
 def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
