@@ -173,20 +173,8 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     Exit status {FAILED} when --timeout passes first; with --check, {PROBLEMS_FOUND}
     when a region shown is stale or has a problem (for scripts and health checks).
     """
-    if prometheus is not None:  # one way to write a textfile, as gc writes its own
-        if output is not None or fmt is not Format.table:
-            raise InvalidInputError("--prometheus FILE is --format prometheus --output FILE: "
-                                    "give one of them", code="usage")
-        fmt, output = Format.prometheus, prometheus
-        metrics.check_writable(output)
-    if output is not None and fmt is not Format.prometheus:
-        raise InvalidInputError("--output goes with --format prometheus", code="usage")
-    if fmt is Format.prometheus and inv.json_output and output is None:
-        raise InvalidInputError("--json with --format prometheus needs --output FILE",
-                                code="usage")
-    if fmt is Format.prometheus and (state is not None or check):
-        raise InvalidInputError("--state and --check go with the table and JSON; the "
-                                "textfile always has every region", code="usage")
+    fmt, output = _output_options(inv, fmt, output, prometheus,
+                                  filtered=state is not None or check)
     shm_dir = shm_dir_checked(inv)
     with deadline.within(timeout):
         found = discover(shm_dir, engine_ids=engine_ids or None,
@@ -202,17 +190,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                   f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
                  for engine_id in missing]
     warn_useless_waiver(inv, shm_private_to_namespace)
-    for spot in found.visibility.effective:
-        inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
-                 "`unknown`, not `stale`")
-    if found.uninspectable_processes:
-        inv.warn("uninspectable_processes",
-                 f"{found.uninspectable_processes} process(es) could not be inspected "
-                 "(permission denied); regions they use may show fewer holders")
-    refusals = measurement_errors(found, placed)
-    for what, e in refusals.items():
-        inv.warn("measurement_refused", f"{what} of {e['regions']} region(s) not measured: "
-                 f"{e['message']} ({residency.REFUSED_HINT})")
+    refusals = _warn_unseen(inv, found, placed)
     data = inventory_data(found, placed)
     data["measurement_errors"] = refusals
     data["not_found"] = missing
@@ -246,6 +224,45 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                            ExitStatus.PROBLEMS_FOUND if check and flagged
                            else ExitStatus.SUCCESS])
     return Outcome(data=data, exit_code=code, errors=not_found, render=render)
+
+
+def _output_options(inv: Invocation, fmt: Format, output: Path | None,
+                    prometheus: Path | None, *, filtered: bool) -> tuple[Format, Path | None]:
+    """The format and the textfile: --prometheus FILE is --format prometheus --output FILE;
+    every combination that cannot mean one thing is refused before anything is read."""
+    if prometheus is not None:  # one way to write a textfile, as gc writes its own
+        if output is not None or fmt is not Format.table:
+            raise InvalidInputError("--prometheus FILE is --format prometheus --output FILE: "
+                                    "give one of them", code="usage")
+        fmt, output = Format.prometheus, prometheus
+        metrics.check_writable(output)
+    if output is not None and fmt is not Format.prometheus:
+        raise InvalidInputError("--output goes with --format prometheus", code="usage")
+    if fmt is Format.prometheus and inv.json_output and output is None:
+        raise InvalidInputError("--json with --format prometheus needs --output FILE",
+                                code="usage")
+    if fmt is Format.prometheus and filtered:
+        raise InvalidInputError("--state and --check go with the table and JSON; the "
+                                "textfile always has every region", code="usage")
+    return fmt, output
+
+
+def _warn_unseen(inv: Invocation, found: Inventory, placed: dict[str, Placement] | None
+                 ) -> dict[str, dict[str, Any]]:
+    """Say what this run could not see (blind spots, processes it may not inspect,
+    refused measurements); returns the refusals, for JSON and metrics."""
+    for spot in found.visibility.effective:
+        inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
+                 "`unknown`, not `stale`")
+    if found.uninspectable_processes:
+        inv.warn("uninspectable_processes",
+                 f"{found.uninspectable_processes} process(es) could not be inspected "
+                 "(permission denied); regions they use may show fewer holders")
+    refusals = measurement_errors(found, placed)
+    for what, e in refusals.items():
+        inv.warn("measurement_refused", f"{what} of {e['regions']} region(s) not measured: "
+                 f"{e['message']} ({residency.REFUSED_HINT})")
+    return refusals
 
 
 def split_unsafe(found: Inventory) -> tuple[Inventory, list[RegionInfo]]:
