@@ -214,10 +214,11 @@ def test_files_examples_and_see_also_say_what_an_operator_needs() -> None:
         assert page in see_also
 
 
-def _bash(script: str) -> list[str]:
+def _bash(script: str, shm_dir: Path) -> list[str]:
     if shutil.which("bash") is None:
         pytest.skip("bash is not installed")
-    run = f"source {ROOT / 'completions/vllm-offload.bash'}\n" + "\n".join(
+    run = (f"source {ROOT / 'completions/vllm-offload.bash'}\n"
+           f"export VLLM_OFFLOAD_SHM_DIR={shm_dir}\n") + "\n".join(
         f'COMP_WORDS=({line}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1)); _vllm_offload; '
         'echo "${COMPREPLY[*]}"' for line in script.strip().splitlines())
     return subprocess.run(["bash", "-c", run], capture_output=True, text=True,
@@ -238,10 +239,10 @@ vllm-offload gc --shm-dir={other} ""
 vllm-offload inspect ""
 vllm-offload verify-rank-layout --rank-source ""
 vllm-offload fleet verify-rank-layout --rank-source l
-""".replace("{tmp}", str(tmp_path)))
+""", tmp_path)
     assert out[0].split() == ["garbage-collect", "gc"]
-    assert out[1:4] == ["there"] * 3
-    assert out[4] == ""  # /dev/shm has no such region; the env var is not set here
+    assert out[1:4] == ["there"] * 3  # the line's --shm-dir, before or after the command
+    assert out[4] == "here"  # else $VLLM_OFFLOAD_SHM_DIR
     assert out[5].split() == ["device-modulo", "logical", "device-index"]
     assert out[6] == "logical"
 
