@@ -85,7 +85,7 @@ BAD_INPUTS = [
     (["x", *BASE, "--size", "1TiB"], 5, "free"),
     (["x", *BASE, "--num-blocks", "1", "--frobnicate"], 2, "No such option"),
     (["x", *BASE, "--size", "3GiB", "--segments", "4", "--no-populate"], 2,
-     "--segments 4 cannot be made for 3.0 GiB (no file may be under 1.0 GiB); possible: 1, 2, 3"),
+     "--segments 4 cannot be made for 3GiB (no file may be under 1GiB); possible: 1, 2, 3"),
     (["x", *BASE, "--size", "64MiB", "--segments", "2"], 2, "possible: 1"),
 ]
 

@@ -21,7 +21,7 @@ def test_preflight_refuses_before_touching_anything(tiny_tmpfs: Path, cli: Any) 
             "--size", "2MiB", "--shm-dir", str(tiny_tmpfs), "--json")
     assert r.exit_code == 5
     assert r.json["errors"][0]["code"] == "shm_full"
-    assert "1.0 MiB free" in r.json["errors"][0]["message"]
+    assert "1MiB free" in r.json["errors"][0]["message"]
     assert os.listdir(tiny_tmpfs) == []
 
 

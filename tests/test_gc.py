@@ -419,9 +419,9 @@ def test_human_output_says_what_was_freed_and_why_the_rest_stayed(
     result = cli("gc", "--shm-dir", str(shm_dir), "--min-age", "0")
 
     assert result.exit_code == 0
-    assert "Removed gone: 32.0 KiB of memory, 32.0 KiB file size" in result.stdout
+    assert "Removed gone: 32KiB of memory, 32KiB file size" in result.stdout
     assert f"Kept busy: held by pid {h.pid}" in result.stdout
-    assert "Freed 32.0 KiB from 1 region(s)" in result.stdout
+    assert "Freed 32KiB from 1 region(s)" in result.stdout
     quiet = cli("gc", "--shm-dir", str(shm_dir), "--min-age", "0", "-q")
     assert quiet.exit_code == 0 and quiet.stdout == ""  # nothing removed: silent for cron
 

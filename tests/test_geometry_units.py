@@ -76,9 +76,7 @@ def test_bad_sizes_are_refused(text: str) -> None:
 
 
 def test_format_bytes() -> None:
-    assert format_bytes(None) == "-"
-    assert format_bytes(512) == "512 B"
-    assert format_bytes(1536) == "1.5 KiB"
-    assert format_bytes(3 << 30) == "3.0 GiB"
-    assert [format_bytes(n, compact=True) for n in (512, 1536, 64 << 20, None)] == [
-        "512B", "1.5KiB", "64MiB", "-"]
+    """One format everywhere: tables, messages and footers alike."""
+    assert [format_bytes(n) for n in (512, 1536, 64 << 20, 3 << 30, (1 << 30) + (1 << 29),
+                                      None)] == [
+        "512B", "1.5KiB", "64MiB", "3GiB", "1.5GiB", "-"]

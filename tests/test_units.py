@@ -41,7 +41,7 @@ def test_a_lone_b_says_why() -> None:
 
 @given(st.integers(0, 1 << 50))
 def test_compact_sizes_read_back_when_whole(n: int) -> None:
-    text = format_bytes(n, compact=True)
+    text = format_bytes(n)
     assert " " not in text
     if "." not in text:
         assert parse_size(text) == pytest.approx(n, rel=0.05)

@@ -170,7 +170,7 @@ def _render(out: Out, report: BenchReport) -> None:
                  + "; ratio = median of the rounds' ratios")
     headers = ["BLOCK", "PATTERN", "MODE", "BLOCKS", "STORE", "MEMCPY", "RATIO", "LOAD",
                "MEMCPY", "RATIO", "STORED BY", "LOADED BY"]
-    rows = [[format_bytes(r.block_bytes, compact=True), r.pattern, r.mode,
+    rows = [[format_bytes(r.block_bytes), r.pattern, r.mode,
              str(r.blocks_per_transfer),
              _gbps(r.store.gbps), _gbps(r.store.memcpy_gbps), f"{r.store.ratio:.2f}x",
              _gbps(r.load.gbps), _gbps(r.load.memcpy_gbps), f"{r.load.ratio:.2f}x",

@@ -389,7 +389,7 @@ def _numa_text(r: dict[str, Any]) -> str:
 
 def _bytes_text(value: object) -> str:
     n = _number(value)
-    return "-" if n is None else format_bytes(n, compact=True)
+    return "-" if n is None else format_bytes(n)
 
 
 def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,

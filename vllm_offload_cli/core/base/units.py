@@ -99,20 +99,19 @@ def format_age(seconds: object) -> str:
     return f"{minutes}m" if minutes else f"{whole}s"
 
 
-def format_bytes(n: int | float | None, *, compact: bool = False) -> str:
-    """1536 -> '1.5 KiB'; None -> '-'. `compact`: no space and no '.0' ('1.5KiB', '64MiB'),
-    one field for awk, in a form parse_size reads back when it is whole."""
+def format_bytes(n: int | float | None) -> str:
+    """1536 -> '1.5KiB', 64 MiB -> '64MiB', 512 -> '512B'; None -> '-'.
+
+    One format everywhere (tables, messages, footers): one field for awk, no '.0', in a
+    form parse_size reads back when it is whole."""
     if n is None:
         return "-"
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
             if unit == "B":
-                return f"{int(value)}B" if compact else f"{int(value)} B"
-            text = f"{value:.1f}"
-            if compact:
-                return f"{text.removesuffix('.0')}{unit}"
-            return f"{text} {unit}"
+                return f"{int(value)}B"
+            return f"{f'{value:.1f}'.removesuffix('.0')}{unit}"
         value /= 1024
     raise AssertionError("unreachable")
 
