@@ -72,8 +72,11 @@ vllm-offload create my-engine --dp-rank 0 --world-size 2 \\
 vllm-offload gc --dry-run
 vllm-offload gc --min-age 10m --prometheus \\
     /var/lib/prometheus/node-exporter/vllm_offload_gc.prom
-vllm-offload inspect --format prometheus --output \\
+vllm-offload inspect --prometheus \\
     /var/lib/prometheus/node-exporter/vllm_offload_regions.prom
+vllm-offload inspect --check -q || echo "a stale or problem region"
+sudo vllm-offload create svc --world-size 4 --cpu-page-size 256KiB \\
+    --size 32GiB --owner vllm
 vllm-offload completion bash > ~/.local/share/bash-completion/completions/vllm-offload"""
 SEE_ALSO = (("lsof", 8), ("fuser", 1), ("systemd-tmpfiles", 8), ("tmpfiles.d", 5),
             ("flock", 2), ("mincore", 2))
