@@ -20,6 +20,7 @@ from conftest import wait_until
 from region_files import SIZE, region_file
 
 from vllm_offload_cli.core.base.testhook import PAUSE_ENV
+from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.audit import SOCKET_ENV
 
 CLI = [sys.executable, "-m", "vllm_offload_cli"]
@@ -131,7 +132,8 @@ def test_a_write_that_fails_after_removals_reports_them_and_exits_7(
     assert doc["data"]["freed_bytes"] == SIZE
     assert [e["code"] for e in doc["errors"]] == ["output_failed"]
     assert not (shm_dir / "vllm_offload_leaked.mmap").exists()
-    assert len(syslog.lines()) == 1  # recorded before the write was tried
+    # recorded before the write was tried: the removal, then the run's summary
+    assert [line.split("]: ")[1].split()[0] for line in syslog.lines()] == ["removed", "run"]
     assert [p.name for p in tmp_path.iterdir() if p.name != "log"] == ["gc.prom"]
 
 
@@ -139,13 +141,27 @@ def test_the_table_also_lists_removals_when_the_write_fails(shm_dir: Path,
                                                              tmp_path: Path) -> None:
     region_file(shm_dir, "leaked")
     prom = tmp_path / "gc.prom"
-    proc, out, err = _gc_whose_output_breaks(shm_dir, prom, "-q", "--no-syslog")
+    proc, out, err = _gc_whose_output_breaks(shm_dir, prom, "--no-syslog")
     assert proc.returncode == 7
     assert "Removed leaked" in out and "Freed" in out
     assert f"Error: cannot write {prom}" in err
 
 
-def test_every_removal_is_one_syslog_line(shm_dir: Path, syslog: SyslogSink) -> None:
+def test_quiet_is_one_summary_line_when_something_was_removed(shm_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """-q is for cron, which mails what it prints: one line, whatever the volume."""
+    for i in range(5):
+        region_file(shm_dir, f"leaked{i}")
+    prom = tmp_path / "gc.prom"
+    proc, out, err = _gc_whose_output_breaks(shm_dir, prom, "-q", "--no-syslog")
+    assert proc.returncode == 7
+    assert out.splitlines() == [f"Freed {format_bytes(5 * SIZE)} from 5 region(s) in "
+                                f"{shm_dir}; kept 0 of 5 seen."]
+    assert f"Error: cannot write {prom}" in err
+
+
+def test_every_removal_is_one_syslog_line_and_the_run_one_more(shm_dir: Path,
+                                                                 syslog: SyslogSink) -> None:
     region_file(shm_dir, "one")
     region_file(shm_dir, "two")
     region_file(shm_dir, "two", segment=1)
@@ -154,9 +170,11 @@ def test_every_removal_is_one_syslog_line(shm_dir: Path, syslog: SyslogSink) -> 
     code, doc, _ = gc(shm_dir, "--json", env={SOCKET_ENV: str(syslog.path)})
 
     assert code == 0, doc
-    assert doc["data"]["syslog"] == {"socket": str(syslog.path), "sent": 2, "dropped": 0,
+    assert doc["data"]["syslog"] == {"socket": str(syslog.path), "sent": 3, "dropped": 0,
                                      "problem": None}
-    lines = sorted(syslog.lines())
+    *lines, summary = syslog.lines()
+    assert "]: run Freed 96.0 KiB from 2 region(s)" in summary, summary
+    lines.sort()
     assert len(lines) == 2
     pid = None
     for line, eid, files in zip(lines, ["one", "two"], [1, 2], strict=True):
@@ -188,7 +206,7 @@ def test_a_missing_or_stuck_syslog_never_fails_or_stalls_gc(shm_dir: Path, tmp_p
     region_file(shm_dir, "a")
     code, doc, err = gc(shm_dir, "--json", env={SOCKET_ENV: str(tmp_path / "absent")})
     assert code == 0 and [r["engine_id"] for r in doc["data"]["removed"]] == ["a"]
-    assert doc["data"]["syslog"]["dropped"] == 1
+    assert doc["data"]["syslog"]["dropped"] == 2  # the removal and the run's summary
     assert "system log" not in err and "syslog" not in err  # --json: one document, no noise
     assert "syslog_dropped" in [w["code"] for w in doc["warnings"]]
     region_file(shm_dir, "c")  # text mode, even -q as the schedules run it: said on stderr
@@ -196,7 +214,7 @@ def test_a_missing_or_stuck_syslog_never_fails_or_stalls_gc(shm_dir: Path, tmp_p
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, SOCKET_ENV: str(tmp_path / "absent")})
     assert proc.returncode == 0 and "Removed c:" in proc.stdout
-    assert ("Warning: system log: 1 removal record(s) not written "
+    assert ("Warning: system log: 2 record(s) not written "
             f"({tmp_path / 'absent'}: no syslog socket: No such file or directory)") \
         in proc.stderr
 
@@ -204,7 +222,7 @@ def test_a_missing_or_stuck_syslog_never_fails_or_stalls_gc(shm_dir: Path, tmp_p
     region_file(shm_dir, "b")
     code, doc, _ = gc(shm_dir, "--json", env={SOCKET_ENV: str(syslog.path)})
     assert code == 0 and [r["engine_id"] for r in doc["data"]["removed"]] == ["b"]
-    assert doc["data"]["syslog"]["sent"] == 0 and doc["data"]["syslog"]["dropped"] == 1
+    assert doc["data"]["syslog"]["sent"] == 0 and doc["data"]["syslog"]["dropped"] == 2
 
 
 @pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])

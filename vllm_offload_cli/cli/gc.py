@@ -35,6 +35,10 @@ from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcR
 
 OUTPUT_FAILED = "output_failed"
 
+# The part of --timeout spent judging regions; the rest is for removing what
+# was proven stale (locks, leases, a /proc pass for the users of those files).
+JUDGE_SHARE = 0.6
+
 
 def report_data(report: GcReport) -> dict[str, Any]:
     o = report.options
@@ -53,6 +57,10 @@ def report_data(report: GcReport) -> dict[str, Any]:
         "not_found": list(report.not_found),
         "failures": [e.to_dict("path", "engine_id") for e in report.errors],
         "regions_seen": report.regions_seen,
+        "not_judged": [t.to_dict() for t in report.not_judged],
+        "not_judged_files": report.not_judged_files,
+        "listed_all": report.listed_all,
+        "others_counted": [t.to_dict() for t in report.counted],
         "uninspectable_processes": report.uninspectable_processes,
         "visibility": {
             "blind_spots": [b.to_dict() for b in report.blind_spots],
@@ -93,8 +101,10 @@ def _kept_dict(k: Problem) -> dict[str, object]:
               "default one line per removed region, identifier vllm-offload; socket /dev/log, "
               "env VLLM_OFFLOAD_SYSLOG_SOCKET).")
 @click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
-              help=with_statuses("Stop after this long, report what was removed, exit "
-                                 "{FAILED}: seconds, or 90s, 5m, 2h; 0: already up."))
+              help=with_statuses("The run's budget: it removes what it proved stale in this "
+                                 "time (your own regions, then the largest, first), reports "
+                                 "the rest as not judged and exits {PARTIAL}: seconds, or 90s, "
+                                 "5m, 2h; 0: already up."))
 @statuses_in_doc
 def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
                     min_age: float, include_persistent: bool, all_users: bool,
@@ -115,10 +125,14 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
     ENGINE_ID that matches no region or manifest (the others are still collected),
     {UNSAFE} when it refused to judge because a holder could be hidden, {PARTIAL}
     (partial) when it removed regions but could not write --prometheus afterwards
-    (the removals are still reported in full), {NO_SPACE} when nothing was removed
-    and --prometheus could not be written for lack of space ({FAILED} for another
-    write error). After --timeout it stops between regions, reports what it removed,
-    and exits {FAILED}.
+    (the removals are still reported in full) or when --timeout came before every
+    region was judged, {NO_SPACE} when nothing was removed and --prometheus could not
+    be written for lack of space ({FAILED} for another write error). A run makes
+    progress within --timeout: other users' files are classified from lstat before
+    anything is opened; your own regions and the largest are judged first; judging
+    stops after part of the budget, so what was proven stale is removed in the rest;
+    what is left is reported as not judged in time (a later run looks at it), with
+    the textfile written.
     """
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run
@@ -133,14 +147,17 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
         report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
                          min_age=min_age, include_persistent=include_persistent,
                          all_users=all_users,
-                         shm_private_to_namespace=shm_private_to_namespace)
+                         shm_private_to_namespace=shm_private_to_namespace,
+                         judge_seconds=timeout * JUDGE_SHARE)
     data = report_data(report)
-    if not (dry_run or no_syslog) and report.removed:
+    unrecorded = False  # the system log missed lines: -q then lists the removals too
+    if not (dry_run or no_syslog) and (report.removed or report.partial):
         from vllm_offload_cli.core.reclaim import audit
 
-        logged = audit.record_removals(report.removed)
+        logged = audit.record_removals(report.removed, summary=_summary(report))
         data["syslog"] = jsonable(logged)
         if logged.problem is not None:
+            unrecorded = logged.dropped > 0
             _say_audit_dropped(inv, logged.dropped, logged.socket, logged.problem)
     warn_useless_waiver(inv, shm_private_to_namespace)
     _warn_lease_only(inv, report)
@@ -155,8 +172,8 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
     changed = not dry_run and bool(report.removed or report.orphan_manifests_removed
                                    or report.temp_files_removed)
     code = most_important(status for status, present in (
-        (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing))
-        if present)
+        (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing),
+        (ExitStatus.PARTIAL, report.partial)) if present)
     if prometheus is not None:
         pause_at("gc_before_outputs")  # tests break the output here, after the removals
         try:
@@ -172,14 +189,15 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
         # which says a removal failed
         code = most_important((code, ExitStatus.PARTIAL if changed else output_status))
     return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
-                   render=lambda out: _render(inv, out, report, output + refusals + missing))
+                   render=lambda out: _render(inv, out, report, output + refusals + missing,
+                                              unrecorded))
 
 
 def _say_audit_dropped(inv: Invocation, dropped: int, socket: str, problem: str) -> None:
     """The audit record never drops silently: a warning in JSON, and in text mode a line
     on stderr even with -q (the removals it would have recorded are printed with -q too);
     -qq silences it."""
-    message = (f"system log: {dropped} removal record(s) not written ({socket}: {problem}); "
+    message = (f"system log: {dropped} record(s) not written ({socket}: {problem}); "
                "the lines above are the only record")
     inv.warnings.append({"code": "syslog_dropped", "message": message})
     if not inv.json_output and inv.verbosity > -2:
@@ -224,8 +242,9 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
 
 
 def _render(inv: Invocation, out: Out, report: GcReport,
-            other_errors: list[dict[str, str]]) -> None:
-    """Default: every decision. -q: only what was removed or failed (quiet cron mail).
+            other_errors: list[dict[str, str]], unrecorded: bool = False) -> None:
+    """Default: every decision. -q: one summary line when something happened (quiet
+    cron mail), with the removals listed only when the system log missed them.
 
     `other_errors`: what is not a failed removal (refusals, names that match nothing).
     """
@@ -233,33 +252,54 @@ def _render(inv: Invocation, out: Out, report: GcReport,
     def say(text: str) -> None:
         out.print(text)
 
+    from vllm_offload_cli.core.region.fsguard import user_text
+
     quiet = inv.verbosity < 0
     verb = "Would remove" if report.dry_run else "Removed"
-    for r in report.removed:
-        extra = [f"{len(r.paths) - 1} segment(s)"] if len(r.paths) > 1 else []
-        if r.manifest:
-            extra.append("manifest")
-        more = f" (+ {', '.join(extra)})" if extra else ""
-        say(f"{verb} {r.engine_id}{more}: {format_bytes(r.freed_bytes)} of memory, "
-            f"{format_bytes(r.bytes)} file size")
-    if not quiet:
-        for k in report.kept:
-            say(f"Kept {k.engine_id}: {k.message}")
+    for failure in [*(e.message for e in report.errors), *(r["message"] for r in other_errors)]:
+        inv.err.print(f"Error: {failure}")
+    if not quiet or unrecorded:  # the output is then the only record of the removals
+        for r in report.removed:
+            extra = [f"{len(r.paths) - 1} segment(s)"] if len(r.paths) > 1 else []
+            if r.manifest:
+                extra.append("manifest")
+            more = f" (+ {', '.join(extra)})" if extra else ""
+            say(f"{verb} {r.engine_id}{more}: {format_bytes(r.freed_bytes)} of memory, "
+                f"{format_bytes(r.bytes)} file size")
+    if quiet:  # one line, only when something happened: cron mails what it prints
+        if report.removed or report.orphan_manifests_removed or report.temp_files_removed \
+                or report.partial:
+            say(_summary(report))
+        return
+    for k in report.kept:
+        say(f"Kept {k.engine_id}: {k.message}")
+    for t in report.counted:
+        say(f"Kept {t.files} more region file(s) of {user_text(t.uid)}: not this user's to "
+            f"remove ({format_bytes(t.allocated_bytes)} of memory), counted, not listed")
     for path in report.orphan_manifests_removed:
         say(f"{verb} orphaned manifest {path}")
     for path in report.temp_files_removed:
         say(f"{verb} leftover temporary file {path}")
-    for failure in [*(e.message for e in report.errors), *(r["message"] for r in other_errors)]:
-        inv.err.print(f"Error: {failure}")
-    if quiet and not (report.removed or report.orphan_manifests_removed
-                      or report.temp_files_removed):
-        return
+    for t in report.not_judged:
+        say(f"Not judged in time: {t.files} region file(s) of {user_text(t.uid)} "
+            f"({format_bytes(t.allocated_bytes)} of memory); a later run looks at them")
+    say(_summary(report))
+
+
+def _summary(report: GcReport) -> str:
+    """The run in one line: the quiet output, and the system log's record of the run."""
     freed = format_bytes(report.freed_bytes)
     head = f"Would free {freed}" if report.dry_run else f"Freed {freed}"
     failed = f"; {len(report.errors)} removal(s) failed" if report.errors else ""
+    late = (f"; {report.not_judged_files} region file(s) not judged in time (exit 7)"
+            if report.not_judged else "")
+    if not report.listed_all:
+        late += "; the deadline came before every name was listed (exit 7)"
     dry = " (dry run: nothing was changed)" if report.dry_run else ""
-    say(f"{head} from {len(report.removed)} region(s) in {report.shm_dir}; kept "
-        f"{len(report.kept)} of {report.regions_seen} seen{failed}{dry}.")
+    return (f"{head} from {len(report.removed)} region(s) in {report.shm_dir}; kept "
+            f"{len(report.kept) + sum(t.files for t in report.counted)} of "
+            f"{report.regions_seen + sum(t.files for t in report.counted)} seen"
+            f"{failed}{late}{dry}.")
 
 
 TOTALS = {
@@ -298,7 +338,11 @@ def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) ->
     gauge("vllm_offload_gc_last_run_timestamp_seconds",
           "When the last garbage collection started (Unix time).", report.started_at)
     gauge("vllm_offload_gc_exit_code", "Exit status of the last run (0 ok, 1 a removal "
-          "failed, 2 bad usage, 6 refused: a holder could be hidden).", int(code))
+          "failed, 2 bad usage, 6 refused: a holder could be hidden, 7 partial: not every "
+          "region was judged in time).", int(code))
+    gauge("vllm_offload_gc_files_not_judged", "Region files the last run could have "
+          "removed but did not judge in its --timeout (a later run looks at them).",
+          report.not_judged_files)
     gauge("vllm_offload_gc_duration_seconds", "How long the last run took.",
           report.duration_seconds)
     gauge("vllm_offload_gc_dry_run", "1 if the last run was a dry run (nothing removed).",

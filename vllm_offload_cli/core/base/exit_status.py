@@ -45,8 +45,9 @@ _MEANING: dict[ExitStatus, str] = {
     ExitStatus.UNSAFE: "refused as unsafe (ownership, mode, symlink, link count, wrong size, "
     "corrupt manifest, a holder that could be hidden)",
     ExitStatus.PARTIAL: "partial: fleet, a node failed, was interrupted or did not answer in "
-    "time (the others are shown); garbage-collect, regions were removed (all reported) but "
-    "--prometheus could not be written",
+    "time (the others are shown); garbage-collect, not every region was judged within "
+    "--timeout (what was proven stale was removed; the rest is reported as not judged), or "
+    "regions were removed (all reported) but --prometheus could not be written",
     ExitStatus.INTERRUPTED: "interrupted",
 }
 
@@ -64,7 +65,7 @@ _MEANING: dict[ExitStatus, str] = {
 # - BUSY: the name belongs to a live region: an identity conflict.
 # - NO_SPACE: the host lacks the memory: a sizing problem.
 # - FAILED: an operation failed (a removal, a system call): often transient.
-# - PARTIAL: a node gave no complete answer; what the others said is true.
+# - PARTIAL: a node gave no complete answer, or gc ran out of time; what was said is true.
 PRECEDENCE: tuple[ExitStatus, ...] = (
     ExitStatus.INTERRUPTED,
     ExitStatus.UNSAFE,

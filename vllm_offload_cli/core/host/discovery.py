@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
 import os
 import stat
 import time
@@ -41,6 +42,7 @@ from vllm_offload_cli.core.region.naming import (
     parse_region_filename,
     region_filename,
     region_kind,
+    region_path,
     split_engine_id,
     validate_engine_id,
 )
@@ -151,6 +153,20 @@ class OrphanManifest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Tally:
+    """Region-named files of one owner that a run counted instead of listing."""
+
+    uid: int
+    files: int
+    size_bytes: int  # apparent sizes: what their owners set
+    allocated_bytes: int  # what they hold in memory (st_blocks)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"uid": self.uid, "files": self.files, "size_bytes": self.size_bytes,
+                "allocated_bytes": self.allocated_bytes}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Inventory:
     shm_dir: str
     regions: tuple[RegionInfo, ...]
@@ -158,67 +174,187 @@ class Inventory:
     shm: ShmUsage
     uninspectable_processes: int
     visibility: Visibility = field(default_factory=lambda: Visibility((), ()))
+    # files this run could have judged but did not (out of time, or past the
+    # largest JUDGED_OTHERS of other users): a later run looks at them
+    not_judged: tuple[Tally, ...] = ()
+    # files of owners this run does not judge, past the first LISTED_UNJUDGED
+    counted: tuple[Tally, ...] = ()
+    listed_all: bool = True  # False: the deadline came before the directory was listed
 
     def find(self, engine_id: str) -> list[RegionInfo]:
         return [r for r in self.regions if r.engine_id == engine_id]
 
 
+# What a run spends is set by the caller's own files, never by what others pile
+# up: of other users' files a run judges (opens, locks, reads) the largest
+# JUDGED_OTHERS, and of owners it does not judge at all it lists the first
+# LISTED_UNJUDGED (from lstat alone); the rest are counted per owner. A segment
+# number past MAX_SEGMENT (vLLM makes at most 32) is counted, never grouped.
+JUDGED_OTHERS = 4096
+LISTED_UNJUDGED = 256
+MAX_SEGMENT = 64
+
+# (segment, path, lstat) of one file
+_Entry = tuple[int, str, os.stat_result]
+
+
+class Counts:
+    """Per-owner counts of files a run left out of its list."""
+
+    def __init__(self) -> None:
+        self.by_uid: dict[int, list[int]] = {}
+
+    def add_file(self, uid: int, size: int = 0, allocated: int = 0) -> None:
+        c = self.by_uid.setdefault(uid, [0, 0, 0])
+        c[0] += 1
+        c[1] += size
+        c[2] += allocated
+
+    def add(self, st: os.stat_result) -> None:
+        self.add_file(st.st_uid, st.st_size, st.st_blocks * 512)
+
+    def add_region(self, r: RegionInfo) -> None:
+        for s in r.segments:
+            if s.uid is not None:
+                self.add_file(s.uid, s.size_bytes, s.allocated_bytes or 0)
+
+    def tallies(self) -> tuple[Tally, ...]:
+        return tuple(Tally(uid=uid, files=c[0], size_bytes=c[1], allocated_bytes=c[2])
+                     for uid, c in sorted(self.by_uid.items()))
+
+
 @dataclass
 class _Listing:
-    segments: dict[str, list[tuple[int, os.DirEntry[str]]]] = field(
-        default_factory=lambda: defaultdict(list))
-    manifests: dict[str, os.DirEntry[str]] = field(default_factory=dict)
+    """Region files by engine_id: judged ones (opened), and others seen by lstat only."""
+
+    judged: dict[str, list[_Entry]] = field(default_factory=lambda: defaultdict(list))
+    unjudged: dict[str, list[_Entry]] = field(default_factory=lambda: defaultdict(list))
+    manifests: dict[str, str] = field(default_factory=dict)
+    not_judged: Counts = field(default_factory=Counts)
+    counted: Counts = field(default_factory=Counts)
+    overflow: bool = False  # some judged files were left out: complete their regions
+    complete: bool = True  # False: the deadline came before the listing ended
 
 
-def _list_dir(shm_dir: str) -> _Listing:
+def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.AllowedUids,
+              partial: bool = False) -> _Listing:
+    """One pass over the directory, one lstat per region-named file, nothing opened.
+
+    Memory is bounded by the caller's own files plus a fixed number of others.
+    """
     listing = _Listing()
+    me = os.geteuid()
+    heap: list[tuple[int, int, str, str, int, os.stat_result]] = []
+    listed = 0
     with os.scandir(shm_dir) as it:
-        for entry in it:
-            parsed = parse_region_filename(entry.name)
-            if parsed is not None:
-                listing.segments[parsed.engine_id].append((parsed.segment, entry))
+        for n, entry in enumerate(it):
+            if not n % 4096 and deadline.expired():
+                if not partial:
+                    deadline.check("listing the shm directory")
+                listing.complete = False
+                break
+            name = entry.name
+            parsed = parse_region_filename(name)
+            if parsed is None:
+                engine_id = parse_manifest_filename(name)
+                if engine_id is not None and (wanted is None or engine_id in wanted):
+                    listing.manifests[engine_id] = entry.path
+                    if len(listing.manifests) > 4 * JUDGED_OTHERS:
+                        listing.manifests.pop(engine_id)  # looked up by name if needed
                 continue
-            engine_id = parse_manifest_filename(entry.name)
-            if engine_id is not None:
-                listing.manifests[engine_id] = entry
+            if wanted is not None and parsed.engine_id not in wanted:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if parsed.segment > MAX_SEGMENT:
+                listing.not_judged.add(st)
+            elif st.st_uid == me and fsguard.uid_allowed(me, judge_uids):
+                listing.judged[parsed.engine_id].append((parsed.segment, entry.path, st))
+            elif fsguard.uid_allowed(st.st_uid, judge_uids):
+                item = (st.st_blocks, n, parsed.engine_id, entry.path, parsed.segment, st)
+                if len(heap) < JUDGED_OTHERS:
+                    heapq.heappush(heap, item)
+                else:
+                    listing.overflow = True
+                    listing.not_judged.add(heapq.heappushpop(heap, item)[5])
+            elif listed < LISTED_UNJUDGED:
+                listed += 1
+                listing.unjudged[parsed.engine_id].append((parsed.segment, entry.path, st))
+            else:
+                listing.counted.add(st)
+    for _, _, engine_id, path, segment, st in heap:
+        listing.judged[engine_id].append((segment, path, st))
+    if listing.overflow:
+        _complete(listing, shm_dir)
     return listing
 
 
-def _ids_of(entries: list[tuple[int, os.DirEntry[str]]]) -> set[FileId]:
-    """Identities of files we skip, so their users are not mistaken for unlinked regions."""
-    ids = set()
-    for _, entry in entries:
-        with contextlib.suppress(FileNotFoundError):
-            ids.add(FileId.of(entry.stat(follow_symlinks=False)))
-    return ids
+def _complete(listing: _Listing, shm_dir: str) -> None:
+    """Segments of a judged region that the bound left out, found by name: a region
+    is judged whole or not at all."""
+    for engine_id, entries in listing.judged.items():
+        have = {segment for segment, _, _ in entries}
+        uid = entries[0][2].st_uid
+        for segment in range(MAX_SEGMENT + 1):
+            if segment in have:
+                continue
+            path = str(region_path(shm_dir, engine_id))
+            path = path if segment == 0 else f"{path}.{segment}"
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                if segment:
+                    break
+                continue
+            if st.st_uid == uid:
+                entries.append((segment, path, st))
+
+
+def _order(engine_id: str, entries: list[_Entry]) -> tuple[int, int, str]:
+    """The caller's own regions first, then the largest (in memory): what serves the
+    host best when a run cannot judge everything."""
+    own = all(st.st_uid == os.geteuid() for _, _, st in entries)
+    return (0 if own else 1, -sum(st.st_blocks for _, _, st in entries), engine_id)
 
 
 def _inspect_file(path: str, segment: int, allowed_uids: fsguard.AllowedUids,
-                  measure: bool, probe_if: Callable[[os.stat_result], bool] | None = None
-                  ) -> tuple[SegmentFile, bool]:
-    """lstat, open without following, fstat, residency and a lock probe: (file, locked)."""
+                  measure: bool, probe_if: Callable[[os.stat_result], bool] | None = None,
+                  lease_wait: fsguard.LeaseWait | None = None) -> tuple[SegmentFile, bool]:
+    """lstat, open without following, fstat, residency and a lock probe: (file, locked).
+
+    `mtime` is the file's ctime: its owner can set mtime to any time (a future
+    one would make a leftover look young for ever), nobody can set ctime.
+    """
     lst = os.stat(path, follow_symlinks=False)  # FileNotFoundError: vanished, caller skips
     if not stat.S_ISREG(lst.st_mode):
         problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids)
         return SegmentFile(path=path, segment=segment, file_id=None, size_bytes=0, uid=lst.st_uid,
                            mode=stat.S_IMODE(lst.st_mode),
-                           mtime=lst.st_mtime, linked=True, resident_bytes=None,
+                           mtime=lst.st_ctime, linked=True, resident_bytes=None,
                            problems=tuple(problems)), False
+    # another user's lease is held by a process that has the file open: it is in use,
+    # and answering at once is the same answer; only our own files share the wait
+    wait = lease_wait if lease_wait is not None and lst.st_uid == os.geteuid() \
+        else fsguard.LeaseWait(0.0)
     try:
-        fd = fsguard.open_existing(path, os.O_RDONLY)
+        fd = fsguard.open_existing(path, os.O_RDONLY, lease_wait=wait)
     except RegionNotFoundError:
         raise FileNotFoundError(path) from None
     except RegionBusyError:  # a long-held lease: someone is at it; not stale
         return SegmentFile(path=path, segment=segment, file_id=FileId.of(lst),
                            size_bytes=lst.st_size, uid=lst.st_uid,
-                           mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_mtime, linked=True,
+                           allocated_bytes=lst.st_blocks * 512,
+                           mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_ctime, linked=True,
                            resident_bytes=None), True
     except (OffloadError, OSError):  # refused or unsafe; a bug is not "unreadable"
         problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids) or [
             Problem("unreadable", "cannot be opened by this user")]
         return SegmentFile(path=path, segment=segment, file_id=FileId.of(lst),
                            size_bytes=lst.st_size, uid=lst.st_uid,
-                           mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_mtime, linked=True,
+                           allocated_bytes=lst.st_blocks * 512,
+                           mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_ctime, linked=True,
                            resident_bytes=None,
                            problems=tuple(problems)), False
     try:
@@ -230,10 +366,10 @@ def _inspect_file(path: str, segment: int, allowed_uids: fsguard.AllowedUids,
         locked = not locking.try_lock_exclusive(fd)
         return SegmentFile(path=path, segment=segment, file_id=FileId.of(st),
                            size_bytes=st.st_size, uid=st.st_uid,
-                           mode=stat.S_IMODE(st.st_mode), mtime=max(st.st_mtime,
-                                                                    st.st_ctime), linked=True,
+                           allocated_bytes=st.st_blocks * 512,
+                           mode=stat.S_IMODE(st.st_mode), mtime=st.st_ctime, linked=True,
                            resident_bytes=resident, problems=tuple(problems),
-                           resident_error=refusal, allocated_bytes=st.st_blocks * 512,
+                           resident_error=refusal,
                            sole_opener=None if locked or probe_if is None or not probe_if(st)
                            else openers.probe(fd, retry=_PROBE_RETRY)), locked
     finally:
@@ -293,6 +429,8 @@ def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
         named = [u for u in uses if u.path]
         if not named:
             continue  # only a lock entry: nothing tells us its name
+        if not any(u.deleted for u in named):
+            continue  # still linked: a name this run counted rather than listed
         directory, name = os.path.split(named[0].path)
         parsed = parse_region_filename(name)
         if parsed is None or not same_dir(directory):
@@ -328,48 +466,69 @@ def discover(
     allowed_uids: fsguard.AllowedUids = None,
     measure_residency: bool = True,
     shm_private_to_namespace: bool = False,
+    judge_uids: fsguard.AllowedUids = None,
+    judge_until: float | None = None,
+    partial: bool = False,
 ) -> Inventory:
     """Every region in shm_dir (or only `engine_ids`), with holders, state and problems.
 
     `shm_private_to_namespace`: the operator states that no process outside
     this PID namespace uses shm_dir, which waives that one blind spot.
+    `judge_uids`: owners whose files are opened, locked and read (by default
+    those `allowed_uids` accepts); any other file is classified from its
+    `lstat` alone, before anything is opened, waited for or parsed.
+    `judge_until` (time.monotonic()) and the command's deadline end the judging;
+    with `partial` what is left is counted in `not_judged` instead of raising
+    DeadlineExpiredError (gc keeps what it has proven and says what it did not).
     """
     shm = _shm_dir(shm_dir)
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
     allowed_uids = fsguard.inspection_uids(allowed_uids)
+    judge = judge_uids if judge_uids is not None else allowed_uids
     now = time.time()
-    listing = _list_dir(shm)
-    # before we open anything ourselves; region names found by lstat
-    scan = scan_processes(shm, {fid for entries in listing.segments.values()
-                                for fid in _ids_of(entries)})
+    listing = _list_dir(shm, wanted, judge, partial)
+    order = sorted(listing.judged.items(), key=lambda item: _order(*item))
+    try:
+        # before we open anything ourselves; region names found by lstat
+        scan = scan_processes(shm, {FileId.of(st) for _, entries in order
+                                    for _, _, st in entries})
+    except deadline.DeadlineExpiredError:
+        if not partial:
+            raise
+        for _, entries in order:
+            for _, _, st in entries:
+                listing.not_judged.add(st)
+        return _inventory(shm, [], [], listing, ProcessScan(), visibility.assess([]))
     vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace)
     probe_if = _needs_lease_probe(vis, scan)
+    lease_wait = fsguard.LeaseWait()  # one budget for every open of this run
     regions: list[RegionInfo] = []
     linked_ids: set[FileId] = set()
 
-    for engine_id, entries in sorted(listing.segments.items()):
-        deadline.check("looking at regions")
-        if wanted is not None and engine_id not in wanted:
-            linked_ids.update(_ids_of(entries))
+    for i, (engine_id, entries) in enumerate(order):
+        if _out_of_time(judge_until, partial):
+            for _, later in order[i:]:
+                for _, _, st in later:
+                    listing.not_judged.add(st)
+            break
+        try:
+            region = _judge(engine_id, entries, allowed_uids, measure_residency, probe_if,
+                            lease_wait, scan, listing, shm, now)
+        except deadline.DeadlineExpiredError:  # the backstop cut one file's wait short
+            if not partial:
+                raise
+            for _, _, st in entries:
+                listing.not_judged.add(st)
             continue
-        segments: list[SegmentFile] = []
-        locked = False
-        for segment, entry in sorted(entries, key=lambda e: e[0]):
-            try:
-                seg, seg_locked = _inspect_file(entry.path, segment, allowed_uids,
-                                                measure_residency, probe_if)
-            except FileNotFoundError:
-                continue  # vanished while we looked
-            segments.append(seg)
-            locked = locked or seg_locked
-            if seg.file_id is not None:
-                linked_ids.add(seg.file_id)
-        if not segments:
-            continue
-        mentry = listing.manifests.get(engine_id)
+        if region is not None:
+            linked_ids.update(s.file_id for s in region.segments if s.file_id is not None)
+            regions.append(judge_visibility(region, vis))
+    for engine_id, entries in sorted(listing.unjudged.items()):
+        segments = [_seen_only(path, segment, st, allowed_uids)
+                    for segment, path, st in sorted(entries, key=lambda e: e[0])]
+        linked_ids.update(s.file_id for s in segments if s.file_id is not None)
         regions.append(judge_visibility(
-            _region(engine_id, segments, locked, scan,
-                    None if mentry is None else mentry.path, allowed_uids, now), vis))
+            _region(engine_id, segments, False, scan, None, allowed_uids, now), vis))
 
     for engine_id, by_inode in sorted(_deleted_only(scan, linked_ids, shm).items()):
         if wanted is not None and engine_id not in wanted:
@@ -379,9 +538,23 @@ def discover(
 
     regions = _flag_collisions(regions)
     orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
+    return _inventory(shm, regions, orphans, listing, scan, vis)
+
+
+def _out_of_time(judge_until: float | None, partial: bool) -> bool:
+    if not partial:
+        deadline.check("looking at regions")
+        return False
+    return deadline.expired() or (judge_until is not None and time.monotonic() >= judge_until)
+
+
+def _inventory(shm: str, regions: list[RegionInfo], orphans: list[OrphanManifest],
+               listing: _Listing, scan: ProcessScan, vis: Visibility) -> Inventory:
     return Inventory(
         shm_dir=shm, regions=tuple(regions), orphan_manifests=tuple(orphans),
         shm=shm_usage(shm), uninspectable_processes=scan.denied, visibility=vis,
+        not_judged=listing.not_judged.tallies(), counted=listing.counted.tallies(),
+        listed_all=listing.complete,
     )
 
 
@@ -393,12 +566,57 @@ def _shm_dir(shm_dir: str | os.PathLike[str]) -> str:
     return shm
 
 
+def _judge(engine_id: str, entries: list[_Entry], allowed_uids: fsguard.AllowedUids,
+           measure: bool, probe_if: Callable[[os.stat_result], bool],
+           lease_wait: fsguard.LeaseWait, scan: ProcessScan, listing: _Listing, shm: str,
+           now: float) -> RegionInfo | None:
+    """One region, its files opened and judged; None when they all vanished."""
+    judged: list[tuple[SegmentFile, bool]] = []
+    for segment, path, _ in sorted(entries, key=lambda e: e[0]):
+        try:
+            judged.append(_inspect_file(path, segment, allowed_uids, measure, probe_if,
+                                        lease_wait))
+        except FileNotFoundError:
+            continue  # vanished while we looked
+    if not judged:
+        return None
+    segments = [seg for seg, _ in judged]
+    owner = next((s for s in segments if s.segment == 0), segments[0]).uid
+    locked = any(seg_locked for seg, seg_locked in judged if seg.uid == owner)
+    mpath = listing.manifests.get(engine_id)
+    if mpath is None:  # the listing keeps a bounded number: look it up by name
+        candidate = str(manifest_path(shm, engine_id))
+        mpath = candidate if os.path.lexists(candidate) else None
+    return _region(engine_id, segments, locked, scan, mpath, allowed_uids, now)
+
+
+def _seen_only(path: str, segment: int, st: os.stat_result,
+               allowed_uids: fsguard.AllowedUids) -> SegmentFile:
+    """A file of an owner this run does not judge: what lstat says, nothing opened."""
+    return SegmentFile(
+        path=path, segment=segment,
+        file_id=FileId.of(st) if stat.S_ISREG(st.st_mode) else None,
+        size_bytes=st.st_size if stat.S_ISREG(st.st_mode) else 0, uid=st.st_uid,
+        allocated_bytes=st.st_blocks * 512,
+        mode=stat.S_IMODE(st.st_mode), mtime=st.st_ctime, linked=True, resident_bytes=None,
+        problems=tuple(fsguard.stat_problems(st, allowed_uids=allowed_uids)))
+
+
 def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: ProcessScan,
             mpath: str | None, allowed_uids: fsguard.AllowedUids, now: float) -> RegionInfo:
     parts = split_engine_id(engine_id)
-    problems = [Problem(p.code, f"{os.path.basename(s.path)} {p.message}")
-                for s in segments for p in s.problems]
     bare = next((s for s in segments if s.segment == 0), None)
+    # a file of another owner is no part of this region, and its holders hold only
+    # it: grouped by name alone, a squatter's held segment would keep (and show as
+    # holding) someone else's stale region for ever
+    owner = (bare or segments[0]).uid
+    problems = [Problem("squatted_segment", (
+        f"{os.path.basename(sq.path)} is owned by uid {sq.uid}, not by the region's owner "
+        f"(uid {owner}): another user's file under its name, not part of it"))
+        for sq in segments if sq.uid != owner]
+    segments = [s for s in segments if s.uid == owner]
+    problems += [Problem(p.code, f"{os.path.basename(s.path)} {p.message}")
+                 for s in segments for p in s.problems]
     manifest, mproblem = _manifest_of(mpath, bare, allowed_uids)
     if mproblem is not None:
         problems.append(mproblem)
@@ -456,7 +674,7 @@ def _files_problems(segments: list[SegmentFile], bare: SegmentFile | None, size:
 def _age(segments: list[SegmentFile], manifest: Manifest | None, now: float) -> float | None:
     """Seconds since the region last changed: its newest file, or its manifest's creation."""
     mtimes = [s.mtime for s in segments if s.mtime is not None]
-    if manifest is not None:
+    if manifest is not None and manifest.created_at <= now:  # a future one proves nothing
         return now - max(manifest.created_at, max(mtimes, default=manifest.created_at))
     return now - max(mtimes) if mtimes else None
 
@@ -584,23 +802,21 @@ def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | N
                       ) -> list[OrphanManifest]:
     """Manifests whose region is gone, both by name and from every process."""
     orphans = []
-    for engine_id, entry in sorted(listing.manifests.items()):
-        if engine_id in present or engine_id in listing.segments:
+    seen = set(listing.judged) | set(listing.unjudged)
+    for engine_id, path in sorted(listing.manifests.items()):
+        if engine_id in present or engine_id in seen:
             continue
         if wanted is not None and engine_id not in wanted:
             continue
         try:
-            st = entry.stat(follow_symlinks=False)
+            st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             continue
-        orphans.append(OrphanManifest(engine_id=engine_id, path=entry.path, file_id=FileId.of(st),
-                                      uid=st.st_uid,
-                                      mtime=st.st_mtime))
+        if os.path.lexists(str(region_path(os.path.dirname(path), engine_id))):
+            continue  # its region is there, counted rather than listed
+        orphans.append(OrphanManifest(engine_id=engine_id, path=path, file_id=FileId.of(st),
+                                      uid=st.st_uid, mtime=st.st_ctime))
     return orphans
-
-
-# vLLM makes at most 32 segment files; a number past this is never one of ours
-MAX_SEGMENT = 64
 
 
 def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventory:

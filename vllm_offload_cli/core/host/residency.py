@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Iterator
 
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 from vllm_offload_cli.core.system import libc
@@ -43,12 +44,51 @@ _LOW_BIT = bytes(b & 1 for b in range(256))
 
 
 def resident_bytes(fd: int) -> int:
-    """Bytes of the file that are resident in memory."""
-    size = os.fstat(fd).st_size
-    if size == 0:
+    """Bytes of the file that are resident in memory.
+
+    The cost follows what the file holds, never its apparent size (one
+    `ftruncate` sets that, allocating nothing): nothing is mapped for a file
+    without blocks, and only its data extents (SEEK_DATA/SEEK_HOLE) are
+    measured, window by window into one reused vector, counted as we go.
+    """
+    st = os.fstat(fd)
+    if st.st_size == 0 or st.st_blocks == 0:
         return 0
-    pages = page_map(fd, 0, size)
-    return min(pages.count(1) * PAGESIZE, size)
+    vec = (ctypes.c_ubyte * (_WINDOW // PAGESIZE))()
+    total = 0
+    for start, end in _data_extents(fd, st.st_size):
+        pos = start - start % PAGESIZE
+        while pos < end:
+            size = min(_WINDOW, end - pos)
+            addr = libc.map_readonly(fd, size, pos)
+            try:
+                libc.mincore(addr, size, vec)
+            finally:
+                libc.unmap(addr, size)
+            total += bytes(vec)[:-(-size // PAGESIZE)].translate(_LOW_BIT).count(1)
+            pos += size
+    return min(total * PAGESIZE, st.st_size)
+
+
+def _data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """[start, end) of each run of allocated data; the whole file where the
+    filesystem cannot say (SEEK_DATA unsupported)."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return  # only a hole from here on
+            if exc.errno != errno.EINVAL or pos:
+                raise
+            yield 0, size
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        if end <= start:
+            return
+        yield start, end
+        pos = end
 
 
 # A seccomp filter (a systemd unit's SystemCallFilter=, a container's profile) answers

@@ -103,20 +103,24 @@ def removal_line(r: RemovedRegion, *, command: str) -> str:
 
 
 def record_removals(removed: Sequence[RemovedRegion], *, command: str | None = None,
-                    address: str | None = None) -> AuditResult:
-    """Send one line per removed region to the system log; never raises, never blocks."""
+                    address: str | None = None, summary: str | None = None) -> AuditResult:
+    """Send one line per removed region, then the run's `summary` line, to the system
+    log; never raises, never blocks. Lines grow with removals, never with other files."""
     path = address or socket_path()
-    if not removed:
+    lines = [*removed, *([] if summary is None else [summary])]
+    if not lines:
         return AuditResult(socket=path, sent=0, dropped=0)
     try:
         st = os.stat(path)
     except OSError as exc:
-        return AuditResult(socket=path, sent=0, dropped=len(removed),
+        return AuditResult(socket=path, sent=0, dropped=len(lines),
                            problem=f"no syslog socket: {exc.strerror}")
     if not stat.S_ISSOCK(st.st_mode):
-        return AuditResult(socket=path, sent=0, dropped=len(removed), problem="not a socket")
+        return AuditResult(socket=path, sent=0, dropped=len(lines), problem="not a socket")
     cmd = command_line() if command is None else command
     head = f"<{_PRIORITY}>{IDENT}[{os.getpid()}]: "
-    sent, problem = _send_each(path, [(head + removal_line(r, command=cmd)).encode()
-                                      for r in removed])
-    return AuditResult(socket=path, sent=sent, dropped=len(removed) - sent, problem=problem)
+    texts = [removal_line(r, command=cmd) if isinstance(r, RemovedRegion)
+             else f"run {printable(str(r))[:4 * _MAX_FIELD]} command={_quoted(cmd)}"
+             for r in lines]
+    sent, problem = _send_each(path, [(head + text).encode() for text in texts])
+    return AuditResult(socket=path, sent=sent, dropped=len(lines) - sent, problem=problem)

@@ -60,11 +60,13 @@ from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     CREATING,
+    Counts,
     Holder,
     Inventory,
     OrphanManifest,
     RegionInfo,
     SegmentFile,
+    Tally,
     discover,
     holders_of,
 )
@@ -136,15 +138,26 @@ def collect(
     include_persistent: bool = False,
     all_users: bool = False,
     shm_private_to_namespace: bool = False,
+    judge_seconds: float | None = None,
 ) -> GcReport:
-    """Find and remove every provably stale region in shm_dir (or only `engine_ids`)."""
+    """Find and remove every provably stale region in shm_dir (or only `engine_ids`).
+
+    Progress within the time it has: files of owners it may not remove are
+    classified from `lstat` alone; the rest are judged the caller's own first,
+    then the largest; judging stops after `judge_seconds` (and at the command's
+    deadline), so what was proven stale is removed in the time left, and what
+    was not judged is counted in the report (`not_judged`: the run exits 7).
+    """
     options = GcOptions(dry_run=dry_run, min_age=min_age, include_persistent=include_persistent,
                         all_users=all_users,
                         shm_private_to_namespace=shm_private_to_namespace)
     check_options(options)
     started, clock = time.time(), time.monotonic()
+    owners = fsguard.EVERY_UID if all_users else frozenset({os.geteuid()})
     inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False,
-                         shm_private_to_namespace=shm_private_to_namespace)
+                         shm_private_to_namespace=shm_private_to_namespace,
+                         judge_uids=owners, partial=True,
+                         judge_until=None if judge_seconds is None else clock + judge_seconds)
     return reclaim(inventory, options, engine_ids=engine_ids, started_at=started,
                    clock_start=clock)
 
@@ -168,9 +181,8 @@ def reclaim(
             try:
                 run.orphan_manifests(inventory.orphan_manifests)
                 run.temp_files(None if engine_ids is None else set(engine_ids))
-            except deadline.DeadlineExpiredError as exc:
-                run.errors.append(Problem(exc.code, f"{exc.message} before every orphaned "
-                                          "manifest was looked at", path=""))
+            except deadline.DeadlineExpiredError:
+                pass  # what is left waits for the next run; counted where it can be
         run.settle()
     finally:
         run.close()
@@ -190,7 +202,19 @@ def reclaim(
         blind_spots=run.blind,
         uninspectable_pids=tuple(sorted(run.denied or {
             h.pid for h in inventory.visibility.hidden})),
+        not_judged=_merged(inventory.not_judged, run.not_judged.tallies()),
+        counted=inventory.counted, listed_all=inventory.listed_all,
     )
+
+
+def _merged(*groups: Iterable[Tally]) -> tuple[Tally, ...]:
+    by_uid: dict[int, Tally] = {}
+    for t in (t for g in groups for t in g):
+        old = by_uid.get(t.uid)
+        by_uid[t.uid] = t if old is None else Tally(
+            uid=t.uid, files=old.files + t.files, size_bytes=old.size_bytes + t.size_bytes,
+            allocated_bytes=old.allocated_bytes + t.allocated_bytes)
+    return tuple(by_uid[u] for u in sorted(by_uid))
 
 
 def _effective(spots: Sequence[Problem], options: GcOptions) -> tuple[Problem, ...]:
@@ -234,6 +258,7 @@ class _Run:
     denied: set[int] = field(default_factory=set)
     blind: tuple[Problem, ...] = ()
     expired: bool = False
+    not_judged: Counts = field(default_factory=Counts)
 
     def __post_init__(self) -> None:
         self.shm_dir = self.inventory.shm_dir
@@ -284,14 +309,17 @@ class _Run:
                 candidates.append(r)
             else:
                 self._keep(verdict)
+        # discovery's order: the caller's own regions first, then the largest
         for start in range(0, len(candidates), _BATCH):
             try:
                 deadline.check("removing stale regions")
                 self._batch(candidates[start:start + _BATCH])
-            except deadline.DeadlineExpiredError as exc:
-                left = len(candidates) - start
-                self.errors.append(Problem(exc.code, f"{exc.message}; {left} candidate "
-                                           "region(s) were not examined", path=""))
+            except deadline.DeadlineExpiredError:
+                # what this batch did not decide, and every later one, waits for the next run
+                decided = {k.engine_id for k in self.kept} | {r.engine_id for r in self.removed}
+                for r in candidates[start:]:
+                    if r.engine_id not in decided:
+                        self.not_judged.add_region(r)
                 self.expired = True
                 return
 
@@ -461,10 +489,12 @@ class _Run:
                 and not self.options.include_persistent):
             self._keep(self._kept(r, PERSISTENT, _PERSISTENT_TEXT))
             return
-        newest = max(max(st.st_mtime, st.st_ctime) for _, _, st in held.files)
-        if m is not None:
+        # ctime: anyone can set a file's mtime (a future one would make it immune), not ctime
+        now = time.time()
+        newest = max(st.st_ctime for _, _, st in held.files)
+        if m is not None and m.created_at <= now:
             newest = max(newest, m.created_at)
-        age = time.time() - newest
+        age = now - newest
         if age < self.options.min_age:
             self._keep(self._kept(r, TOO_YOUNG, self._young_text(age)))
             return
@@ -562,9 +592,13 @@ class _Run:
 
     # -- manifests and temporary files --------------------------------------------
 
-    def orphan_manifests(self, orphans: Iterable[OrphanManifest]) -> None:
-        for o in orphans:
-            deadline.check("removing orphaned manifests")
+    def orphan_manifests(self, orphans: Sequence[OrphanManifest]) -> None:
+        for i, o in enumerate(orphans):
+            if deadline.expired():
+                for left in orphans[i:]:
+                    if fsguard.uid_allowed(left.uid, self.owners):
+                        self.not_judged.add_file(left.uid)
+                return
             if not fsguard.uid_allowed(o.uid, self.owners):
                 continue
             region = str(region_path(self.shm_dir, o.engine_id))
@@ -582,19 +616,30 @@ class _Run:
     def temp_files(self, wanted: set[str] | None) -> None:
         """manifest.write()'s temporaries left by a writer that died before its rename."""
         try:
-            entries = list(os.scandir(self.shm_dir))
+            entries = os.scandir(self.shm_dir)
         except OSError:
             return
-        for entry in entries:
-            match = _TEMP_RE.fullmatch(entry.name)
-            if match is None or engine_id_problem(match["engine_id"]) is not None:
-                continue
-            if wanted is not None and match["engine_id"] not in wanted:
-                continue
-            if ProcessRef(int(match["pid"]), None).alive():
-                continue  # its writer may be between write and rename
-            if self._unlink_old(entry.path, None):
-                self.temps.append(entry.path)
+        with entries:
+            for n, entry in enumerate(entries):  # one at a time: a million names cost no memory
+                if not n % 4096:
+                    deadline.check("removing temporary files")
+                self._temp_file(entry, wanted)
+
+    def _temp_file(self, entry: os.DirEntry[str], wanted: set[str] | None) -> None:
+        match = _TEMP_RE.fullmatch(entry.name) if entry.name.startswith(".") else None
+        if match is None or engine_id_problem(match["engine_id"]) is not None:
+            return
+        if wanted is not None and match["engine_id"] not in wanted:
+            return
+        try:  # another user's file is judged by lstat, never opened
+            if not fsguard.uid_allowed(entry.stat(follow_symlinks=False).st_uid, self.owners):
+                return
+        except OSError:
+            return
+        if ProcessRef(int(match["pid"]), None).alive():
+            return  # its writer may be between write and rename
+        if self._unlink_old(entry.path, None):
+            self.temps.append(entry.path)
 
     def _unlink_old(self, path: str, engine_id: str | None, *, expect: FileId | None = None,
                     lock: bool = False, still_wanted: Callable[[int], bool] | None = None
@@ -614,7 +659,7 @@ class _Run:
             if ((expect is not None and FileId.of(st) != expect)
                     or not stat.S_ISREG(st.st_mode)
                     or not fsguard.uid_allowed(st.st_uid, self.owners)
-                    or time.time() - max(st.st_mtime, st.st_ctime) < self.options.min_age
+                    or time.time() - st.st_ctime < self.options.min_age
                     or (lock and not locking.try_lock_exclusive(fd))
                     or (still_wanted is not None and not still_wanted(fd))):
                 return False

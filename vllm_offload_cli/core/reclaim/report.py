@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.problems import Problem, jsonable
+from vllm_offload_cli.core.host.discovery import Tally
 
 DEFAULT_MIN_AGE = 60.0
 
@@ -83,6 +84,21 @@ class GcReport:
     # host-wide blind spots that stopped this run from removing anything
     blind_spots: tuple[Problem, ...] = ()
     uninspectable_pids: tuple[int, ...] = ()
+    # region files this run could have removed but did not judge (out of time, or
+    # past the largest of other users' files a run judges): the run exits 7
+    not_judged: tuple[Tally, ...] = ()
+    # files of owners this run may not remove, counted per owner past the first few
+    counted: tuple[Tally, ...] = ()
+    listed_all: bool = True  # False: time ran out before the directory was even listed
+
+    @property
+    def not_judged_files(self) -> int:
+        return sum(t.files for t in self.not_judged)
+
+    @property
+    def partial(self) -> bool:
+        """Not everything was judged in time: the run exits 7."""
+        return bool(self.not_judged) or not self.listed_all
 
     @property
     def dry_run(self) -> bool:

@@ -12,6 +12,7 @@ import functools
 import os
 import pwd
 import stat
+import time
 from collections.abc import Collection
 
 from vllm_offload_cli.core.base.deadline import poll_until
@@ -126,15 +127,43 @@ _HINTS = {
 _LEASE_WAIT_SECONDS = 5.0
 
 
-def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None = None) -> int:
-    """Open an existing name without creating it and without following a link."""
-    def attempt() -> int | None:
+class LeaseWait:
+    """How long opens may wait out other processes' leases, all together.
+
+    One budget per run, shared by every file it opens: anyone may hold a lease
+    on a file of their own, so a wait per file would let them set how long a
+    command that looks at many files runs (12 leased files, 5 s each, outlast
+    gc's cron timeout). Once spent, a leased file is answered at once.
+    """
+
+    def __init__(self, seconds: float = _LEASE_WAIT_SECONDS) -> None:
+        self.seconds = seconds
+        self.left = seconds
+
+    def open(self, path: str, flags: int) -> int | None:
+        """A descriptor, or None when the file stayed leased past what is left."""
+        def attempt() -> int | None:
+            try:
+                return os.open(path, flags)
+            except BlockingIOError:
+                return None
+        began = time.monotonic()
         try:
-            return os.open(path, flags | OPEN_EXISTING_FLAGS)
-        except BlockingIOError:
-            return None
+            return poll_until(attempt, max(self.left, 0.0), backoff=(0.002, 0.002))
+        finally:
+            self.left -= time.monotonic() - began
+
+
+def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None = None,
+                  lease_wait: LeaseWait | None = None) -> int:
+    """Open an existing name without creating it and without following a link.
+
+    A lease held by another process is waited out within `lease_wait` (the
+    caller's budget for all its opens; by default 5 s for this one).
+    """
+    wait = LeaseWait() if lease_wait is None else lease_wait
     try:
-        fd = poll_until(attempt, _LEASE_WAIT_SECONDS, backoff=(0.002, 0.002))
+        fd = wait.open(path, flags | OPEN_EXISTING_FLAGS)
     except FileNotFoundError:
         raise RegionNotFoundError(f"{path} does not exist", path=path,
                                   engine_id=engine_id) from None
@@ -155,7 +184,7 @@ def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None 
                                    engine_id=engine_id) from exc
     if fd is None:
         raise RegionBusyError(f"{path} stayed leased by another process for "
-                              f"{_LEASE_WAIT_SECONDS:.0f} s (a stuck garbage collection?)",
+                              f"{wait.seconds:g} s (a stuck garbage collection?)",
                               path=path, engine_id=engine_id)
     return fd
 
