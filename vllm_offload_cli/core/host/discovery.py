@@ -506,7 +506,9 @@ def discover(
     linked_ids: set[FileId] = set()
 
     for i, (engine_id, entries) in enumerate(order):
-        if _out_of_time(judge_until, partial):
+        # the first (the caller's own, or the largest) is judged whenever the deadline
+        # allows: every run makes progress, however little of its share is left
+        if _out_of_time(judge_until if i else None, partial):
             for _, later in order[i:]:
                 for _, _, st in later:
                     listing.not_judged.add(st)
