@@ -177,36 +177,17 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     problems = [Problem(code=p.code, message=f"{path} {p.message}")
                 for p in fsguard.stat_problems(st, allowed_uids=allowed_uids,
                                                expect_linked=released is None)]
-    if released is None:
-        manifest, mproblem = _manifest_for(mpath, st, allowed_uids)
-    else:
-        manifest, mproblem = released.manifest, None
+    manifest, mproblem = (released.manifest, None) if released is not None else (
+        manifest_io.read_matching(mpath, FileId.of(st), allowed_uids=allowed_uids,
+                                  owner_uid=st.st_uid))
     if mproblem is not None:
         problems.append(mproblem)
-
-    if manifest is not None:
-        geometry, rows, gproblems = _geometry_from_manifest(manifest, st.st_size, world_size,
-                                                            cpu_page_size, mpath)
-        source = "manifest"
-    elif world_size is None or cpu_page_size is None:
-        if mproblem is None:
-            raise InvalidInputError(
-                f"{path} has no manifest (made by vLLM?), so its geometry is unknown; pass "
-                "--world-size and --cpu-page-size", path=path, engine_id=engine_id,
-                code="geometry_unknown")
-        geometry, rows, source = None, 0, None
-        gproblems = [Problem(code="geometry_unknown",
-                                  message="without a usable manifest the geometry "
-                                  "is unknown; pass --world-size and --cpu-page-size")]
-    else:
-        geometry, rows, gproblems = _geometry_from_arguments(st.st_size, world_size,
-                                                             cpu_page_size, path)
-        source = "arguments"
+    geometry, rows, source, gproblems = _geometry_for(
+        manifest, mproblem, st.st_size, world_size, cpu_page_size, path, mpath, engine_id)
     problems += gproblems
 
     workers: list[AttachedWorker] = []
     rankless = stale = 0
-    notes: list[Problem] = []
     if manifest is not None:
         live = manifest.live_attachments()
         stale = len(manifest.attachments) - len(live)
@@ -216,34 +197,20 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
                    for a in live if a.rank is not None]
     slots: list[SlotReport] = []
     placed: list[affinity.WorkerPlacement] = []
+    notes: list[Problem] = []
     if geometry is not None and geometry.world_size is not None:
-        w_problems, w_notes = _worker_checks(workers, geometry.world_size, manifest is not None)
+        w_problems, notes = _worker_checks(workers, geometry.world_size, manifest is not None)
         problems += w_problems
-        notes += w_notes
         if rankless:
             notes.append(Problem(
-                code="rankless_opener",
-                message=f"{rankless} rank-less opener(s) (the scheduler, or `create`) hold the "
-                        f"region; "
-                "they pre-fault every slot, so residency cannot show which workers wrote"))
+                "rankless_opener", f"{rankless} rank-less opener(s) (the scheduler, or "
+                "`create`) hold the region; they pre-fault every slot, so residency cannot "
+                "show which workers wrote"))
         if rows > 0:
-            try:
-                slots, s_problems, s_notes = _slot_reports(fd, geometry, rows, workers)
-            except OSError as exc:
-                if not residency.refused(exc):
-                    raise
-                notes.append(Problem(
-                    code="measurement_refused", message="slots not checked: their residency "
-                    f"was not measured: {exc.strerror} ({residency.REFUSED_HINT})"))
-            else:
-                problems += s_problems
-                notes += s_notes
-                slots = [_with_status(s, problems) for s in slots]
-                placed = affinity.check_workers(fd, geometry, rows, [
-                    (w.pid, w.rank) for w in workers if 0 <= w.rank < geometry.world_size])
-                notes += [Problem(code="numa_remote", message=affinity.remote_message(w),
-                                       ranks=(w.rank,),
-                                       pids=(w.pid,)) for w in placed if w.remote]
+            slots, placed, s_problems, s_notes = _slot_checks(fd, geometry, rows, workers,
+                                                              w_problems)
+            problems += s_problems
+            notes += s_notes
 
     return LiveCheck(
         engine_id=engine_id, path=path,
@@ -257,12 +224,49 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     )
 
 
-def _manifest_for(mpath: str, st: os.stat_result, allowed_uids: fsguard.AllowedUids
-                  ) -> tuple[manifest_io.Manifest | None, Problem | None]:
-    """The manifest, if it exists, parses, and describes this very file."""
-    m, problem = manifest_io.read_matching(mpath, FileId.of(st),
-                                           allowed_uids=allowed_uids, owner_uid=st.st_uid)
-    return m, None if problem is None else problem
+def _geometry_for(manifest: manifest_io.Manifest | None, mproblem: Problem | None, size: int,
+                  world_size: int | None, cpu_page_size: int | None, path: str, mpath: str,
+                  engine_id: str) -> tuple[Geometry | None, int, str | None, list[Problem]]:
+    """The geometry the checks use, the rows the file holds, where the geometry came from
+    (the manifest, or the operator's arguments for a region without one) and its problems."""
+    if manifest is not None:
+        geometry, rows, problems = _geometry_from_manifest(manifest, size, world_size,
+                                                           cpu_page_size, mpath)
+        return geometry, rows, "manifest", problems
+    if world_size is None or cpu_page_size is None:
+        if mproblem is None:
+            raise InvalidInputError(
+                f"{path} has no manifest (made by vLLM?), so its geometry is unknown; pass "
+                "--world-size and --cpu-page-size", path=path, engine_id=engine_id,
+                code="geometry_unknown")
+        return None, 0, None, [Problem("geometry_unknown", "without a usable manifest the "
+                                       "geometry is unknown; pass --world-size and "
+                                       "--cpu-page-size")]
+    geometry, rows, problems = _geometry_from_arguments(size, world_size, cpu_page_size, path)
+    return geometry, rows, "arguments", problems
+
+
+def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedWorker],
+                 worker_problems: list[Problem]
+                 ) -> tuple[list[SlotReport], list[affinity.WorkerPlacement], list[Problem],
+                            list[Problem]]:
+    """Who wrote which slot (residency), and whose slot sits on a remote NUMA node:
+    (slots, placement, problems, notes). A refused residency scan is a note."""
+    try:
+        slots, problems, notes = _slot_reports(fd, geometry, rows, workers)
+    except OSError as exc:
+        if not residency.refused(exc):
+            raise
+        return [], [], [], [Problem(
+            "measurement_refused", "slots not checked: their residency was not measured: "
+            f"{exc.strerror} ({residency.REFUSED_HINT})")]
+    slots = [_with_status(s, [*worker_problems, *problems]) for s in slots]
+    world = geometry.world_size or 0
+    placed = affinity.check_workers(fd, geometry, rows, [
+        (w.pid, w.rank) for w in workers if 0 <= w.rank < world])
+    notes += [Problem("numa_remote", affinity.remote_message(w), ranks=(w.rank,),
+                      pids=(w.pid,)) for w in placed if w.remote]
+    return slots, placed, problems, notes
 
 
 def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int | None,
