@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 from helpers.other_user import NOBODY, OtherUser
-from region_files import GEOMETRY, region_file
+from region_files import GEOMETRY, SIZE, region_file
+
+from vllm_offload_cli.core.base.units import format_bytes
 
 CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
@@ -147,7 +149,8 @@ def test_each_shipped_schedule_collects_a_service_users_leak(
         assert proc.returncode == 0, proc.stdout + proc.stderr
         # --quiet: one summary line for the cron mail; the removal itself is in the log
         assert proc.stdout.splitlines() == [
-            f"Freed 32.0 KiB from 1 region(s) in {shm_dir}; kept 1 of 2 seen."], proc.stdout
+            f"Freed {format_bytes(SIZE)} from 1 region(s) in {shm_dir}; kept 1 of 2 "
+            "seen."], proc.stdout
         assert not leaked.exists() and live.exists()
         prom = (tmp_path / "textfile" / "vllm_offload_gc.prom").read_text()
         assert "vllm_offload_gc_regions_removed 1.0" in prom

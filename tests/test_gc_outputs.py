@@ -173,7 +173,7 @@ def test_every_removal_is_one_syslog_line_and_the_run_one_more(shm_dir: Path,
     assert doc["data"]["syslog"] == {"socket": str(syslog.path), "sent": 3, "dropped": 0,
                                      "problem": None}
     *lines, summary = syslog.lines()
-    assert "]: run Freed 96.0 KiB from 2 region(s)" in summary, summary
+    assert f"]: run Freed {format_bytes(3 * SIZE)} from 2 region(s)" in summary, summary
     lines.sort()
     assert len(lines) == 2
     pid = None
