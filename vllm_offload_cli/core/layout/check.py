@@ -311,9 +311,8 @@ def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, pat
     rows, rest = divmod(size, row_stride)
     hint = "wrong --world-size or --cpu-page-size?"
     if size == 0:
-        return None, 0, [Problem(code="size_mismatch",
-                                      message=f"{path} is empty; its creator never "
-                                   "sized it (crashed between open and ftruncate?)")]
+        return None, 0, [Problem("size_mismatch", f"{path} is empty; its creator never sized "
+                                 "it (crashed between open and ftruncate?)")]
     if rows == 0:
         return None, 0, [Problem(
             code="size_mismatch",

@@ -355,9 +355,8 @@ def _shared_devices(device_of: Mapping[WorkerRef, Device]) -> list[Problem]:
         if device.label is not None:
             by_label[device.label].append(ref)
     return [
-        Problem(code="device_shared",
-                    message=f"{_name_workers(refs)} are {_both(refs)} on device {label}",
-                    workers=tuple(refs), device=label)
+        Problem("device_shared", f"{_name_workers(refs)} are {_both(refs)} on device {label}",
+                workers=tuple(refs), device=label)
         for label, refs in by_label.items() if len(refs) > 1
     ]
 
