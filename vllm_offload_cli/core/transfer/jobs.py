@@ -44,26 +44,40 @@ def _refuse(what: str, detail: str) -> InvalidInputError:
 def as_block_ids(values: Any, *, what: str) -> Ids:
     """Any sequence of integer block ids (list, range, tensor, numpy array) as a fresh 1-D
     int64 numpy array (a copy: the caller may reuse its buffer after submit)."""
+    torch = import_torch()
+    if isinstance(values, torch.Tensor):
+        return _tensor_ids(torch, values, what)
+    return _sequence_ids(values, what)
+
+
+def _not_1d(what: str, shape: tuple[int, ...]) -> InvalidInputError:
+    return InvalidInputError(f"{what} must be one-dimensional, got shape {shape}",
+                             code="invalid_blocks")
+
+
+def _tensor_ids(torch: Any, values: Any, what: str) -> Ids:
     import numpy as np
 
-    torch = import_torch()
+    if values.dtype is torch.int64 and values.is_cpu and values.dim() == 1:
+        # the usual case, with the fewest calls: each is paid on the submit path,
+        # whose caches the last copy flushed (integer tensors never need a
+        # detach: they cannot require grad)
+        fresh: Ids = values.numpy().copy()
+        return fresh
+    t = values.detach()
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise _refuse(what, f", got dtype {t.dtype}")
+    if t.dim() != 1:
+        raise _not_1d(what, tuple(t.shape))
+    if t.dtype != torch.int64 or t.device.type != "cpu":
+        t = t.to(device="cpu", dtype=torch.int64)
+    return np.array(t.numpy(), dtype=np.int64)
+
+
+def _sequence_ids(values: Any, what: str) -> Ids:
+    import numpy as np
+
     ids: Any
-    if isinstance(values, torch.Tensor):
-        if values.dtype is torch.int64 and values.is_cpu and values.dim() == 1:
-            # the usual case, with the fewest calls: each is paid on the submit path,
-            # whose caches the last copy flushed (integer tensors never need a
-            # detach: they cannot require grad)
-            fresh: Ids = values.numpy().copy()
-            return fresh
-        t = values.detach()
-        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise _refuse(what, f", got dtype {t.dtype}")
-        if t.dim() != 1:
-            raise InvalidInputError(f"{what} must be one-dimensional, got shape "
-                                    f"{tuple(t.shape)}", code="invalid_blocks")
-        if t.dtype != torch.int64 or t.device.type != "cpu":
-            t = t.to(device="cpu", dtype=torch.int64)
-        return np.array(t.numpy(), dtype=np.int64)
     if isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__len__"):
         raise InvalidInputError(f"{what} must be a sequence of integer block ids, "
                                 f"got {type(values).__name__}", code="invalid_blocks")
@@ -77,8 +91,7 @@ def as_block_ids(values: Any, *, what: str) -> Ids:
     if ids.dtype.kind not in "iu":  # bool, float, object (mixed), strings...
         raise _refuse(what, f", got {ids.dtype.name} values")
     if ids.ndim != 1:
-        raise InvalidInputError(f"{what} must be one-dimensional, got shape "
-                                f"{tuple(ids.shape)}", code="invalid_blocks")
+        raise _not_1d(what, tuple(ids.shape))
     if ids.dtype.kind == "u" and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
         raise _refuse(what, ": an id does not fit in 64 bits")
     return np.array(ids, dtype=np.int64)
