@@ -173,7 +173,21 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
     if resident_bytes is not None and topo.single_node and no_huge:
         nodes = {topo.nodes[0]: resident_bytes} if resident_bytes else {}
         return Placement(numa_nodes=nodes, huge_page_bytes=0, source="single_node")
-    ids = {fid for _, fid, _ in files if fid is not None}
+    best = _widest_holder(holder_pids, {fid for _, fid, _ in files if fid is not None}, scans)
+    if best is not None and best.nodes:
+        return Placement(numa_nodes=best.nodes, huge_page_bytes=best.huge_bytes,
+                         source="numa_maps", pid=best.pid)
+    pid = None if best is None else best.pid
+    unknown = Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None,
+                        source="unknown", pid=pid)
+    if not measure or not libc.numa_syscalls_available():
+        return unknown
+    return _sample_files(files, pid, no_huge) or unknown
+
+
+def _widest_holder(holder_pids: Iterable[int], ids: set[FileId], scans: HolderScans | None
+                   ) -> HolderPages | None:
+    """The holder that maps most of the region: its numa_maps say the most."""
     best: HolderPages | None = None
     for holder in holder_pids:
         scan = scans[holder] if scans is not None and holder in scans else scan_holder(
@@ -181,16 +195,7 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
         found = merge(holder, scan, ids)
         if found is not None and (best is None or found.mapped_bytes > best.mapped_bytes):
             best = found
-    if best is not None and best.nodes:
-        return Placement(numa_nodes=best.nodes, huge_page_bytes=best.huge_bytes,
-                         source="numa_maps", pid=best.pid)
-    pid = None if best is None else best.pid
-    if not measure or not libc.numa_syscalls_available():
-        return Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None, source="unknown",
-                         pid=pid)
-    return _sample_files(files, pid, no_huge) or Placement(numa_nodes=None,
-                                                  huge_page_bytes=0 if no_huge else None,
-                                                  source="unknown", pid=pid)
+    return best
 
 
 def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None,
