@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -230,3 +232,49 @@ def test_json_output_refuses_nan() -> None:
 
     with pytest.raises(ValueError, match="Out of range float"):
         print_json({"x": float("nan")})
+
+
+CARRIER = '''
+import os, sys, time
+from vllm_offload_cli.core.region import carried
+from vllm_offload_cli.core.region.geometry import Geometry
+from vllm_offload_cli.core.region.manifest import Manifest
+path, how = sys.argv[1], sys.argv[2]
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(fd, 16 * 65536)
+st = os.fstat(fd)
+m = Manifest(engine_id="other" if how == "other_id" else "prod",
+             geometry=Geometry(num_blocks=16, row_stride=65536, cpu_page_size=65536,
+                               world_size=1),
+             region_dev=st.st_dev, region_ino=st.st_ino + (how == "other_inode"),
+             creator_pid=os.getpid(), creator_start_ticks=None, creator_host="h",
+             created_at=time.time() - 30)
+held = carried.carry(m)
+if how == "mode":
+    os.fchmod(held, 0o644)
+os.unlink(path)  # released: the region lives on in this process only
+print("ready", flush=True)
+sys.stdin.read()
+'''
+
+
+@pytest.mark.parametrize("how", ["ok", "mode", "other_id", "other_inode"])
+def test_a_released_regions_carried_manifest_counts_only_when_it_is_its_own(
+        shm_dir: Path, cli: Any, how: str) -> None:
+    """What a holder of a released region carries (core.region.carried) is read as any
+    manifest is: only 0600, of the region's owner, for that very inode and name."""
+    proc = subprocess.Popen([sys.executable, "-c", CARRIER,
+                             str(shm_dir / "vllm_offload_prod.mmap"), how],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        doc = _strict(cli("inspect", "--shm-dir", str(shm_dir), "--json").stdout)
+        [region] = doc["data"]["regions"]
+        assert (region["linked"], region["state"]) == (False, "live")
+        if how == "ok":
+            assert region["geometry"]["num_blocks"] == 16 and region["age_seconds"] >= 30
+        else:
+            assert region["geometry"] is None and region["age_seconds"] is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -719,6 +719,8 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
                       size_bytes=size, uid=uid, mode=None, mtime=None,
                       linked=False, resident_bytes=resident, resident_error=refusal)
     manifest = carried.carried_by((u.pid for u in uses if u.kind != "lock"), fid, uid)
+    if manifest is not None and manifest.engine_id != engine_id:
+        manifest = None  # describes another name: nothing this region's holders may claim
     return RegionInfo(
         engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
         segments=(seg,), linked=False, size_bytes=size, resident_bytes=resident, uid=uid,
