@@ -12,7 +12,8 @@ With --hostile-procs P, P processes of another user (nobody, when run as root) e
 hold --hostile-files unlinked region-named files in the shm directory throughout
 (issue 30's attack on start-up), and the claim's look at its name is timed too, in
 this process: `discover(engine_ids=[id])` (what each rank's claim did before: a walk
-of every process) against `discover_engine` (what it does now).
+of every process) against `discover_engine` (what it does now); and the look
+`engine.room.make_room` takes at this user's regions when a new one does not fit.
 Usage: python benchmarks/engine_startup.py [--world-size 8] [--repeat 3]
        [--hostile-procs 20 --hostile-files 19900]
 """
@@ -81,19 +82,26 @@ def hostile(shm: str, procs: int, files: int) -> list[subprocess.Popen[str]]:
 
 
 def looks(shm: str, repeat: int) -> None:
-    """The claim's look at its name, before (a walk of every process) and now."""
+    """The claim's look at its name, and make_room's at this user's regions (when a
+    region does not fit): before (a walk of every process) and now."""
+    from vllm_offload_cli.core.host import visibility
     from vllm_offload_cli.core.host.discovery import discover, discover_engine
 
-    for name, look in (("before", lambda: discover(shm, engine_ids=["bench"],
-                                                  measure_residency=False)),
-                       ("now", lambda: discover_engine(shm, "bench"))):
+    me = os.geteuid()
+    for name, look in (
+            ("claim's look before", lambda: discover(shm, engine_ids=["bench"],
+                                                     measure_residency=False)),
+            ("claim's look now", lambda: discover_engine(shm, "bench")),
+            ("room's look before", lambda: discover(shm, measure_residency=False)),
+            ("room's look now", lambda: discover(shm, measure_residency=False,
+                                                 judge_uids=[me],
+                                                 only=visibility.may_open(me, 0o600)))):
         times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
             look()
             times.append(time.perf_counter() - t0)
-        print(f"claim's look {name:6s} {statistics.median(times) * 1000:9.1f} ms "
-              f"(median of {repeat})")
+        print(f"{name:20s} {statistics.median(times) * 1000:9.1f} ms (median of {repeat})")
 
 
 def start(mode: str, shm: str, world: int, token: str) -> tuple[float, list[subprocess.Popen[str]]]:

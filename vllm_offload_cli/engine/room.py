@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import replace
 
+from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import STALE, RegionInfo, discover
 from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim.collector import reclaim
@@ -53,7 +54,11 @@ def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
     short = shortfall(size_bytes, capacity.measure(os.fspath(shm_dir)))
     if short <= 0:
         return ()
-    inv = discover(shm_dir, measure_residency=False)
+    me = os.geteuid()
+    # this user's files only, and the processes that could have opened them: the
+    # collector re-checks each removal against every process and the kernel's lease
+    inv = discover(shm_dir, measure_residency=False, judge_uids=[me],
+                   only=visibility.may_open(me, 0o600))
     picked: list[RegionInfo] = []
     freed = 0
     for r in sorted(filter(_may_give_way, inv.regions),

@@ -469,6 +469,7 @@ def discover(
     judge_uids: fsguard.AllowedUids = None,
     judge_until: float | None = None,
     partial: bool = False,
+    only: Callable[[int], bool] | None = None,
 ) -> Inventory:
     """Every region in shm_dir (or only `engine_ids`), with holders, state and problems.
 
@@ -480,6 +481,8 @@ def discover(
     `judge_until` (time.monotonic()) and the command's deadline end the judging;
     with `partial` what is left is counted in `not_judged` instead of raising
     DeadlineExpiredError (gc keeps what it has proven and says what it did not).
+    `only`: read only the processes it admits (`visibility.may_open`), for a caller
+    whose every removal the collector re-checks against all of them.
     """
     shm = _shm_dir(shm_dir)
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
@@ -491,7 +494,7 @@ def discover(
     try:
         # before we open anything ourselves; region names found by lstat
         scan = scan_processes(shm, {FileId.of(st) for _, entries in order
-                                    for _, _, st in entries})
+                                    for _, _, st in entries}, only=only)
     except deadline.DeadlineExpiredError:
         if not partial:
             raise
