@@ -329,16 +329,9 @@ class _Run:
             users = _holders_text(r.holders) or "a process this run cannot name"
             return self._kept(r, LIVE, f"unlinked, still in use by {users}; its memory is "
                               "freed when the last of them exits", _first_pid(r.holders))
-        for seg in r.segments:
-            name = os.path.basename(seg.path)
-            codes = {p.code for p in seg.problems}
-            if SYMLINK in codes:
-                return self._kept(r, SYMLINK, f"{name} is a symbolic link; region names are "
-                                  "never followed (remove it by hand after checking it)")
-            if seg.file_id is None or NOT_REGULAR in codes:
-                return self._kept(r, NOT_REGULAR, f"{name} is not a regular file")
-            if seg.uid is None or not fsguard.uid_allowed(seg.uid, self.owners):
-                return self._kept(r, FOREIGN_OWNER, self._foreign_text(name, seg.uid))
+        unsafe = self._unsafe_file(r)
+        if unsafe is not None:
+            return unsafe
         if r.state == CREATING and r.manifest is not None:
             return self._creating(r, r.manifest)
         if r.holders:
@@ -351,6 +344,21 @@ class _Run:
             return self._kept(r, PERSISTENT, _PERSISTENT_TEXT)
         if r.age_seconds is not None and r.age_seconds < self.options.min_age:
             return self._kept(r, TOO_YOUNG, self._young_text(r.age_seconds))
+        return None
+
+    def _unsafe_file(self, r: RegionInfo) -> Problem | None:
+        """A file that is no region this run may remove: a symbolic link, not a regular
+        file, or another user's."""
+        for seg in r.segments:
+            name = os.path.basename(seg.path)
+            codes = {p.code for p in seg.problems}
+            if SYMLINK in codes:
+                return self._kept(r, SYMLINK, f"{name} is a symbolic link; region names are "
+                                  "never followed (remove it by hand after checking it)")
+            if seg.file_id is None or NOT_REGULAR in codes:
+                return self._kept(r, NOT_REGULAR, f"{name} is not a regular file")
+            if seg.uid is None or not fsguard.uid_allowed(seg.uid, self.owners):
+                return self._kept(r, FOREIGN_OWNER, self._foreign_text(name, seg.uid))
         return None
 
     def _batch(self, batch: list[RegionInfo]) -> None:
