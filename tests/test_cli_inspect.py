@@ -267,6 +267,8 @@ def test_check_answers_in_the_exit_status(cli: Any, shm_dir: Path, holders: Any)
     assert doc.json["data"]["check"] == {"flagged": ["leak"]}
     table = cli("inspect", "-s", "live", "--shm-dir", str(shm_dir))
     assert table.exit_code == 0 and "busy" in table.stdout and "leak" not in table.stdout
+    both = cli("inspect", "-s", "live", "--state", "stale", "--json", "--shm-dir", str(shm_dir))
+    assert sorted(r["engine_id"] for r in both.json["data"]["regions"]) == ["busy", "leak"]
     assert cli("inspect", "--state", "gone", "--shm-dir", str(shm_dir)).exit_code == 2
 
 

@@ -147,15 +147,16 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 @click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
               help=with_statuses("Give up after this long (exit {FAILED}): seconds, or 90s, "
                                  "5m, 2h."))
-@click.option("--state", "-s", type=EnumChoice(State),
-              help="Only regions in this state; the table, JSON and --check see only those.")
+@click.option("--state", "-s", "states", type=EnumChoice(State), multiple=True,
+              help="Only regions in this state (repeatable); the table, JSON and --check "
+              "see only those.")
 @click.option("--check", is_flag=True, help=with_statuses(
     "Exit {PROBLEMS_FOUND} when a region shown is stale or has a problem, {SUCCESS} "
     "otherwise, like `fuser -s`; with -q nothing is printed on stdout."))
 @statuses_in_doc
 def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                 output: Path | None, prometheus: Path | None, no_residency: bool, wide: bool,
-                shm_private_to_namespace: bool, timeout: float, state: State | None,
+                shm_private_to_namespace: bool, timeout: float, states: tuple[State, ...],
                 check: bool) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
@@ -174,7 +175,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     when a region shown is stale or has a problem (for scripts and health checks).
     """
     fmt, output = _output_options(inv, fmt, output, prometheus,
-                                  filtered=state is not None or check)
+                                  filtered=bool(states) or check)
     shm_dir = shm_dir_checked(inv)
     with deadline.within(timeout):
         found = discover(shm_dir, engine_ids=engine_ids or None,
@@ -183,9 +184,10 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
         placed = None if no_residency else observe_all(found.regions)
     missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
     found, unsafe = split_unsafe(found)
-    if state is not None:
+    if states:
+        wanted = {s.value for s in states}
         found = dataclasses.replace(found, regions=tuple(
-            r for r in found.regions if r.state == state.value))
+            r for r in found.regions if r.state in wanted))
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
                   f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
                  for engine_id in missing]
