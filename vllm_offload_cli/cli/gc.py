@@ -249,41 +249,51 @@ def _render(inv: Invocation, out: Out, report: GcReport,
     `other_errors`: what is not a failed removal (refusals, names that match nothing).
     """
 
-    def say(text: str) -> None:
-        out.print(text)
-
-    from vllm_offload_cli.core.region.fsguard import user_text
-
     quiet = inv.verbosity < 0
     verb = "Would remove" if report.dry_run else "Removed"
     for failure in [*(e.message for e in report.errors), *(r["message"] for r in other_errors)]:
         inv.err.print(f"Error: {failure}")
     if not quiet or unrecorded:  # the output is then the only record of the removals
-        for r in report.removed:
-            extra = [f"{len(r.paths) - 1} segment(s)"] if len(r.paths) > 1 else []
-            if r.manifest:
-                extra.append("manifest")
-            more = f" (+ {', '.join(extra)})" if extra else ""
-            say(f"{verb} {r.engine_id}{more}: {format_bytes(r.freed_bytes)} of memory, "
-                f"{format_bytes(r.bytes)} file size")
+        for line in _removed_lines(report, verb):
+            out.print(line)
     if quiet:  # one line, only when something happened: cron mails what it prints
         if report.removed or report.orphan_manifests_removed or report.temp_files_removed \
                 or report.partial:
-            say(_summary(report))
+            out.print(_summary(report))
         return
-    for k in report.kept:
-        say(f"Kept {k.engine_id}: {k.message}")
-    for t in report.counted:
-        say(f"Kept {t.files} more region file(s) of {user_text(t.uid)}: not this user's to "
-            f"remove ({format_bytes(t.allocated_bytes)} of memory), counted, not listed")
-    for path in report.orphan_manifests_removed:
-        say(f"{verb} orphaned manifest {path}")
-    for path in report.temp_files_removed:
-        say(f"{verb} leftover temporary file {path}")
-    for t in report.not_judged:
-        say(f"Not judged in time: {t.files} region file(s) of {user_text(t.uid)} "
-            f"({format_bytes(t.allocated_bytes)} of memory); a later run looks at them")
-    say(_summary(report))
+    for line in _kept_lines(report, verb):
+        out.print(line)
+    out.print(_summary(report))
+
+
+def _removed_lines(report: GcReport, verb: str) -> list[str]:
+    lines = []
+    for r in report.removed:
+        extra = [f"{len(r.paths) - 1} segment(s)"] if len(r.paths) > 1 else []
+        if r.manifest:
+            extra.append("manifest")
+        more = f" (+ {', '.join(extra)})" if extra else ""
+        lines.append(f"{verb} {r.engine_id}{more}: {format_bytes(r.freed_bytes)} of memory, "
+                     f"{format_bytes(r.bytes)} file size")
+    return lines
+
+
+def _kept_lines(report: GcReport, verb: str) -> list[str]:
+    """Every other decision: what was kept and why, the leftovers removed, what is left
+    for a later run."""
+    from vllm_offload_cli.core.region.fsguard import user_text
+
+    return [
+        *(f"Kept {k.engine_id}: {k.message}" for k in report.kept),
+        *(f"Kept {t.files} more region file(s) of {user_text(t.uid)}: not this user's to "
+          f"remove ({format_bytes(t.allocated_bytes)} of memory), counted, not listed"
+          for t in report.counted),
+        *(f"{verb} orphaned manifest {path}" for path in report.orphan_manifests_removed),
+        *(f"{verb} leftover temporary file {path}" for path in report.temp_files_removed),
+        *(f"Not judged in time: {t.files} region file(s) of {user_text(t.uid)} "
+          f"({format_bytes(t.allocated_bytes)} of memory); a later run looks at them"
+          for t in report.not_judged),
+    ]
 
 
 def _summary(report: GcReport) -> str:
