@@ -300,8 +300,7 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
     if bad_stride:
         return None, 0, problems
     rows = min(g.num_blocks, size // g.row_stride)
-    return Geometry(num_blocks=g.num_blocks, row_stride=g.row_stride,
-                    cpu_page_size=g.cpu_page_size, world_size=world), rows, problems
+    return replace(g, world_size=world), rows, problems
 
 
 def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, path: str
