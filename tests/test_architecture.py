@@ -179,3 +179,35 @@ def test_the_host_path_rule_is_live(tmp_path: Path) -> None:
                      '    print("/proc is mounted with hidepid (prose: fine)")\n'
                      '    return open(f"/proc/{pid}/maps").read() + open("/sys/x").read()\n')
     assert [w.split(":")[0] for w in _host_path_literals(probe)] == ["line 4", "line 4"]
+
+
+FRAMEWORKS = ("click", "rich", "typer")
+
+
+def _private_framework_names(tree: ast.AST) -> list[str]:
+    """`_`-names of the CLI frameworks: imported, or reached as attributes."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FRAMEWORKS:
+            parts = (node.module or "").split(".") + [a.name for a in node.names]
+            found += [f"{node.module}: {p}" for p in parts if p.startswith("_")]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in FRAMEWORKS
+                      and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in FRAMEWORKS:
+                found.append(f"{root.id}...{node.attr}")
+    return found
+
+
+def test_the_cli_frameworks_are_used_through_their_public_api() -> None:
+    """No `typer._click`, `click.core._x` or `rich._x`: a minor release may change those."""
+    used = {str(path.relative_to(PACKAGE)): names for path in PACKAGE.rglob("*.py")
+            if (names := _private_framework_names(ast.parse(path.read_text())))}
+    assert used == {}
+    assert _private_framework_names(ast.parse(
+        "from typer._click import Context\nimport click\nclick.core._main\n")) == [
+        "typer._click: _click", "click..._main"]

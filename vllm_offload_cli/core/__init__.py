@@ -4,7 +4,7 @@ Subpackages, each importing only those listed before it (tests/test_architecture
 enforces this): `base`, `system` (the one layer that reads the host), `region`,
 `host`, then `layout`, `reclaim` and `transfer` (which needs no `host`).
 
-Nothing under this package imports typer or rich, and only the modules that
+Nothing under this package imports click or rich, and only the modules that
 build tensor views or move bytes import torch (lazily), so `inspect` and
 `garbage-collect` start without it.
 """
