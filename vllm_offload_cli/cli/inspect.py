@@ -72,6 +72,10 @@ def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
         "uninspectable_processes": inv.uninspectable_processes,
         "visibility": inv.visibility.to_dict(),
         "gc_would_free_bytes": gc_would_free(inv),
+        # what this run counted instead of listing: its cost is bounded by what exists
+        "not_judged": [t.to_dict() for t in inv.not_judged],
+        "others_counted": [t.to_dict() for t in inv.counted],
+        "held_unlisted": [{"pid": pid, "files": n} for pid, n in inv.unnamed_held],
     }
 
 
@@ -260,6 +264,16 @@ def _warn_unseen(inv: Invocation, found: Inventory, placed: dict[str, Placement]
         inv.warn("uninspectable_processes",
                  f"{found.uninspectable_processes} process(es) could not be inspected "
                  "(permission denied); regions they use may show fewer holders")
+    counted = sum(t.files for t in (*found.not_judged, *found.counted))
+    if counted:
+        inv.warn("counted_not_listed", f"{counted} region file(s) of other users were "
+                 "counted per owner, not looked at one by one (JSON: not_judged, "
+                 "others_counted)")
+    held = sum(n for _, n in found.unnamed_held)
+    if held:
+        inv.warn("held_not_listed", f"{held} file(s) on the shm filesystem held by "
+                 f"{len(found.unnamed_held)} process(es) were counted, not looked up "
+                 "(JSON: held_unlisted)")
     refusals = measurement_errors(found, placed)
     for what, e in refusals.items():
         inv.warn("measurement_refused", f"{what} of {e['regions']} region(s) not measured: "

@@ -180,6 +180,9 @@ class Inventory:
     # files of owners this run does not judge, past the first LISTED_UNJUDGED
     counted: tuple[Tally, ...] = ()
     listed_all: bool = True  # False: the deadline came before the directory was listed
+    # (pid, files): files on the shm filesystem a process holds past the number a run
+    # looks up per process (procscan.NAMED_PER_PROCESS), counted, not listed
+    unnamed_held: tuple[tuple[int, int], ...] = ()
 
     def find(self, engine_id: str) -> list[RegionInfo]:
         return [r for r in self.regions if r.engine_id == engine_id]
@@ -559,7 +562,7 @@ def _inventory(shm: str, regions: list[RegionInfo], orphans: list[OrphanManifest
         shm_dir=shm, regions=tuple(regions), orphan_manifests=tuple(orphans),
         shm=shm_usage(shm), uninspectable_processes=scan.denied, visibility=vis,
         not_judged=listing.not_judged.tallies(), counted=listing.counted.tallies(),
-        listed_all=listing.complete,
+        listed_all=listing.complete, unnamed_held=tuple(sorted(scan.unnamed.items())),
     )
 
 

@@ -28,7 +28,7 @@ from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.procfs import DENIED, GONE
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FileUse:
     """One process's use of a region file."""
 
@@ -41,10 +41,18 @@ class FileUse:
     span: tuple[int, int] | None = None  # one mapping's (start, end), for map_files
 
 
+# Files a process holds on the shm filesystem that only their name could make ours
+# (not one the caller listed): each costs a readlink and a record, so past this many
+# per process they are counted, not named. Files the caller listed are always found.
+NAMED_PER_PROCESS = 256
+
+
 @dataclass
 class ProcessScan:
     uses: dict[FileId, list[FileUse]] = field(default_factory=lambda: defaultdict(list))
     denied_pids: list[int] = field(default_factory=list)
+    # pid -> files on the shm filesystem past NAMED_PER_PROCESS, counted, not looked up
+    unnamed: dict[int, int] = field(default_factory=dict)
 
     @property
     def denied(self) -> int:
@@ -94,21 +102,30 @@ class _Filter:
                           if any(t in line for t in self.tokens) and self._named(line))
 
 
-def _scan_fds(pid: int, want: _Filter, skip: Collection[int],
-              uses: dict[FileId, list[FileUse]]) -> bool | None:
-    """Matching descriptors of `pid` into `uses` (one per file); True denied, None gone."""
+def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
+              ) -> bool | None:
+    """Matching descriptors of `pid` into `scan.uses` (one per file); True denied, None
+    gone. What a process holds costs a bounded amount: past NAMED_PER_PROCESS files
+    that only a name could make ours, the rest are counted in `scan.unnamed`."""
     stats = procfs.fd_stats(pid, skip)
     if stats is GONE:
         return None
     if stats is DENIED:
         return True
     assert not isinstance(stats, procfs.Unreadable)
+    uses = scan.uses
+    named = 0
     for fd, st in stats:  # one per distinct file
-        fid = FileId.of(st)
-        if fid.dev not in want.devs or not stat.S_ISREG(st.st_mode):
+        if st.st_dev not in want.devs or not stat.S_ISREG(st.st_mode):
             continue
-        if fid not in want.ids and want.name is None:
-            continue  # nothing its name could add: spare the readlink
+        fid = FileId.of(st)
+        if fid not in want.ids:
+            if want.name is None:
+                continue  # nothing its name could add: spare the readlink
+            named += 1
+            if named > NAMED_PER_PROCESS:
+                scan.unnamed[pid] = scan.unnamed.get(pid, 0) + 1
+                continue
         target = procfs.fd_target(pid, fd)
         if not want.keeps(fid, target):
             continue
@@ -149,7 +166,7 @@ def _scan(want: _Filter, own_fds: Collection[int],
         deadline.check("scanning processes")
         if only is not None and pid != me and not only(pid):
             continue
-        fds = _scan_fds(pid, want, own_fds if pid == me else (), scan.uses)
+        fds = _scan_fds(pid, want, own_fds if pid == me else (), scan)
         # the maps are read even where the descriptors were denied: they may still show it
         maps = None if fds is None else _scan_maps(pid, want, scan.uses)
         if maps is None:

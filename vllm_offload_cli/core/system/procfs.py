@@ -150,7 +150,7 @@ def fd_stats(pid: int, skip: Collection[int] = ()
     """
     fd_dir = f"{PROC}/{pid}/fd"
     out = []
-    seen: set[FileId] = set()
+    seen: set[tuple[int, int]] = set()
     try:
         with os.scandir(fd_dir) as entries:
             for entry in entries:
@@ -163,7 +163,7 @@ def fd_stats(pid: int, skip: Collection[int] = ()
                     return DENIED
                 except OSError:
                     continue
-                fid = FileId.of(st)
+                fid = (st.st_dev, st.st_ino)  # a plain tuple: this runs once per descriptor
                 if fid not in seen:
                     seen.add(fid)
                     out.append((fd, st))
