@@ -71,6 +71,11 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("uninspectable_processes", "processes whose /proc entries could not be read"),
         ("visibility", "blind spots that may hide a holder, and the processes hidden"),
         ("not_found", "engine_ids asked for that match no region (exit 2)"),
+        ("not_judged[], others_counted[]", "{uid, files, size_bytes, allocated_bytes}: "
+         "region-named files of other users counted per owner, not looked at one by one "
+         "(past the largest 4,096 judged, or the first 256 listed from lstat)"),
+        ("held_unlisted[]", "{pid, files}: files on the shm filesystem a process holds past "
+         "256 per process, counted, not looked up"),
         ("output", "with --output: the textfile written"),
     ),
     "verify-rank-layout": (
@@ -98,6 +103,15 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("vanished[], not_found[], failures[]", "gone meanwhile; named but absent; removals "
          "that failed"),
         ("regions_seen, uninspectable_processes, visibility", "what the run could see"),
+        ("not_judged[], not_judged_files, listed_all", "{uid, files, size_bytes, "
+         "allocated_bytes} per owner: region files this run could have removed but did not "
+         "judge within --timeout (or past the largest 4,096 of other users'); listed_all is "
+         "false when time ran out before the directory was listed; either makes the run "
+         "exit 7"),
+        ("others_counted[]", "{uid, files, size_bytes, allocated_bytes}: files of owners "
+         "this run may not remove, counted per owner past the first 256 (listed in kept[])"),
+        ("syslog", "{socket, sent, dropped, problem}: the system log's record (one line per "
+         "removal, one per run)"),
         ("started_at, duration_seconds", "when it ran and for how long"),
         ("prometheus", "with --prometheus: the textfile written"),
     ),
