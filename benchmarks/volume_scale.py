@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,24 +80,36 @@ def victim(d: str) -> str:
     return path
 
 
-def measure(tree: str | None, *args: str) -> dict[str, object]:
-    """One CLI run as a process: wall seconds, peak RSS (MiB), exit status, JSON data."""
+def measure(tree: str | None, *args: str, watch: str | None = None) -> dict[str, object]:
+    """One CLI run as a process: wall seconds, peak RSS (MiB), exit status, JSON data,
+    and (with `watch`) the seconds until that path was gone."""
     cwd = tree or str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": cwd}
     began = time.monotonic()
+    gone: list[float] = []
+
+    def watcher() -> None:
+        while watch is not None and os.path.exists(watch) and proc.poll() is None:
+            time.sleep(0.05)
+        if watch is not None and not os.path.exists(watch):
+            gone.append(time.monotonic() - began)
     proc = subprocess.Popen([sys.executable, "-m", "vllm_offload_cli", *args], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
+    thread = threading.Thread(target=watcher, daemon=True)
+    thread.start()
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     took = time.monotonic() - began
+    thread.join()
     try:
         data = json.loads(out)["data"]
     except (ValueError, KeyError):
         data = {}
     return {"seconds": round(took, 2), "rss_mib": round(usage.ru_maxrss / 1024, 1),
-            "exit": proc.returncode, "json_bytes": len(out), "data": data}
+            "exit": proc.returncode, "json_bytes": len(out), "data": data,
+            "gone_after": round(gone[0], 2) if gone else None}
 
 
 def show(label: str, r: dict[str, object], extra: str = "") -> None:
@@ -116,9 +129,9 @@ def empty(n: int, before: str | None) -> None:
             subprocess.run(as_nobody(PY, "-c", MAKE_EMPTY, d, str(n)), check=True)
             made = time.monotonic() - began
             path = victim(d)
-            r = measure(tree, "gc", "--shm-dir", d, *CRON)
+            r = measure(tree, "gc", "--shm-dir", d, *CRON, watch=path)
             data = r["data"] if isinstance(r["data"], dict) else {}
-            show(f"gc {label}", r, f"victim removed: {not os.path.exists(path)}; removed "
+            show(f"gc {label}", r, f"victim gone after {r['gone_after']} s; removed "
                  f"{len(data.get('removed', []))}; not judged "
                  f"{data.get('not_judged_files', '-')} (files made in {made:.1f} s)")
 
