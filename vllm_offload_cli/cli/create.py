@@ -6,7 +6,7 @@ import enum
 import os
 import signal
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -24,6 +24,9 @@ from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
 from vllm_offload_cli.core.system.numa import parse_cpulist
+
+if TYPE_CHECKING:
+    from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 
 
 class _Released(Exception):  # noqa: N818 - a signal, not an error
@@ -234,7 +237,7 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
     files and manifest become that user's, so an engine running as it joins.
     --hold ends on SIGINT (exit {INTERRUPTED}) or SIGTERM (exit {SUCCESS}), removing the region.
     """
-    from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, layout_of
+    from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES
     from vllm_offload_cli.core.region.shared_region import (
         SharedOffloadRegion,  # not needed by --help
     )
@@ -269,11 +272,35 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
             if exc.code != "name_taken":
                 raise
             raise _busy_with_holders(exc, shm_dir, full_id) from exc
-    stats = region.populate_stats
     if layout_warning is not None:  # said once the region exists, not before a refusal
         inv.warn("vllm_not_found", layout_warning)
-    data: dict[str, Any] = {
-        "engine_id": full_id,
+    data = _created(region, geometry, hold, basis, version)
+    if huge_pages is HugePages.always and data["populated"] and not region.huge_page_bytes:
+        inv.warn("no_huge_pages", "--huge-pages always: the kernel allows huge pages here but "
+                 "mapped none (fragmented memory, or the region is smaller than 2 MiB)")
+    if new_owner is not None or file_mode != 0o600:
+        uid, gid = new_owner or (os.geteuid(), os.getegid())
+        data["owner"] = {"uid": uid, "gid": gid, "mode": f"{file_mode:04o}"}
+    if not hold:
+        region.cleanup()  # persistent: closes without unlinking
+        if "owner" in data:  # after the last write of ours: a join then finds it theirs
+            hand_over([*region.segment_paths, region.manifest_path], region.manifest_path,
+                      data["owner"]["uid"], data["owner"]["gid"], file_mode)
+        return Outcome(data=data, render=lambda out: _render(out, data))
+    if "owner" in data:
+        hand_over([*region.segment_paths, region.manifest_path], region.manifest_path,
+                  data["owner"]["uid"], data["owner"]["gid"], file_mode)
+    return _held(inv, region, data)
+
+
+def _created(region: SharedOffloadRegion, geometry: Geometry, hold: bool, basis: str,
+             version: str | None) -> dict[str, Any]:
+    """What `create` made: the JSON data, also what the text says."""
+    from vllm_offload_cli.core.region.segments import layout_of
+
+    stats = region.populate_stats
+    return {
+        "engine_id": region.engine_id,
         "path": region.mmap_path,
         "paths": region.segment_paths,
         "manifest": region.manifest_path,
@@ -290,21 +317,10 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
         "placement": {**region.placement.to_record(),
                       "huge_page_bytes": region.huge_page_bytes},
     }
-    if huge_pages is HugePages.always and stats is not None and not region.huge_page_bytes:
-        inv.warn("no_huge_pages", "--huge-pages always: the kernel allows huge pages here but "
-                 "mapped none (fragmented memory, or the region is smaller than 2 MiB)")
-    if new_owner is not None or file_mode != 0o600:
-        uid, gid = new_owner or (os.geteuid(), os.getegid())
-        data["owner"] = {"uid": uid, "gid": gid, "mode": f"{file_mode:04o}"}
-    if not hold:
-        region.cleanup()  # persistent: closes without unlinking
-        if "owner" in data:  # after the last write of ours: a join then finds it theirs
-            hand_over([*region.segment_paths, region.manifest_path], region.manifest_path,
-                      data["owner"]["uid"], data["owner"]["gid"], file_mode)
-        return Outcome(data=data, render=lambda out: _render(out, data))
-    if "owner" in data:
-        hand_over([*region.segment_paths, region.manifest_path], region.manifest_path,
-                  data["owner"]["uid"], data["owner"]["gid"], file_mode)
+
+
+def _held(inv: Invocation, region: SharedOffloadRegion, data: dict[str, Any]) -> Outcome:
+    """--hold: keep the region mapped until SIGINT or SIGTERM, then remove it."""
     previous: dict[int, Any] = {}
     try:
         previous = {s: signal.signal(s, _release) for s in (signal.SIGINT, signal.SIGTERM)}
