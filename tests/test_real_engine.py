@@ -16,8 +16,8 @@ with torch copies of the same views of vLLM's region. Everything else is
 vLLM's (scheduler, connector, managers, CPU and tiering specs,
 SharedOffloadRegion) and ours (the hardened specs under them).
 
-One engine start took about two minutes on a shared 2-core machine (imports,
-model load); the test starts two (361 s in all). It runs where VLLM_OFFLOAD_VLLM_CPU_PYTHON
+One engine start took one to two minutes on a shared 2-core machine (imports,
+model load); the module starts three (396 s in all). It runs where VLLM_OFFLOAD_VLLM_CPU_PYTHON
 names the python of a venv with vllm-cpu (.ci/run makes one); elsewhere it
 skips.
 """
