@@ -538,11 +538,13 @@ def discover(
         regions.append(judge_visibility(
             _region(engine_id, segments, False, scan, None, allowed_uids, now), vis))
 
+    memfds: dict[int, dict[tuple[int, int], int] | None] = {}  # a holder's, read once
     for engine_id, by_inode in sorted(_deleted_only(scan, linked_ids, shm).items()):
         if wanted is not None and engine_id not in wanted:
             continue
         for fid, uses in by_inode.items():
-            regions.append(_deleted_region(engine_id, fid, uses, measure_residency, now))
+            regions.append(_deleted_region(engine_id, fid, uses, measure_residency, now,
+                                           memfds))
 
     regions = _flag_collisions(regions)
     orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
@@ -702,7 +704,9 @@ def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
 
 
 def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
-                    measure: bool, now: float) -> RegionInfo:
+                    measure: bool, now: float,
+                    memfds: dict[int, dict[tuple[int, int], int] | None] | None = None
+                    ) -> RegionInfo:
     """A region whose name is gone: all we know comes through its users' /proc entries,
     the manifest they carry (`core.region.carried`) included."""
     parts = split_engine_id(engine_id)
@@ -724,7 +728,8 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
     seg = SegmentFile(path=path, segment=0 if parsed is None else parsed.segment, file_id=fid,
                       size_bytes=size, uid=uid, mode=None, mtime=None,
                       linked=False, resident_bytes=resident, resident_error=refusal)
-    manifest = carried.carried_by((u.pid for u in uses if u.kind != "lock"), fid, uid)
+    manifest = carried.carried_by((u.pid for u in uses if u.kind != "lock"), fid, uid,
+                                  memfds)
     if manifest is not None and manifest.engine_id != engine_id:
         manifest = None  # describes another name: nothing this region's holders may claim
     return RegionInfo(

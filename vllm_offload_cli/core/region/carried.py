@@ -68,18 +68,25 @@ def carry(m: Manifest) -> int | None:
     return fd
 
 
-def carried_by(pids: Iterable[int], region: FileId, owner_uid: int | None) -> Manifest | None:
+def carried_by(pids: Iterable[int], region: FileId, owner_uid: int | None,
+               memfds: dict[int, dict[tuple[int, int], int] | None] | None = None
+               ) -> Manifest | None:
     """The manifest of `region` that its holders `pids` carry, their attachments merged.
 
     None when none of them carries a valid one (a region vLLM made, a holder
-    this user cannot inspect, an owner we could not read).
+    this user cannot inspect, an owner we could not read). `memfds` caches, per
+    pid, which descriptor carries which region's manifest: a caller that asks
+    for many regions of one holder reads its descriptors once, not once per region.
     """
     if owner_uid is None:
         return None
+    cache: dict[int, dict[tuple[int, int], int] | None] = {} if memfds is None else memfds
     found: list[Manifest] = []
     for pid in sorted(set(pids)):
         deadline.check("reading the manifests holders carry")
-        m = _carried(pid, region, owner_uid)
+        if pid not in cache:
+            cache[pid] = _memfds(pid)
+        m = _carried(pid, cache[pid], region, owner_uid)
         if m is not None:
             found.append(m)
     if not found:
@@ -89,24 +96,33 @@ def carried_by(pids: Iterable[int], region: FileId, owner_uid: int | None) -> Ma
         attachments.values(), key=lambda a: (a.attached_at, a.pid))))
 
 
-def _carried(pid: int, region: FileId, owner_uid: int) -> Manifest | None:
+def _memfds(pid: int) -> dict[tuple[int, int], int] | None:
+    """(region dev, ino) -> descriptor of each manifest memfd a process carries."""
     links = procfs.fd_links(pid)
     if isinstance(links, procfs.Unreadable):
         return None
+    found: dict[tuple[int, int], int] = {}
     for fd_number, target in links:
         named = _TARGET.fullmatch(target)
-        if named is None or (int(named.group(1)), int(named.group(2))) != (region.dev,
-                                                                           region.ino):
-            continue
-        fd = open_proc_link(f"{procfs.PROC}/{pid}/fd/{fd_number}")
-        if fd is None:
-            continue
-        try:
-            m = _parse(fd, owner_uid)
-        finally:
-            os.close(fd)
-        if m is not None and (m.region_dev, m.region_ino) == (region.dev, region.ino):
-            return m
+        if named is not None:
+            found.setdefault((int(named.group(1)), int(named.group(2))), fd_number)
+    return found
+
+
+def _carried(pid: int, memfds: dict[tuple[int, int], int] | None, region: FileId,
+             owner_uid: int) -> Manifest | None:
+    fd_number = None if memfds is None else memfds.get((region.dev, region.ino))
+    if fd_number is None:
+        return None
+    fd = open_proc_link(f"{procfs.PROC}/{pid}/fd/{fd_number}")
+    if fd is None:
+        return None
+    try:
+        m = _parse(fd, owner_uid)
+    finally:
+        os.close(fd)
+    if m is not None and (m.region_dev, m.region_ino) == (region.dev, region.ino):
+        return m
     return None
 
 
