@@ -289,3 +289,43 @@ def test_a_joiner_with_a_barrier_keeps_the_hardening(shm_dir: Path) -> None:
         assert manifest_io.read(creator.manifest_path).engine_id == "dropin"
     finally:
         creator.cleanup()
+
+
+def _hold_behind_barrier(shm_dir: str, rank: int, barrier: Any, out: Any) -> None:
+    """A worker process: map the region through a real cross-process barrier, say what
+    it sees, then hold the mapping until killed (no cleanup ever runs)."""
+    region = SharedOffloadRegion("killed", 2, rank, 2 * P, P, lambda: barrier.wait(30),
+                                 shm_dir=shm_dir)
+    assert region.fd is not None and region.mmap_obj is not None
+    for row in range(2):  # this worker's slot of each row
+        start = row * 2 * P + rank * P
+        region.mmap_obj[start:start + P] = bytes([rank + 1]) * P
+    barrier.wait(30)
+    out.put((rank, os.fstat(region.fd).st_ino, sorted(os.listdir(shm_dir)),
+             bytes(region.mmap_obj or b"")[::P]))
+    threading.Event().wait(60)
+
+
+def test_sigkilled_workers_leak_nothing(shm_dir: Path) -> None:
+    """vLLM's promise with a real barrier between processes: one inode, no name while
+    the workers run, so SIGKILL leaves nothing behind and a restart creates anew."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_hold_behind_barrier, args=(str(shm_dir), r, barrier, out))
+             for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        seen = [out.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
+    assert len({ino for _, ino, _, _ in seen}) == 1, "both workers map one inode"
+    assert all(names == [] for _, _, names, _ in seen), "no name while they run"
+    assert all(data == b"\x01\x02\x01\x02" for _, _, _, data in seen)
+    assert os.listdir(shm_dir) == [], "SIGKILL leaks nothing"
+    with vllm_033(shm_dir, "killed") as restarted:
+        assert restarted.creator
