@@ -539,12 +539,16 @@ def discover(
             _region(engine_id, segments, False, scan, None, allowed_uids, now), vis))
 
     memfds: dict[int, dict[tuple[int, int], int] | None] = {}  # a holder's, read once
-    for engine_id, by_inode in sorted(_deleted_only(scan, linked_ids, shm).items()):
-        if wanted is not None and engine_id not in wanted:
-            continue
-        for fid, uses in by_inode.items():
-            regions.append(_deleted_region(engine_id, fid, uses, measure_residency, now,
-                                           memfds))
+    try:
+        for engine_id, by_inode in sorted(_deleted_only(scan, linked_ids, shm).items()):
+            if wanted is not None and engine_id not in wanted:
+                continue
+            for fid, uses in by_inode.items():
+                regions.append(_deleted_region(engine_id, fid, uses, measure_residency, now,
+                                               memfds))
+    except deadline.DeadlineExpiredError:
+        if not partial:
+            raise  # gc: unlinked regions are in use, never removed; what was judged counts
 
     regions = _flag_collisions(regions)
     orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
