@@ -79,11 +79,11 @@ def nobody() -> Iterator[OtherUser]:
         yield user
 
 
-@pytest.fixture
-def tiny_tmpfs() -> Iterator[Path]:
-    """A real 1 MiB tmpfs, to fill up (needs root and mount rights)."""
-    path = Path(tempfile.mkdtemp(prefix="vllm-offload-test-tiny-", dir="/dev/shm"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs",
+@contextlib.contextmanager
+def mounted_tmpfs(size: str, prefix: str) -> Iterator[Path]:
+    """A real tmpfs of `size` under /dev/shm, to fill up (needs root and mount rights)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
                               str(path)], capture_output=True).returncode == 0
     try:
         require_root("cannot mount a tmpfs here (needs root and mount rights)",
@@ -93,6 +93,13 @@ def tiny_tmpfs() -> Iterator[Path]:
         if mounted:
             subprocess.run(["umount", str(path)], check=True)
         path.rmdir()
+
+
+@pytest.fixture
+def tiny_tmpfs() -> Iterator[Path]:
+    """A real 1 MiB tmpfs, to fill up."""
+    with mounted_tmpfs("1M", "vllm-offload-test-tiny-") as path:
+        yield path
 
 
 @pytest.fixture

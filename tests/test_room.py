@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import require_root
+from tests.conftest import mounted_tmpfs, require_root
 from tests.engine_ranks import Engine
 
 PAGE = 64 * 1024
@@ -35,17 +34,8 @@ CLI = [sys.executable, "-m", "vllm_offload_cli"]
 @pytest.fixture
 def pod_tmpfs() -> Iterator[Path]:
     """A real 8 MiB tmpfs: room for one 5 MiB region, not two."""
-    path = Path(tempfile.mkdtemp(prefix="vllm-offload-test-pod-", dir="/dev/shm"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M,mode=0700", "tmpfs",
-                              str(path)], capture_output=True).returncode == 0
-    try:
-        require_root("cannot mount a tmpfs here (needs root and mount rights)",
-                     granted=mounted)
+    with mounted_tmpfs("8M", "vllm-offload-test-pod-") as path:
         yield path
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(path)], check=True)
-        path.rmdir()
 
 
 def _leftover(holders: Any, shm: Path, engine_id: str, mib: int, *, crash: bool = True
