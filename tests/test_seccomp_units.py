@@ -134,3 +134,30 @@ def test_verify_rank_layout_without_mincore_says_so(shm_dir: Path, tmp_path: Pat
     [note] = [w for w in doc["warnings"] if w["code"] == "measurement_refused"]
     assert "mincore: Operation not permitted" in note["message"]
     assert doc["data"]["slots"] == []
+
+
+_TWO_NODES = """
+import runpy, sys
+from vllm_offload_cli.core.system import numa
+# A two-node host cannot exist on this machine: its topology is the one stand-in.
+two = numa.Topology(cpus={0: frozenset({0}), 1: frozenset({1})},
+                    with_memory=frozenset({0, 1}), from_sysfs=True)
+numa.topology = lambda *args, **kwargs: two
+sys.argv = ["vllm-offload", "verify-rank-layout", "svc", "--json"]
+runpy.run_module("vllm_offload_cli", run_name="__main__")
+"""
+
+
+def test_verify_rank_layout_without_move_pages_says_so(shm_dir: Path, tmp_path: Path,
+                                                        holders: Any) -> None:
+    """On a multi-node host a refused move_pages left each worker's NUMA placement
+    silently unknown; now it is a measurement_refused warning like mincore's."""
+    holders("region", str(shm_dir), "svc", "4", "0", "8192", "4096", "2", "0",
+            "device-modulo")
+    allowed, number = _without("vllm-offload-metrics.service", "move_pages")
+    proc = _run([sys.executable, "-c", _TWO_NODES], allowed, number, tmp_path, shm_dir)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    doc = json.loads(proc.stdout)
+    [note] = [w for w in doc["warnings"] if w["code"] == "measurement_refused"]
+    assert note["message"].startswith("NUMA placement not checked: move_pages: ")
+    assert doc["data"]["slots"]  # residency was measured: only the placement is missing

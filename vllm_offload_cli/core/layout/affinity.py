@@ -50,7 +50,9 @@ def slot_nodes(fd: int, g: Geometry, rows: int, rank: int, resident: bytes,
               if resident[row * per_row + j]]
     try:
         seen = observed_placement.sample_pages(fd, rows * g.row_stride, picked).nodes
-    except OSError:
+    except OSError as exc:
+        if residency.refused(exc):  # said by the caller, not a silent "unknown"
+            raise
         return None
     whole = sum(seen.values())
     return {n: total * b // whole for n, b in seen.items()} if whole else {}

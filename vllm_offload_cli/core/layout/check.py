@@ -251,7 +251,7 @@ def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedW
                  ) -> tuple[list[SlotReport], list[affinity.WorkerPlacement], list[Problem],
                             list[Problem]]:
     """Who wrote which slot (residency), and whose slot sits on a remote NUMA node:
-    (slots, placement, problems, notes). A refused residency scan is a note."""
+    (slots, placement, problems, notes). A refused residency or NUMA measurement is a note."""
     try:
         slots, problems, notes = _slot_reports(fd, geometry, rows, workers)
     except OSError as exc:
@@ -262,8 +262,15 @@ def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedW
             f"{exc.strerror} ({residency.REFUSED_HINT})")]
     slots = [_with_status(s, [*worker_problems, *problems]) for s in slots]
     world = geometry.world_size or 0
-    placed = affinity.check_workers(fd, geometry, rows, [
-        (w.pid, w.rank) for w in workers if 0 <= w.rank < world])
+    try:
+        placed = affinity.check_workers(fd, geometry, rows, [
+            (w.pid, w.rank) for w in workers if 0 <= w.rank < world])
+    except OSError as exc:
+        if not residency.refused(exc):
+            raise
+        placed = []
+        notes.append(Problem("measurement_refused", "NUMA placement not checked: "
+                             f"{exc.strerror} ({residency.REFUSED_HINT})"))
     notes += [Problem("numa_remote", affinity.remote_message(w), ranks=(w.rank,),
                       pids=(w.pid,)) for w in placed if w.remote]
     return slots, placed, problems, notes
