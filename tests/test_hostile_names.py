@@ -8,6 +8,7 @@ string (the encoder escapes control characters as \\u001b itself).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -94,16 +95,12 @@ sys.stdin.read()
 """
 
 
-@pytest.fixture
-def evil_holder(shm_dir: Path) -> Iterator[subprocess.Popen[str]]:
-    """A real process named with ESC sequences, mapping region `held`."""
-    path = region_file(shm_dir, "held")
-    proc = subprocess.Popen([sys.executable, "-c", _MAPPER, str(path), EVIL],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def _mapper(argv: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """A real process running _MAPPER, once it says it maps the region; killed after."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        with open(f"/proc/{proc.pid}/comm") as f:
-            assert f.read().rstrip("\n") == EVIL
         yield proc
     finally:
         proc.kill()
@@ -111,6 +108,15 @@ def evil_holder(shm_dir: Path) -> Iterator[subprocess.Popen[str]]:
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 stream.close()
+
+@pytest.fixture
+def evil_holder(shm_dir: Path) -> Iterator[subprocess.Popen[str]]:
+    """A real process named with ESC sequences, mapping region `held`."""
+    path = region_file(shm_dir, "held")
+    with _mapper([sys.executable, "-c", _MAPPER, str(path), EVIL]) as proc:
+        with open(f"/proc/{proc.pid}/comm") as f:
+            assert f.read().rstrip("\n") == EVIL
+        yield proc
 
 
 def test_process_names_reach_no_terminal_raw(cli: Any, shm_dir: Path,
@@ -185,17 +191,8 @@ def undecodable_holder(shm_dir: Path) -> Iterator[subprocess.Popen[str]]:
     """A real process whose name is not UTF-8, mapping region `held`."""
     path = region_file(shm_dir, "held")
     code = _MAPPER.replace("sys.argv[2].encode()", "bytes.fromhex(sys.argv[2])")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path), UNDECODABLE.hex()],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    with _mapper([sys.executable, "-c", code, str(path), UNDECODABLE.hex()]) as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
 
 
 def test_a_process_name_that_is_not_utf8_crashes_no_output(

@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.errors import (
@@ -746,18 +747,29 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
     )
 
 
+_T = TypeVar("_T")
+
+
+def _through_users(uses: list[FileUse], fid: FileId,
+                   by_fd: Callable[[int, int, FileId], _T | None],
+                   by_map: Callable[[int, int, int, FileId], _T | None]) -> _T | None:
+    """The first answer about `fid` reached through one of its users' descriptors or
+    mappings (an unlinked file has no name of its own)."""
+    for u in uses:
+        got = None
+        if u.kind == "fd" and u.fd is not None:
+            got = by_fd(u.pid, u.fd, fid)
+        elif u.kind == "map" and u.span is not None:
+            got = by_map(u.pid, *u.span, fid)
+        if got is not None:
+            return got
+    return None
+
+
 def _deleted_stat(fid: FileId, uses: list[FileUse]) -> os.stat_result | None:
     """The unlinked file's own stat (its owner above all), through a descriptor or a
     mapping of one of its users; identity only, nothing is opened for reading."""
-    for u in uses:
-        st = None
-        if u.kind == "fd" and u.fd is not None:
-            st = procfs.stat_fd(u.pid, u.fd, fid)
-        elif u.kind == "map" and u.span is not None:
-            st = procfs.stat_mapping(u.pid, *u.span, fid)
-        if st is not None:
-            return st
-    return None
+    return _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
 
 
 def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:
@@ -927,12 +939,4 @@ def open_released(shm_dir: str | os.PathLike[str], engine_id: str
 
 
 def _open_through(uses: list[FileUse], fid: FileId) -> int | None:
-    for u in uses:
-        fd = None
-        if u.kind == "fd" and u.fd is not None:
-            fd = procfs.open_fd(u.pid, u.fd, fid)
-        elif u.kind == "map" and u.span is not None:
-            fd = procfs.open_mapping(u.pid, *u.span, fid)
-        if fd is not None:
-            return fd
-    return None
+    return _through_users(uses, fid, procfs.open_fd, procfs.open_mapping)
