@@ -294,8 +294,7 @@ def split_unsafe(found: Inventory) -> tuple[Inventory, list[RegionInfo]]:
 
 def gc_would_free(found: Inventory) -> int:
     """tmpfs memory of the stale regions (st_blocks, as gc counts what it frees)."""
-    return sum(s.allocated_bytes or 0 for r in found.regions if r.state == "stale"
-               for s in r.segments)
+    return sum(r.allocated_bytes for r in found.regions if r.state == "stale")
 
 
 def evidence(r: RegionInfo, now: float) -> dict[str, Any]:

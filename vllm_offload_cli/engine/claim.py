@@ -353,7 +353,7 @@ def _would_reclaim(done: _Progress, r: RegionInfo, want: RegionShape | None) -> 
     return done.result(WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
                        # what the real run reports: tmpfs memory freed (st_blocks), not
                        # the apparent size of a partly written (sparse) leftover
-                       reclaimed_bytes=sum(s.allocated_bytes or 0 for s in r.segments),
+                       reclaimed_bytes=r.allocated_bytes,
                        notes=() if other is None else (f"another shape: {other}",))
 
 

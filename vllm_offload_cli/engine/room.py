@@ -18,7 +18,6 @@ turns it off.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import replace
@@ -66,7 +65,7 @@ def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
         if freed >= short:
             break
         picked.append(r)
-        freed += _allocated(r)
+        freed += r.allocated_bytes
     if not picked:
         return ()
     report = reclaim(replace(inv, regions=tuple(picked), orphan_manifests=()),
@@ -84,11 +83,3 @@ def _may_give_way(r: RegionInfo) -> bool:
     return (r.linked and r.state == STALE and not r.persistent
             and all(s.uid == me for s in r.segments))
 
-
-def _allocated(r: RegionInfo) -> int:
-    """The memory removing `r` gives back: its files' allocated blocks, not their sizes."""
-    total = 0
-    for s in r.segments:
-        with contextlib.suppress(OSError):
-            total += os.stat(s.path, follow_symlinks=False).st_blocks * 512
-    return total

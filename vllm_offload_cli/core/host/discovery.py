@@ -117,6 +117,11 @@ class RegionInfo:
         return next((s.resident_error for s in self.segments if s.resident_error), None)
 
     @property
+    def allocated_bytes(self) -> int:
+        """The tmpfs memory its files hold (st_blocks): what removing it gives back."""
+        return sum(s.allocated_bytes or 0 for s in self.segments)
+
+    @property
     def persistent(self) -> bool:
         """Pre-provisioned and finished: a create killed half-way provisioned nothing."""
         return (self.manifest is not None and self.manifest.persistent
