@@ -885,30 +885,22 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
     vis = visibility.assess(scan.denied_pids)
     allowed_uids = fsguard.inspection_uids(None)
     probe_if = _needs_lease_probe(vis, scan)
-    segments: list[SegmentFile] = []
-    locked = False
-    for segment, path, _ in found:
-        try:
-            seg, seg_locked = _inspect_file(path, segment, allowed_uids, False, probe_if)
-        except FileNotFoundError:
-            continue
-        segments.append(seg)
-        locked = locked or seg_locked
-    mpath = str(manifest_path(shm, engine_id))
-    has_manifest = os.path.lexists(mpath)
-    regions = [judge_visibility(_region(engine_id, segments, locked, scan,
-                                        mpath if has_manifest else None, allowed_uids,
-                                        time.time()), vis)] if segments else []
-    linked = {s.file_id for s in segments if s.file_id is not None}
+    # the same judgement as discover()'s: a lock counts only on the owner's files
+    named = _judge(engine_id, found, allowed_uids, False, probe_if, fsguard.LeaseWait(),
+                   scan, _Listing(), shm, time.time()) if found else None
+    regions = [] if named is None else [judge_visibility(named, vis)]
+    linked = {s.file_id for s in (named.segments if named else ()) if s.file_id is not None}
     regions += [_deleted_region(engine_id, fid, uses, False, time.time()) for fid, uses in
                 _deleted_only(scan, linked, shm).get(engine_id, {}).items()]
     orphans = []
-    if has_manifest and not regions:
+    if not regions:
+        mpath = str(manifest_path(shm, engine_id))
         with contextlib.suppress(FileNotFoundError):
             st = os.stat(mpath, follow_symlinks=False)
+            # ctime, as _orphan_manifests: an owner sets mtime, never ctime
             orphans.append(OrphanManifest(engine_id=engine_id, path=mpath,
                                           file_id=FileId.of(st), uid=st.st_uid,
-                                          mtime=st.st_mtime))
+                                          mtime=st.st_ctime))
     return Inventory(
         shm_dir=shm, regions=tuple(_flag_collisions(regions)), orphan_manifests=tuple(orphans),
         shm=shm_usage(shm), uninspectable_processes=scan.denied, visibility=vis)
