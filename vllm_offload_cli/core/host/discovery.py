@@ -890,8 +890,9 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
                    scan, _Listing(), shm, time.time()) if found else None
     regions = [] if named is None else [judge_visibility(named, vis)]
     linked = {s.file_id for s in (named.segments if named else ()) if s.file_id is not None}
-    regions += [_deleted_region(engine_id, fid, uses, False, time.time()) for fid, uses in
-                _deleted_only(scan, linked, shm).get(engine_id, {}).items()]
+    memfds: dict[int, dict[tuple[int, int], int] | None] = {}  # each holder's, read once
+    regions += [_deleted_region(engine_id, fid, uses, False, time.time(), memfds)
+                for fid, uses in _deleted_only(scan, linked, shm).get(engine_id, {}).items()]
     orphans = []
     if not regions:
         mpath = str(manifest_path(shm, engine_id))
@@ -918,12 +919,14 @@ def open_released(shm_dir: str | os.PathLike[str], engine_id: str
     validate_engine_id(engine_id)
     scan = scan_processes(shm, name=region_filename(engine_id))
     best: tuple[int, RegionInfo] | None = None
+    memfds: dict[int, dict[tuple[int, int], int] | None] = {}  # each holder's, read once
     for fid, uses in _deleted_only(scan, set(), shm).get(engine_id, {}).items():
-        named = [u for u in uses if u.path]
-        parsed = parse_region_filename(os.path.basename(named[0].path))
-        if not any(u.deleted for u in named) or parsed is None or parsed.segment != 0:
+        # _deleted_only keeps only unlinked files with a name: is it the bare file?
+        named = next(u for u in uses if u.path)
+        parsed = parse_region_filename(os.path.basename(named.path))
+        if parsed is None or parsed.segment != 0:
             continue
-        info = _deleted_region(engine_id, fid, uses, False, time.time())
+        info = _deleted_region(engine_id, fid, uses, False, time.time(), memfds)
         if best is not None and (best[1].manifest is not None or info.manifest is None):
             continue
         fd = _open_through(uses, fid)
