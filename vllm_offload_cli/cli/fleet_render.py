@@ -14,12 +14,13 @@ from vllm_offload_cli.cli.common import text_table
 from vllm_offload_cli.cli.inspect import (
     TABLE_HEADERS,
     TABLE_RIGHT,
+    cell_text,
+    dict_items,
     footer,
     region_notes,
     region_row,
 )
-from vllm_offload_cli.core.base.text import printable
-from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.base.units import format_bytes, is_int
 from vllm_offload_cli.fleet.result import (
     ABSENT,
     ANSWERED,
@@ -35,17 +36,8 @@ if TYPE_CHECKING:
     from vllm_offload_cli.cli.common import Out
 
 
-def _text(value: object) -> str:
-    return printable(str(value))
-
-
 def _bytes(value: Any) -> str:
-    return format_bytes(value) if isinstance(value, int) and not isinstance(value, bool) \
-        else "-"
-
-
-def _dicts(value: object) -> list[dict[str, Any]]:
-    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+    return format_bytes(value) if is_int(value) else "-"
 
 
 def _answered(result: FleetResult) -> list[tuple[str, NodeResult, dict[str, Any]]]:
@@ -70,7 +62,7 @@ def render_nodes(out: Out, result: FleetResult) -> None:
             out.print(f"node {label}: {what}: {n.reason} (its regions are not shown)")
             continue
         what = "REFUSED" if status == REFUSED else f"exit {n.exit_code}"
-        for e in _dicts((n.envelope or {}).get("errors")) or [{"message": "(no message)"}]:
+        for e in dict_items((n.envelope or {}).get("errors")) or [{"message": "(no message)"}]:
             out.print(f"node {label}: {what}: {e.get('message', '')}")
     nowhere = result.on_no_node()
     if nowhere is not None:
@@ -89,9 +81,9 @@ def render_inspect(out: Out, result: FleetResult, *, wide: bool = False) -> None
     name is per host), then each node's footer."""
     rows, notes = [], []
     for label, _, data in _answered(result):
-        regions = _dicts(data.get("regions"))
+        regions = dict_items(data.get("regions"))
         refused = "residency" in (data.get("measurement_errors") or {})
-        rows += [[_text(label), *region_row(r, wide=wide, refused=refused, owner=_uid)]
+        rows += [[cell_text(label), *region_row(r, wide=wide, refused=refused, owner=_uid)]
                  for r in regions]
         notes += region_notes(regions, prefix=f"{label} ")
     if rows:
@@ -116,14 +108,14 @@ def render_gc(out: Out, result: FleetResult, *, quiet: bool) -> None:
     for label, _, data in _answered(result):
         dry = bool(data.get("dry_run"))
         verb = "Would remove" if dry else "Removed"
-        for r in _dicts(data.get("removed")):
+        for r in dict_items(data.get("removed")):
             removed += 1
             got = r.get("freed_bytes")
-            freed += got if isinstance(got, int) and not isinstance(got, bool) else 0
+            freed += got if is_int(got) else 0
             out.print(f"{label}: {verb} {r.get('engine_id')}: {_bytes(got)} of memory, "
                       f"{_bytes(r.get('bytes'))} file size")
         if not quiet:
-            for k in _dicts(data.get("kept")):
+            for k in dict_items(data.get("kept")):
                 out.print(f"{label}: Kept {k.get('engine_id')}: {k.get('reason')}")
         for path in data.get("orphan_manifests_removed") or []:
             out.print(f"{label}: {verb} orphaned manifest {path}")
@@ -139,7 +131,7 @@ def render_verify(out: Out, result: FleetResult) -> None:
     for label, n, data in _answered(result):
         if n.status == ABSENT:
             continue
-        problems = _dicts(data.get("problems"))
+        problems = dict_items(data.get("problems"))
         what = data.get("path") or f"plan of {data.get('dp_size', '?')} replica(s)"
         verdict = "OK" if not problems and n.status == OK else f"FAIL: {len(problems)} problem(s)"
         out.print(f"{label}: {what}: {verdict}")

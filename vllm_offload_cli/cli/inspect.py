@@ -34,7 +34,7 @@ from vllm_offload_cli.core.base.exit_status import (
 )
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import printable
-from vllm_offload_cli.core.base.units import format_age, format_bytes
+from vllm_offload_cli.core.base.units import format_age, format_bytes, is_int
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
@@ -42,17 +42,18 @@ from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE
 from vllm_offload_cli.core.system.processes import ProcessRef
 
-STATES = ("live", "creating", "persistent", "stale", "unknown")
-
 
 class State(str, enum.Enum):
-    """A region's state, as --state takes it (STATES, in order)."""
+    """A region's state, as --state takes it."""
 
     live = "live"
     creating = "creating"
     persistent = "persistent"
     stale = "stale"
     unknown = "unknown"
+
+
+STATES = tuple(s.value for s in State)
 
 
 class Format(str, enum.Enum):
@@ -349,7 +350,8 @@ TABLE_HEADERS = ["ENGINE ID", "DP", "STATE", "OWNER", "SIZE", "RESIDENT", "LAYOU
 TABLE_RIGHT = (4, 5, 8)  # numbers: aligned right
 
 
-def _text(value: object) -> str:
+def cell_text(value: object) -> str:
+    """A value from an envelope as a table shows it: control characters escaped."""
     return printable(str(value))
 
 
@@ -358,22 +360,23 @@ def _number(value: object) -> int | float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _dicts(value: object) -> list[dict[str, Any]]:
+def dict_items(value: object) -> list[dict[str, Any]]:
+    """The objects of a JSON list (a node's answer is untrusted: anything else is dropped)."""
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
 def _holders_text(r: dict[str, Any], wide: bool) -> str:
     """Narrow: the count and the first pid ('3 (4242,...)'); wide: every holder."""
-    holders = _dicts(r.get("holders"))
+    holders = dict_items(r.get("holders"))
     if not holders:
         return "-"
     if not wide:
         more = ",..." if len(holders) > 1 else ""
-        return f"{len(holders)} ({_text(holders[0].get('pid'))}{more})"
+        return f"{len(holders)} ({cell_text(holders[0].get('pid'))}{more})"
     parts = []
     for h in holders:
-        rank = "" if h.get("rank") is None else f" r{_text(h['rank'])}"
-        parts.append(f"{_text(h.get('pid'))} {_text(h.get('name') or '?')}{rank}")
+        rank = "" if h.get("rank") is None else f" r{cell_text(h['rank'])}"
+        parts.append(f"{cell_text(h.get('pid'))} {cell_text(h.get('name') or '?')}{rank}")
     return ", ".join(parts)
 
 
@@ -382,7 +385,7 @@ def _layout_text(r: dict[str, Any]) -> str:
     layout = r.get("vllm_layout")
     if layout == SEGMENTED:
         return f"{layout}/{len(r.get('paths') or ())}"
-    return "-" if layout is None else _text(layout)
+    return "-" if layout is None else cell_text(layout)
 
 
 def _numa_text(r: dict[str, Any]) -> str:
@@ -394,7 +397,7 @@ def _numa_text(r: dict[str, Any]) -> str:
     total = sum(shares.values())
     if not total:
         return "-"
-    parts = [f"n{_text(n)}:{b * 100 / total:.0f}%"
+    parts = [f"n{cell_text(n)}:{b * 100 / total:.0f}%"
              for n, b in sorted(shares.items(), key=lambda nb: (len(nb[0]), nb[0]))]
     huge = _number(r.get("huge_page_bytes"))
     if huge:
@@ -414,16 +417,16 @@ def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
     `refused`: residency measurement was refused (`?`, not `-`). `owner`: how a uid
     is shown (by default its name here; a fleet shows the number: names are per host).
     """
-    name = _text(r.get("engine_id"))
+    name = cell_text(r.get("engine_id"))
     uid = r.get("uid")
-    uid = uid if isinstance(uid, int) and not isinstance(uid, bool) else None
+    uid = uid if is_int(uid) else None
     resident = r.get("resident_bytes")
     return [name if r.get("linked") else f"{name} (unlinked)",
-            "-" if r.get("dp_rank") is None else _text(r.get("dp_rank")),
-            _text(r.get("state")), (owner or owner_name)(uid), _bytes_text(r.get("size_bytes")),
+            "-" if r.get("dp_rank") is None else cell_text(r.get("dp_rank")),
+            cell_text(r.get("state")), (owner or owner_name)(uid), _bytes_text(r.get("size_bytes")),
             "?" if refused and resident is None else _bytes_text(resident), _layout_text(r),
             _numa_text(r), format_age(r.get("age_seconds")), _holders_text(r, wide),
-            ",".join(_text(p.get("code")) for p in _dicts(r.get("problems"))) or "-"]
+            ",".join(cell_text(p.get("code")) for p in dict_items(r.get("problems"))) or "-"]
 
 
 def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: str = ""
@@ -431,12 +434,12 @@ def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: st
     """The sentences under the table: each problem, and with `why` what made a region
     stale or unknown."""
     # dict.fromkeys: a dp_collision names both regions of one engine_id in one sentence
-    lines = list(dict.fromkeys(f"  {prefix}{_text(r.get('engine_id'))}: "
-                               f"{_text(p.get('message'))}"
-                               for r in regions for p in _dicts(r.get("problems"))))
+    lines = list(dict.fromkeys(f"  {prefix}{cell_text(r.get('engine_id'))}: "
+                               f"{cell_text(p.get('message'))}"
+                               for r in regions for p in dict_items(r.get("problems"))))
     if why:
-        lines += [f"  {prefix}{_text(r.get('engine_id'))}: {_text(r.get('state'))}: "
-                  f"{_text((r.get('evidence') or {}).get('summary'))}"
+        lines += [f"  {prefix}{cell_text(r.get('engine_id'))}: {cell_text(r.get('state'))}: "
+                  f"{cell_text((r.get('evidence') or {}).get('summary'))}"
                   for r in regions if r.get("state") in ("stale", "unknown")
                   and isinstance(r.get("evidence"), dict)]
     return lines
@@ -444,13 +447,13 @@ def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: st
 
 def footer(data: dict[str, Any]) -> str:
     """'/dev/shm: 55.0 GiB free of 64.0 GiB; 3 region(s), 1 stale; gc would free 1.0 GiB'."""
-    regions = _dicts(data.get("regions"))
+    regions = dict_items(data.get("regions"))
     shm = data.get("shm")
     shm = shm if isinstance(shm, dict) else {}
     unknown = sum(r.get("state") == "unknown" for r in regions)
     stale = sum(r.get("state") == "stale" for r in regions)
     free = _number(data.get("gc_would_free_bytes"))
-    return (f"{_text(data.get('shm_dir'))}: {format_bytes(_number(shm.get('free_bytes')))} "
+    return (f"{cell_text(data.get('shm_dir'))}: {format_bytes(_number(shm.get('free_bytes')))} "
             f"free of {format_bytes(_number(shm.get('total_bytes')))}; {len(regions)} "
             f"region(s), {stale} stale"
             f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}"
@@ -461,20 +464,21 @@ def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
                  why: bool = False) -> None:
     """inspect's table, from its JSON data: one line per region at any width, problem
     codes in the row, sentences below, the shm directory's footer."""
-    regions = _dicts(data.get("regions"))
+    regions = dict_items(data.get("regions"))
     lines = []
     if not regions:
-        lines.append(f"No offload regions in {_text(data.get('shm_dir'))}.")
+        lines.append(f"No offload regions in {cell_text(data.get('shm_dir'))}.")
     else:
         refused = "residency" in (data.get("measurement_errors") or {})
         lines.append(text_table(TABLE_HEADERS, [region_row(r, wide=wide, refused=refused)
                                                 for r in regions], right=TABLE_RIGHT))
         lines += region_notes(regions, why=why)
     lines.append(footer(data))
-    lines += [f"  orphaned manifest: {_text(o)}" for o in data.get("orphan_manifests") or ()]
-    lines += [f"  not a region ({_text(p.get('code'))}): {_text(p.get('message'))}; gc leaves "
-              "it, remove it by hand after checking it"
-              for e in _dicts(data.get("unsafe_entries")) for p in _dicts(e.get("problems"))]
+    lines += [f"  orphaned manifest: {cell_text(o)}" for o in data.get("orphan_manifests") or ()]
+    lines += [f"  not a region ({cell_text(p.get('code'))}): {cell_text(p.get('message'))}; "
+              "gc leaves it, remove it by hand after checking it"
+              for e in dict_items(data.get("unsafe_entries"))
+              for p in dict_items(e.get("problems"))]
     write_text(out, "\n".join(lines))
 
 

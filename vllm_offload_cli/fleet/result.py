@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm_offload_cli.core.base.errors import RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, as_status, most_important
+from vllm_offload_cli.core.base.units import is_int
 
 ANSWERED = "answered"
 FAILED = "failed"
@@ -120,7 +121,7 @@ def malformed(doc: object) -> str | None:
     if not isinstance(doc, dict):
         return f"a {type(doc).__name__}, not a JSON object"
     code = doc.get("exit_code")
-    if not isinstance(code, int) or isinstance(code, bool):
+    if not is_int(code):
         return "no integer exit_code"
     if not isinstance(doc.get("data"), dict):
         return "no data object"
