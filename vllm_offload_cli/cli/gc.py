@@ -219,7 +219,7 @@ def _warn_lease_only(inv: Invocation, report: GcReport) -> None:
 
 
 def refusal_errors(report: GcReport) -> list[dict[str, str]]:
-    """One error per reason this run refused to judge regions (exit 6)."""
+    """One error per reason this run refused to judge regions (ExitStatus.UNSAFE)."""
     from vllm_offload_cli.core.host.visibility import HIDDEN_HOLDERS, advice
 
     out = []
@@ -301,10 +301,12 @@ def _summary(report: GcReport) -> str:
     freed = format_bytes(report.freed_bytes)
     head = f"Would free {freed}" if report.dry_run else f"Freed {freed}"
     failed = f"; {len(report.errors)} removal(s) failed" if report.errors else ""
-    late = (f"; {report.not_judged_files} region file(s) not judged in time (exit 7)"
+    late = (f"; {report.not_judged_files} region file(s) not judged in time "
+            f"(exit {int(ExitStatus.PARTIAL)})"
             if report.not_judged else "")
     if not report.listed_all:
-        late += "; the deadline came before every name was listed (exit 7)"
+        late += ("; the deadline came before every name was listed "
+                 f"(exit {int(ExitStatus.PARTIAL)})")
     dry = " (dry run: nothing was changed)" if report.dry_run else ""
     return (f"{head} from {len(report.removed)} region(s) in {report.shm_dir}; kept "
             f"{len(report.kept) + sum(t.files for t in report.counted)} of "
@@ -347,9 +349,10 @@ def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) ->
 
     gauge("vllm_offload_gc_last_run_timestamp_seconds",
           "When the last garbage collection started (Unix time).", report.started_at)
-    gauge("vllm_offload_gc_exit_code", "Exit status of the last run (0 ok, 1 a removal "
-          "failed, 2 bad usage, 6 refused: a holder could be hidden, 7 partial: not every "
-          "region was judged in time).", int(code))
+    gauge("vllm_offload_gc_exit_code", with_statuses(
+          "Exit status of the last run ({SUCCESS} ok, {FAILED} a removal failed, {USAGE} "
+          "bad usage, {UNSAFE} refused: a holder could be hidden, {PARTIAL} partial: not "
+          "every region was judged in time)."), int(code))
     gauge("vllm_offload_gc_files_not_judged", "Region files the last run could have "
           "removed but did not judge in its --timeout (a later run looks at them).",
           report.not_judged_files)
