@@ -1,11 +1,8 @@
-"""Time limits: one overall deadline per command, and waits that end by themselves.
+"""One overall deadline per command, and waits that end by themselves.
 
-`within()` sets gc's and inspect's --timeout; the work checks it with `check()`
-where it can stop cleanly (between processes of a /proc scan, between regions),
-so what was done is still reported. Nothing is interrupted from outside: every
-open of an untrusted name is non-blocking, and every wait on another process
-is a `poll_until` with a limit of its own, so each step ends and the next check
-stops the command.
+The work calls `check()` where it can stop cleanly, so what was done is still
+reported; nothing is interrupted from outside, since every open of an untrusted name
+is non-blocking and every wait on another process is a bounded `poll_until`.
 """
 
 from __future__ import annotations
@@ -64,9 +61,8 @@ def within(seconds: float | None) -> Iterator[None]:
 
 def poll_until(attempt: Callable[[], T | None], timeout: float,
                backoff: tuple[float, float] = (0.001, 0.05)) -> T | None:
-    """Call `attempt` until it returns something other than None; None once `timeout`
-    seconds passed. It runs at least once; the pause between tries starts at
-    backoff[0] and doubles up to backoff[1]."""
+    """`attempt()`'s first result that is not None, or None after `timeout` seconds; it
+    runs at least once, pausing backoff[0] doubled up to backoff[1] between tries."""
     end = time.monotonic() + timeout
     delay, longest = backoff
     while True:

@@ -1,10 +1,5 @@
-"""Known failures, each carrying the path, engine_id and pid it concerns.
-
-Modelled on psutil's exceptions: a small hierarchy whose classes say *what
-kind* of failure happened. Each class carries its exit status, so the CLI
-prints one line and exits with it, while anything outside the hierarchy stays
-a bug.
-"""
+"""Known failures, each carrying the path, engine_id and pid it concerns, and its exit
+status: the CLI prints one line and exits with it; anything else stays a bug."""
 
 from __future__ import annotations
 
@@ -96,22 +91,14 @@ class OperationFailedError(OffloadError):
 
 
 class DeviceUnavailableError(InsufficientSpaceError):
-    """The requested accelerator is absent: there is no device memory to use at all.
-
-    A subclass of InsufficientSpaceError so it keeps that exit status
-    (NO_SPACE): from the operator's side both mean "this host lacks the memory
-    the job needs".
-    """
+    """The requested accelerator is absent: like no space, the host lacks the memory."""
 
     code = "no_device"
 
 
 class MissingExtraError(InvalidInputError):
-    """A feature needs an optional dependency (an extra) that is not installed.
-
-    An InvalidInputError (exit 2): the install is incomplete for what was asked,
-    nothing failed. The message ends with the `pip install` line that fixes it.
-    """
+    """A feature needs an extra that is not installed: the install is incomplete for what
+    was asked, nothing failed. The message ends with the `pip install` line."""
 
     code = "extra_not_installed"
 

@@ -1,9 +1,7 @@
 """Exit statuses of `vllm-offload`: the one table of what each code means.
 
-Exit codes are a contract with scripts, cron, systemd units and launchers: the
-numbers never change. The CLI's error boundary, the core's errors, the fleet's
-merge, the man page and the README all read this module; a test checks the
-committed man page and the README's table against it.
+The numbers are a contract with scripts and launchers and never change; the CLI, the
+core's errors, the fleet's merge and the generated docs all read this table.
 """
 
 from __future__ import annotations
@@ -51,21 +49,11 @@ _MEANING: dict[ExitStatus, str] = {
     ExitStatus.INTERRUPTED: "interrupted",
 }
 
-# Which status wins when one answer merges several (the fleet's nodes, or one
-# command's several outcomes), most important first: the merged status names
-# what the operator must act on first.
-# - INTERRUPTED: the run did not finish, so nothing else it says is complete.
-# - UNSAFE: something on a host needs a human whatever was asked (a file that
-#   fails the safety checks, or a host where a holder could be hidden, so
-#   nothing could be judged there).
-# - USAGE: the command line, or a node's own setting, is wrong: what ran is not
-#   what was meant; fix it before reading anything else.
-# - PROBLEMS_FOUND: workers would write (or did write) the same bytes: silent
-#   KV corruption, worse than any refusal that fails loudly.
-# - BUSY: the name belongs to a live region: an identity conflict.
-# - NO_SPACE: the host lacks the memory: a sizing problem.
-# - FAILED: an operation failed (a removal, a system call): often transient.
-# - PARTIAL: a node gave no complete answer, or gc ran out of time; what was said is true.
+# Which status wins when one answer merges several (fleet nodes, one command's outcomes):
+# what the operator must act on first. A run that did not finish; a file or host that
+# needs a human; a wrong command line or node setting; workers sharing bytes (silent KV
+# corruption, worse than a loud refusal); a name conflict; a sizing problem; a failed,
+# often transient, operation; last an incomplete answer whose every word is true.
 PRECEDENCE: tuple[ExitStatus, ...] = (
     ExitStatus.INTERRUPTED,
     ExitStatus.UNSAFE,
@@ -80,8 +68,7 @@ PRECEDENCE: tuple[ExitStatus, ...] = (
 
 
 def as_status(code: object) -> ExitStatus:
-    """`code` as an ExitStatus; anything else (no code, one this version does not
-    know, e.g. from a node running a newer release) is FAILED."""
+    """`code` as an ExitStatus; anything else (none, or a newer node's) is FAILED."""
     if isinstance(code, int) and not isinstance(code, bool):
         try:
             return ExitStatus(code)
@@ -97,8 +84,7 @@ def most_important(codes: Iterable[object]) -> ExitStatus:
 
 
 def with_statuses(text: str) -> str:
-    """Help text whose `{BUSY}`-style names become their numbers, so that no help text
-    types a number this table could contradict (a literal brace is written `{{`)."""
+    """Help text with `{BUSY}`-style names as their numbers (a literal brace is `{{`)."""
     return text.format_map({s.name: int(s) for s in ExitStatus})
 
 

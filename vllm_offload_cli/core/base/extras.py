@@ -1,13 +1,6 @@
-"""Optional dependencies by job: which extra brings which module, and the one refusal.
-
-The base install (click, rich, psutil, prometheus_client) runs every node-local
-command and the engine hook's steps. torch and numpy come with the `copy` extra:
-the copy workers, tensor views and `vllm-offload benchmark` need them, and inside
-a vLLM environment they are there anyway. An entry point that needs an extra
-calls `require()` before any work, so a missing one is a MissingExtraError (one
-line and exit 2 in the CLI) that names the `pip install` line, never an
-ImportError from deep inside a copy.
-"""
+"""Optional dependencies (extras) and the one refusal: an entry point that needs one
+calls `require()` before any work, so a missing module is a MissingExtraError naming
+the `pip install` line, never an ImportError from deep inside a copy."""
 
 from __future__ import annotations
 
@@ -36,12 +29,8 @@ def missing_extra(extra: str, missing: list[str], *, what: str) -> MissingExtraE
 
 
 def require(extra: str, *, what: str) -> None:
-    """Raise MissingExtraError unless every module of `extra` can be imported.
-
-    Finds the modules without importing them: the caller decides when torch
-    loads (the benchmark sets OpenMP's wait policy before it does), and a
-    check costs microseconds, not torch's second.
-    """
+    """Raise MissingExtraError unless every module of `extra` can be imported; finds
+    them without importing, so the caller decides when torch loads."""
     missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
     if missing:
         raise missing_extra(extra, missing, what=what)

@@ -1,11 +1,6 @@
-"""One record for every finding: a stable machine code, a sentence for people, and what
-it is about.
-
-A region's problem, a layout flaw, a blind spot of /proc, a region gc kept and
-a removal that failed are all a `Problem`; the details name what each is about.
-JSON shows code, message and the details a finding has (`to_dict`), so every
-kind keeps its documented keys. `jsonable` turns any frozen record into JSON.
-"""
+"""One record for every finding (a region's problem, a layout flaw, a blind spot, a
+region gc kept, a failed removal): a stable code, a sentence for people, and what it
+is about; JSON shows the details a finding has."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""A test-only hook that stops a process at a named point of a multi-step operation.
-
-Crash tests must kill `create` at exact points (after the manifest is written,
-after `ftruncate`, half-way through pre-fault). With the environment variable
-`VLLM_OFFLOAD_TEST_PAUSE_AT` set to a point's name, the process stops itself
-there with SIGSTOP; the test sees it stopped (state `T` in /proc/PID/stat) and
-kills it. Unset (always, outside tests) it costs one dictionary lookup.
-"""
+"""Crash tests stop a process at a named point of a multi-step operation: with
+VLLM_OFFLOAD_TEST_PAUSE_AT naming it, the process SIGSTOPs itself there."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Showing strings that come from outside (file names, process names, manifests).
+"""Showing strings from outside (file and process names, manifests) safely.
 
-Any local user can name a file in /dev/shm or a process (`prctl(PR_SET_NAME)`),
-so such a string may carry terminal escape sequences aimed at root's terminal.
-Human output shows every control character as `\\xNN`; JSON output keeps the
-raw string, since the JSON encoder escapes control characters itself.
-A name need not be UTF-8 at all: its bytes arrive as lone surrogates
-(`surrogateescape`), which no encoder writes and strict JSON parsers reject;
-both outputs show each such byte as `\\xNN` (`valid_unicode`).
+Any local user can name a file or a process, so a name may carry escape sequences
+aimed at root's terminal: human output shows control characters as `\\xNN`. JSON keeps
+them (its encoder escapes them), but bytes that were not UTF-8 (lone surrogates,
+which no encoder writes) become `\\xNN` in both.
 """
 
 from __future__ import annotations
@@ -15,10 +12,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-# C0 controls, DEL, C1 controls, line/paragraph separators and the bidi
-# overrides that reorder what a terminal shows. Backslashes stay as they are:
-# rich's markup escaping uses them, and a name cannot fake a control character
-# that way, only look like the escaped form of one.
+# C0, DEL, C1, line/paragraph separators and bidi overrides; a backslash stays (a name
+# can only look like an escaped control character that way, not be one)
 _CONTROL_RE = re.compile(
     "[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")

@@ -1,16 +1,5 @@
-"""The one place that imports torch, lazily and quietly.
-
-torch prints a UserWarning at import when NumPy is absent (a torch installed
-without this package's `copy` extra); tensor views need no NumPy, so that
-warning is noise on an operator's terminal. The warning filter is
-set up only for the first import: `warnings.catch_warnings` rewrites the
-process-wide filter list (tens of microseconds, and not thread-safe), and the
-copy threads call this on every job.
-
-Without torch (the base install) this raises MissingExtraError with the line
-that installs the `copy` extra: a library caller who builds a tensor view gets
-the project's error, not a bare ImportError.
-"""
+"""The one place that imports torch, lazily, and without the warning it prints when
+NumPy is absent (tensor views need none); without torch, a MissingExtraError."""
 
 from __future__ import annotations
 
@@ -22,6 +11,8 @@ from vllm_offload_cli.core.base.extras import COPY, missing_extra
 
 
 def import_torch() -> ModuleType:
+    # only the first import changes the process-wide warning filters (the copy threads
+    # call this on every job)
     loaded = sys.modules.get("torch")
     if loaded is not None and hasattr(loaded, "Tensor"):  # fully imported, not mid-import
         return loaded

@@ -1,11 +1,7 @@
 """Sizes and durations read the way Linux tools read them, and printed back readably.
 
-Sizes follow coreutils (`head -c`, `truncate -s`): `K`, `M`, `G`, `T` and
-`KiB`, `MiB`, `GiB`, `TiB` are powers of 1024; `KB`, `MB`, `GB`, `TB` powers
-of 1000. The letter may be lower case (`k`, `m`, `g`, `t`), `iB` and `B` may
-not; a lone `b`, 512-byte blocks to coreutils, is refused rather than guessed.
-Durations are seconds, or a number with `ms`, `s`, `m`, `h`, `d` or `w`,
-also in sequence (`1h30m`), as systemd reads them.
+Sizes as coreutils reads them, except that a lone `b` (512-byte blocks there) is
+refused rather than guessed; durations as systemd reads them (`1h30m`).
 """
 
 from __future__ import annotations
@@ -16,40 +12,27 @@ from typing import TypeGuard
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 
-_POWERS: dict[str, int] = {"k": 1, "m": 2, "g": 3, "t": 4}
+# bytes per unit: K, KiB (and lower-case letters) are powers of 1024, KB powers of 1000
+_MULTIPLES: dict[str, int] = {"": 1, "B": 1} | {
+    letter + suffix: base**power
+    for power, lower in enumerate("kmgt", 1)
+    for letter in (lower, lower.upper())
+    for suffix, base in (("", 1024), ("iB", 1024), ("B", 1000))
+}
 _SIZE_RE = re.compile(r"\s*(?P<num>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[A-Za-z]*)\s*")
 _MAX_DIGITS = 30  # more than any real size; bounds the arithmetic on what we are given
 SIZE_HELP = ("bytes, or a suffix: K, M, G, T and KiB, MiB, GiB, TiB (powers of 1024); KB, MB, "
              "GB, TB (powers of 1000)")
 
 
-def _multiple(unit: str) -> int | None:
-    """Bytes per `unit` as coreutils reads it, or None when it is not a size suffix."""
-    if unit in ("", "B"):
-        return 1
-    letter, rest = unit[0], unit[1:]
-    if letter.lower() not in _POWERS:
-        return None
-    power = _POWERS[letter.lower()]
-    if rest in ("", "iB"):
-        return 1 << (10 * power)
-    if rest == "B":
-        return int(1000**power)
-    return None
-
-
 def parse_size(text: str, *, what: str = "size") -> int:
-    """`4096`, `64K`, `64KiB`, `2MiB`, `1GiB`, `1G` (1024s); `64KB`, `1GB` (1000s).
-
-    A fraction is accepted when it comes to whole bytes (`1.5KiB`). The result
-    is exact (no float rounding) and bounded by what the text can say.
-    """
+    """Exact bytes (no float rounding); a fraction only where it comes to whole bytes."""
     match = _SIZE_RE.fullmatch(text)
     if match is None or len(match["num"]) > _MAX_DIGITS:
         raise InvalidInputError(f"{what} {text!r} is not a size; use {SIZE_HELP}",
                                 code="invalid_size")
     unit = match["unit"]
-    multiple = _multiple(unit)
+    multiple = _MULTIPLES.get(unit)
     if multiple is None:
         hint = ("; 'b' means 512-byte blocks to coreutils, write B for bytes"
                 if unit == "b" else "")
@@ -57,7 +40,7 @@ def parse_size(text: str, *, what: str = "size") -> int:
             f"{what} {text!r} has unknown unit {unit!r}; use {SIZE_HELP}{hint}",
             code="invalid_size",
         )
-    value = Fraction(match["num"]) * multiple  # exact: no float rounding or overflow
+    value = Fraction(match["num"]) * multiple
     if value.denominator != 1:
         raise InvalidInputError(f"{what} {text!r} is not a whole number of bytes",
                                 code="invalid_size")
@@ -67,12 +50,11 @@ def parse_size(text: str, *, what: str = "size") -> int:
 _DURATION_UNITS = {"ms": Fraction(1, 1000), "s": Fraction(1), "m": Fraction(60),
                    "h": Fraction(3600), "d": Fraction(86400), "w": Fraction(7 * 86400)}
 _PART_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)?")
-_DURATION_RE = re.compile(r"\s*(?:[0-9]+(?:\.[0-9]+)?\s*(?:ms|s|m|h|d|w)?\s*)+")
+_DURATION_RE = re.compile(rf"\s*(?:{_PART_RE.pattern}\s*)+")
 DURATION_HELP = "seconds, or a number with ms, s, m, h, d or w (90, 90s, 5m, 2h, 1d, 1h30m)"
 
 
 def parse_duration(text: str, *, what: str = "duration") -> float:
-    """Seconds from `90`, `90s`, `5m`, `2h`, `1d`, `1h30m`, `1.5h`, `250ms`."""
     text = text.strip()
     if not text or len(text) > 64 or _DURATION_RE.fullmatch(text) is None:
         raise InvalidInputError(f"{what} {text!r} is not a duration; use {DURATION_HELP}",
@@ -84,10 +66,7 @@ def parse_duration(text: str, *, what: str = "duration") -> float:
 
 
 def format_age(seconds: object) -> str:
-    """An age as ps and kubectl print one: 45s, 11m, 3h12m, 2d3h, 9d; '-' when unknown.
-
-    Whole units, largest first, two at most, and the second only where it still
-    matters (minutes under a day, hours under a week)."""
+    """As ps and kubectl print an age (45s, 11m, 3h12m, 2d3h, 9d); '-' when unknown."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
         return "-"
     whole = int(seconds)
@@ -100,10 +79,8 @@ def format_age(seconds: object) -> str:
 
 
 def format_bytes(n: int | float | None) -> str:
-    """1536 -> '1.5KiB', 64 MiB -> '64MiB', 512 -> '512B'; None -> '-'.
-
-    One format everywhere (tables, messages, footers): one field for awk, no '.0', in a
-    form parse_size reads back when it is whole."""
+    """1536 -> '1.5KiB', 512 -> '512B', None -> '-': one field for awk, read back by
+    parse_size when whole."""
     if n is None:
         return "-"
     value = float(n)
