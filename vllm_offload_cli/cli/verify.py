@@ -205,7 +205,7 @@ def _render_live(out: Out, check: LiveCheck) -> None:
 
 def _joined(check: LiveCheck) -> bool | None:
     """Whether any worker attached; None for a region whose manifest cannot tell."""
-    return None if check.manifest_path is None else bool(check.workers)
+    return None if check.manifest is None else bool(check.workers)
 
 
 def _workers_text(workers: Any) -> str:

@@ -1,14 +1,9 @@
 """Live mode of `verify-rank-layout`: does an existing region hold what it claims?
 
-Checks one region by engine_id: its size against its geometry (from the
-manifest, or from the world size and slot size the operator gives for a
-region vLLM made without one), its row stride, the live workers the
-manifest records (each rank in range, each rank once, no two on one
-device) and which slots were ever populated (mincore per slot).
-
-The region is opened read-only without following links and never written;
-residency is measured on a separate read-only mapping that is never
-touched, so checking faults nothing in.
+Checks one region's size against its geometry (the manifest's, or the operator's for
+a region vLLM made without one), its row stride, the live workers its manifest records
+and which slots were ever populated. The file is opened read-only without following
+links, and residency is read on a mapping never touched, so checking faults nothing in.
 """
 
 from __future__ import annotations
@@ -56,13 +51,8 @@ class AttachedWorker:
 
 @dataclass(frozen=True, kw_only=True)
 class SlotReport:
-    """One slot across all rows: who claims it and how much of it is resident.
-
-    Residency is counted on pages that intersect this slot and no other
-    (padding at the row's end does not count as a slot); a page shared with
-    a neighbour says nothing about which of the two wrote, so it is counted
-    apart. `pages` is 0 when every page of the slot is shared.
-    """
+    """One slot across all rows. Residency counts the pages no other slot touches: a
+    page shared with a neighbour (counted apart) cannot say which of the two wrote."""
 
     slot: int
     start: int
@@ -80,22 +70,15 @@ class SlotReport:
 
     def to_dict(self) -> dict[str, Any]:
         fraction = self.populated_fraction
-        return {
-            "slot": self.slot, "start": self.start, "end": self.end,
-            "workers": jsonable(self.workers),
-            "pages": self.pages, "resident_pages": self.resident_pages,
-            "shared_pages": self.shared_pages,
-            "shared_resident_pages": self.shared_resident_pages,
-            "populated_fraction": None if fraction is None else round(fraction, 6),
-            "status": ",".join(self.status) or "ok",
-        }
+        return {**jsonable(self), "status": ",".join(self.status) or "ok",
+                "populated_fraction": None if fraction is None else round(fraction, 6)}
 
 
 @dataclass(frozen=True, kw_only=True)
 class LiveCheck:
     engine_id: str
     path: str
-    manifest_path: str | None  # None when the region has no usable manifest
+    manifest: str | None  # its path; None when the region has no usable manifest
     size_bytes: int
     geometry: Geometry | None  # the geometry the checks used; None when unknown
     geometry_source: str | None  # "manifest" or "arguments"
@@ -106,25 +89,17 @@ class LiveCheck:
     slots: tuple[SlotReport, ...]
     problems: tuple[Problem, ...]
     notes: tuple[Problem, ...] = field(default_factory=tuple)
-    placement: tuple[affinity.WorkerPlacement, ...] = field(default_factory=tuple)
+    numa: tuple[affinity.WorkerPlacement, ...] = field(default_factory=tuple)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "engine_id": self.engine_id, "path": self.path, "manifest": self.manifest_path,
-            "size_bytes": self.size_bytes,
-            "geometry": jsonable(self.geometry),
-            "geometry_source": self.geometry_source, "rank_source": self.rank_source,
-            "workers": jsonable(self.workers),
-            "rankless_openers": self.rankless_openers,
-            "stale_attachments": self.stale_attachments,
-            "slots": [s.to_dict() for s in self.slots],
-            "notes": [n.to_dict() for n in self.notes],
-            "numa": jsonable(self.placement),
-        }
+        """Every field but the problems, which the caller's envelope carries."""
+        data = {k: v for k, v in jsonable(self).items() if k != "problems"}
+        return data | {"slots": [s.to_dict() for s in self.slots],
+                       "notes": [n.to_dict() for n in self.notes]}
 
 
 def check_region(
@@ -174,53 +149,40 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
                                 path=path, engine_id=engine_id, code="not_regular_file")
     if released is not None:
         path = f"{path} (deleted)"
-    problems = [Problem(code=p.code, message=f"{path} {p.message}")
+    problems = [Problem(p.code, f"{path} {p.message}")
                 for p in fsguard.stat_problems(st, allowed_uids=allowed_uids,
                                                expect_linked=released is None)]
     manifest, mproblem = (released.manifest, None) if released is not None else (
         manifest_io.read_matching(mpath, FileId.of(st), allowed_uids=allowed_uids,
                                   owner_uid=st.st_uid))
-    if mproblem is not None:
-        problems.append(mproblem)
+    problems += [] if mproblem is None else [mproblem]
     geometry, rows, source, gproblems = _geometry_for(
         manifest, mproblem, st.st_size, world_size, cpu_page_size, path, mpath, engine_id)
     problems += gproblems
-
-    workers: list[AttachedWorker] = []
-    rankless = stale = 0
-    if manifest is not None:
-        live = manifest.live_attachments()
-        stale = len(manifest.attachments) - len(live)
-        rankless = sum(a.rank is None for a in live)
-        workers = [AttachedWorker(pid=a.pid, rank=a.rank, device_index=a.device_index,
-                                  rank_source=a.rank_source, host=a.host)
-                   for a in live if a.rank is not None]
+    live = () if manifest is None else manifest.live_attachments()
+    workers = [AttachedWorker(pid=a.pid, rank=a.rank, device_index=a.device_index,
+                              rank_source=a.rank_source, host=a.host)
+               for a in live if a.rank is not None]
     slots: list[SlotReport] = []
     placed: list[affinity.WorkerPlacement] = []
     notes: list[Problem] = []
     if geometry is not None and geometry.world_size is not None:
-        w_problems, notes = _worker_checks(workers, geometry.world_size, manifest is not None)
+        w_problems, notes = _worker_checks(workers, geometry.world_size, manifest is not None,
+                                           rankless=len(live) - len(workers))
         problems += w_problems
-        if rankless:
-            notes.append(Problem(
-                "rankless_opener", f"{rankless} rank-less opener(s) (the scheduler, or "
-                "`create`) hold the region; they pre-fault every slot, so residency cannot "
-                "show which workers wrote"))
         if rows > 0:
             slots, placed, s_problems, s_notes = _slot_checks(fd, geometry, rows, workers,
                                                               w_problems)
             problems += s_problems
             notes += s_notes
-
     return LiveCheck(
         engine_id=engine_id, path=path,
-        manifest_path=mpath if manifest is not None and released is None else None,
-        size_bytes=st.st_size,
-        geometry=geometry, geometry_source=source,
+        manifest=mpath if manifest is not None and released is None else None,
+        size_bytes=st.st_size, geometry=geometry, geometry_source=source,
         rank_source=None if manifest is None else manifest.rank_source,
-        workers=tuple(workers), rankless_openers=rankless, stale_attachments=stale,
-        slots=tuple(slots), problems=tuple(problems), notes=tuple(notes),
-        placement=tuple(placed),
+        workers=tuple(workers), rankless_openers=len(live) - len(workers),
+        stale_attachments=0 if manifest is None else len(manifest.attachments) - len(live),
+        slots=tuple(slots), problems=tuple(problems), notes=tuple(notes), numa=tuple(placed),
     )
 
 
@@ -244,6 +206,129 @@ def _geometry_for(manifest: manifest_io.Manifest | None, mproblem: Problem | Non
                                        "--cpu-page-size")]
     geometry, rows, problems = _geometry_from_arguments(size, world_size, cpu_page_size, path)
     return geometry, rows, "arguments", problems
+
+
+def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int | None,
+                            cpu_page_size: int | None, mpath: str
+                            ) -> tuple[Geometry | None, int, list[Problem]]:
+    """The manifest's geometry, and how many of its rows the file really holds."""
+    g = m.geometry
+    problems = [Problem("geometry_mismatch", f"the manifest records {name} {recorded}, "
+                        f"{option} says {given}")
+                for name, option, recorded, given in (
+                    ("world size", "--world-size", g.world_size, world_size),
+                    ("cpu_page_size", "--cpu-page-size", g.cpu_page_size, cpu_page_size))
+                if given is not None and recorded is not None and given != recorded]
+    world = g.world_size if g.world_size is not None else world_size
+    if world is None:
+        raise InvalidInputError(
+            f"manifest {mpath} does not record the world size; pass --world-size",
+            path=mpath, code="geometry_unknown")
+    if size != g.size_bytes:
+        problems.append(Problem(
+            "size_mismatch", f"the file is {size} bytes but its manifest geometry needs "
+            f"{g.size_bytes} ({g.num_blocks} rows of {g.row_stride} bytes)"))
+    bad_stride = stride_problems(g.row_stride, g.cpu_page_size, world)
+    if bad_stride:
+        return None, 0, problems + bad_stride
+    return replace(g, world_size=world), min(g.num_blocks, size // g.row_stride), problems
+
+
+def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, path: str
+                             ) -> tuple[Geometry | None, int, list[Problem]]:
+    """vLLM's layout for these arguments: row_stride = round_up(W * slot, PAGESIZE)."""
+    row_stride = default_row_stride(world_size, cpu_page_size)
+    rows, rest = divmod(size, row_stride)
+    hint = "wrong --world-size or --cpu-page-size?"
+    if size == 0:
+        return None, 0, [Problem("size_mismatch", f"{path} is empty; its creator never sized "
+                                 "it (crashed between open and ftruncate?)")]
+    if rows == 0:
+        return None, 0, [Problem(
+            "size_mismatch", f"{path} is {size} bytes, smaller than one row of {row_stride} "
+            f"bytes ({world_size} slot(s) of {cpu_page_size}); {hint}")]
+    problems = [] if not rest else [Problem(
+        "size_mismatch", f"{path} is {size} bytes, not a whole number of rows of {row_stride} "
+        f"bytes ({world_size} slot(s) of {cpu_page_size}, rounded up to a page): {rows} rows "
+        f"and {rest} bytes over; {hint}")]
+    return Geometry(num_blocks=rows, row_stride=row_stride, cpu_page_size=cpu_page_size,
+                    world_size=world_size), rows, problems
+
+
+def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manifest: bool, *,
+                   rankless: int) -> tuple[list[Problem], list[Problem]]:
+    """(problems, notes) about the workers the manifest records."""
+    if not has_manifest:
+        return [], [Problem("no_manifest", "no manifest records who attached (a region made by "
+                            "vLLM); only size and residency are checked")]
+    problems, notes = _rank_checks(workers, world_size) if workers else ([], [Problem(
+        "no_workers", "no live worker is attached (pre-provisioned, or the engine is down); "
+        "only size and residency are checked")])
+    if rankless:
+        notes.append(Problem(
+            "rankless_opener", f"{rankless} rank-less opener(s) (the scheduler, or `create`) "
+            "hold the region; they pre-fault every slot, so residency cannot show which "
+            "workers wrote"))
+    return problems, notes
+
+
+def _rank_checks(workers: Sequence[AttachedWorker], world_size: int
+                 ) -> tuple[list[Problem], list[Problem]]:
+    """Each rank in range, each rank once, all ranks present, no two on one device."""
+    problems = [Problem(
+        "rank_out_of_range", f"pid {w.pid} is attached as rank {w.rank}, outside [0, "
+        f"{world_size}) ({_origin(w)}); it writes past the row's slots, into another worker's "
+        "slot of the next row", ranks=(w.rank,), pids=(w.pid,))
+        for w in workers if not 0 <= w.rank < world_size]
+    by_rank: dict[int, list[AttachedWorker]] = defaultdict(list)
+    for w in workers:
+        by_rank[w.rank].append(w)
+    problems += [Problem(
+        "rank_duplicate", f"rank {rank} is attached {len(same)} times: pids "
+        f"{joined(w.pid for w in same)} ({'; '.join(_origin(w) for w in same)}); they write "
+        "the same bytes", ranks=(rank,), pids=tuple(w.pid for w in same), slot=rank)
+        for rank, same in sorted(by_rank.items()) if len(same) > 1]
+    missing = [r for r in range(world_size) if r not in by_rank]
+    if missing:
+        problems.append(Problem(
+            "rank_missing", f"no live worker is attached as rank {joined(missing, 'or')} of "
+            f"{world_size}; a worker never attached, or computed another rank",
+            ranks=tuple(missing)))
+    device_problems, notes = _device_checks(workers)
+    problems += device_problems
+    sources = sorted({w.rank_source for w in workers if w.rank_source is not None})
+    if len(sources) > 1:
+        problems.append(Problem(
+            "mixed_rank_sources", "live workers computed their ranks with different sources "
+            f"({', '.join(sources)}); their slots need not be disjoint",
+            pids=tuple(w.pid for w in workers if w.rank_source is not None)))
+    return problems, notes
+
+
+def _device_checks(workers: Sequence[AttachedWorker]) -> tuple[list[Problem], list[Problem]]:
+    """One device index for two workers proves a shared slot only for device-based rank
+    sources: where each worker process sees only its own GPU, all are on index 0."""
+    problems, notes = [], []
+    by_device: dict[int, list[AttachedWorker]] = defaultdict(list)
+    for w in workers:
+        if w.device_index is not None:
+            by_device[w.device_index].append(w)
+    for device, same in sorted(by_device.items()):
+        pids = tuple(w.pid for w in same)
+        if len(set(pids)) < 2:
+            continue
+        ranks = tuple(w.rank for w in same)
+        if all(_device_based(w.rank_source) for w in same):
+            problems.append(Problem(
+                "device_shared", f"pids {joined(pids)} all report device index {device} and "
+                "derive their rank from it, so they compute the same slot", ranks=ranks,
+                pids=pids))
+        else:
+            notes.append(Problem(
+                "device_index_shared", f"pids {joined(pids)} all report device index {device}; "
+                "fine when each worker process sees only its own GPU, a shared GPU otherwise",
+                ranks=ranks, pids=pids))
+    return problems, notes
 
 
 def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedWorker],
@@ -276,160 +361,10 @@ def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedW
     return slots, placed, problems, notes
 
 
-def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int | None,
-                            cpu_page_size: int | None, mpath: str
-                            ) -> tuple[Geometry | None, int, list[Problem]]:
-    """The manifest's geometry, and how many of its rows the file really holds."""
-    g = m.geometry
-    problems = []
-    if world_size is not None and g.world_size is not None and world_size != g.world_size:
-        problems.append(Problem(
-            code="geometry_mismatch",
-            message=f"the manifest records world size {g.world_size}, --world-size says "
-                    f"{world_size}"))
-    if cpu_page_size is not None and cpu_page_size != g.cpu_page_size:
-        problems.append(Problem(
-            code="geometry_mismatch",
-            message=f"the manifest records cpu_page_size {g.cpu_page_size}, --cpu-page-size says "
-            f"{cpu_page_size}"))
-    world = g.world_size if g.world_size is not None else world_size
-    if world is None:
-        raise InvalidInputError(
-            f"manifest {mpath} does not record the world size; pass --world-size",
-            path=mpath, code="geometry_unknown")
-    if size != g.size_bytes:
-        problems.append(Problem(
-            code="size_mismatch",
-            message=f"the file is {size} bytes but its manifest geometry needs {g.size_bytes} "
-            f"({g.num_blocks} rows of {g.row_stride} bytes)"))
-    bad_stride = stride_problems(g.row_stride, g.cpu_page_size, world)
-    problems += bad_stride
-    if bad_stride:
-        return None, 0, problems
-    rows = min(g.num_blocks, size // g.row_stride)
-    return replace(g, world_size=world), rows, problems
-
-
-def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, path: str
-                             ) -> tuple[Geometry | None, int, list[Problem]]:
-    """vLLM's layout for these arguments: row_stride = round_up(W * slot, PAGESIZE)."""
-    row_stride = default_row_stride(world_size, cpu_page_size)
-    rows, rest = divmod(size, row_stride)
-    hint = "wrong --world-size or --cpu-page-size?"
-    if size == 0:
-        return None, 0, [Problem("size_mismatch", f"{path} is empty; its creator never sized "
-                                 "it (crashed between open and ftruncate?)")]
-    if rows == 0:
-        return None, 0, [Problem(
-            code="size_mismatch",
-            message=f"{path} is {size} bytes, smaller than one row of {row_stride} "
-            f"bytes ({world_size} slot(s) of {cpu_page_size}); {hint}")]
-    problems = []
-    if rest:
-        problems.append(Problem(
-            code="size_mismatch",
-            message=f"{path} is {size} bytes, not a whole number of rows of {row_stride} bytes "
-            f"({world_size} slot(s) of {cpu_page_size}, rounded up to a page): {rows} rows "
-            f"and {rest} bytes over; {hint}"))
-    return Geometry(num_blocks=rows, row_stride=row_stride, cpu_page_size=cpu_page_size,
-                    world_size=world_size), rows, problems
-
-
-def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manifest: bool
-                   ) -> tuple[list[Problem], list[Problem]]:
-    """Each rank in range, each rank once, all ranks present, no two on one device."""
-    problems: list[Problem] = []
-    notes: list[Problem] = []
-    if not has_manifest:
-        return problems, [Problem(
-            code="no_manifest",
-            message="no manifest records who attached (a region made by vLLM); only "
-            "size and residency are checked")]
-    if not workers:
-        return problems, [Problem(
-            code="no_workers",
-            message="no live worker is attached (pre-provisioned, or the engine is "
-            "down); only size and residency are checked")]
-    for w in workers:
-        if not 0 <= w.rank < world_size:
-            problems.append(Problem(
-                code="rank_out_of_range",
-                message=f"pid {w.pid} is attached as rank {w.rank}, outside [0, {world_size}) "
-                f"({_origin(w)}); it writes past the row's slots, into another worker's slot "
-                "of the next row", ranks=(w.rank,), pids=(w.pid,)))
-    by_rank: dict[int, list[AttachedWorker]] = defaultdict(list)
-    for w in workers:
-        by_rank[w.rank].append(w)
-    for rank, same in sorted(by_rank.items()):
-        if len(same) > 1:
-            problems.append(Problem(
-                code="rank_duplicate",
-                message=f"rank {rank} is attached {len(same)} times: pids "
-                        f"{joined(w.pid for w in same)} "
-                f"({'; '.join(_origin(w) for w in same)}); they write the same bytes",
-                ranks=(rank,), pids=tuple(w.pid for w in same), slot=rank))
-    missing = [r for r in range(world_size) if r not in by_rank]
-    if missing:
-        problems.append(Problem(
-            code="rank_missing",
-            message=f"no live worker is attached as rank {joined(missing, 'or')} of "
-            f"{world_size}; a worker never attached, or computed another rank",
-            ranks=tuple(missing)))
-    problems += _device_checks(workers, notes)
-    sources = sorted({w.rank_source for w in workers if w.rank_source is not None})
-    if len(sources) > 1:
-        problems.append(Problem(
-            code="mixed_rank_sources",
-            message=f"live workers computed their ranks with different sources "
-                    f"({', '.join(sources)}); "
-            "their slots need not be disjoint",
-            pids=tuple(w.pid for w in workers if w.rank_source is not None)))
-    return problems, notes
-
-
-def _device_checks(workers: Sequence[AttachedWorker], notes: list[Problem]
-                   ) -> list[Problem]:
-    """One device index for two workers: proof of a shared slot only for device-based sources.
-
-    The recorded index is what each process sees; where each worker process
-    sees only its own GPU (Ray, or one CUDA_VISIBLE_DEVICES entry per process)
-    every worker is on index 0 legitimately, which only a device-based rank
-    source turns into a collision.
-    """
-    problems = []
-    by_device: dict[int, list[AttachedWorker]] = defaultdict(list)
-    for w in workers:
-        if w.device_index is not None:
-            by_device[w.device_index].append(w)
-    for device, same in sorted(by_device.items()):
-        if len({w.pid for w in same}) < 2:
-            continue
-        pids = tuple(w.pid for w in same)
-        device_based = all(_device_based(w.rank_source) for w in same)
-        if device_based:
-            problems.append(Problem(
-                code="device_shared",
-                message=f"pids {joined(pids)} all report device index {device} and derive their "
-                        f"rank from "
-                "it, so they compute the same slot", ranks=tuple(w.rank for w in same),
-                pids=pids))
-        else:
-            notes.append(Problem(
-                code="device_index_shared",
-                message=f"pids {joined(pids)} all report device index {device}; fine when each "
-                        f"worker "
-                "process sees only its own GPU, a shared GPU otherwise",
-                ranks=tuple(w.rank for w in same), pids=pids))
-    return problems
-
-
 def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWorker]
                   ) -> tuple[list[SlotReport], list[Problem], list[Problem]]:
-    """Residency per slot over the first `rows` rows (those the file really holds).
-
-    Computed per page column: every row has the same page pattern, so slot
-    ownership is decided once per page of a row and counted down the column.
-    """
+    """Residency per slot over the `rows` rows the file holds, counted per page column:
+    every row has the same page pattern."""
     world = g.world_size
     assert world is not None
     pages = residency.page_map(fd, 0, rows * g.row_stride)
@@ -440,17 +375,14 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
     for j in range(per_row):
         first = j * PAGESIZE // g.cpu_page_size
         last = min(((j + 1) * PAGESIZE - 1) // g.cpu_page_size, world - 1)
-        touched = range(first, last + 1)
-        for slot in touched:
-            (own if len(touched) == 1 else shared)[slot].append(j)
-    by_rank: dict[int, list[AttachedWorker]] = defaultdict(list)
-    for w in workers:
-        by_rank[w.rank].append(w)
+        for slot in range(first, last + 1):
+            (own if first == last else shared)[slot].append(j)
     reports, problems, notes = [], [], []
     for slot in range(world):
         rng = g.slot(slot)
+        claim = tuple(w for w in workers if w.rank == slot)
         report = SlotReport(
-            slot=slot, start=rng.start, end=rng.end, workers=tuple(by_rank.get(slot, ())),
+            slot=slot, start=rng.start, end=rng.end, workers=claim,
             pages=len(own[slot]) * rows,
             resident_pages=sum(resident_in_column[j] for j in own[slot]),
             shared_pages=len(shared[slot]) * rows,
@@ -460,18 +392,15 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
         where = f"bytes {rng.start}..{rng.end} of each of {rows} rows"
         if report.pages == 0:
             notes.append(Problem(
-                code="slot_unmeasurable",
-                message=f"slot {slot} ({where}) shares every page with a neighbouring slot "
-                f"(cpu_page_size {g.cpu_page_size} is not page aligned), so residency cannot "
-                "tell whether it was populated", slot=slot))
+                "slot_unmeasurable", f"slot {slot} ({where}) shares every page with a "
+                f"neighbouring slot (cpu_page_size {g.cpu_page_size} is not page aligned), so "
+                "residency cannot tell whether it was populated", slot=slot))
         elif report.resident_pages == 0:
-            claim = report.workers
             who = (f"rank {slot} is attached (pid {joined(w.pid for w in claim)}) but never "
                    "wrote there" if claim else
                    "no live worker claims it; a worker never attached, or wrote elsewhere")
             problems.append(Problem(
-                code="slot_unpopulated",
-                message=f"slot {slot} ({where}) was never populated: none of its "
+                "slot_unpopulated", f"slot {slot} ({where}) was never populated: none of its "
                 f"{report.pages} page(s) is resident; {who}", slot=slot,
                 pids=tuple(w.pid for w in claim)))
     return reports, problems, notes
@@ -480,9 +409,7 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
 def _with_status(s: SlotReport, problems: Iterable[Problem]) -> SlotReport:
     codes = tuple(dict.fromkeys(p.code for p in problems
                                 if p.slot == s.slot or s.slot in p.ranks))
-    if not codes and s.pages == 0:
-        codes = ("unmeasurable",)
-    return replace(s, status=codes)
+    return replace(s, status=codes or (("unmeasurable",) if s.pages == 0 else ()))
 
 
 def _device_based(name: str | None) -> bool:
