@@ -1,12 +1,9 @@
-"""Opening names in a world-writable directory without trusting them.
-
-Every existing region is opened without O_CREAT, with O_NOFOLLOW, and judged
-by `fstat` of the descriptor (never by a second lookup of the name): a regular
-file, owned by an allowed uid, no group/other bits, one link, the exact size.
-"""
+"""Opening names in a world-writable directory without trusting them: no O_CREAT, no
+link followed, and judged by `fstat` of the descriptor, never by a second lookup."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -29,10 +26,6 @@ from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 OPEN_EXISTING_FLAGS = UNTRUSTED_OPEN_FLAGS
 
 
-def default_allowed_uids() -> frozenset[int]:
-    return frozenset({os.geteuid()})
-
-
 class EveryUid:
     """The type of EVERY_UID: a file of any owner counts (root looking at every user's)."""
 
@@ -48,7 +41,7 @@ AllowedUids = Collection[int] | EveryUid | None
 def uid_allowed(uid: int, allowed_uids: AllowedUids) -> bool:
     if isinstance(allowed_uids, EveryUid):
         return True
-    return uid in (default_allowed_uids() if allowed_uids is None else allowed_uids)
+    return uid in ((os.geteuid(),) if allowed_uids is None else allowed_uids)
 
 
 def inspection_uids(allowed_uids: AllowedUids) -> AllowedUids:
@@ -66,31 +59,24 @@ def stat_problems(
     expect_linked: bool = True,
 ) -> list[Problem]:
     """Everything that makes a file unsafe to treat as one of our regions."""
-    problems: list[Problem] = []
     if stat.S_ISLNK(st.st_mode):
         return [Problem("symlink", "is a symbolic link; region names are never followed")]
     if not stat.S_ISREG(st.st_mode):
         return [Problem("not_regular_file", "is not a regular file")]
-    if not isinstance(allowed_uids, EveryUid):
-        uids = default_allowed_uids() if allowed_uids is None else allowed_uids
-        if st.st_uid not in uids:
-            expected = " or ".join(str(u) for u in sorted(uids))
-            problems.append(Problem("foreign_owner",
-                                    f"is owned by uid {st.st_uid}, not {expected}"))
+    problems = []
+    uids = (os.geteuid(),) if allowed_uids is None else allowed_uids
+    if not isinstance(uids, EveryUid) and st.st_uid not in uids:
+        expected = " or ".join(str(u) for u in sorted(uids))
+        problems.append(Problem("foreign_owner", f"is owned by uid {st.st_uid}, not {expected}"))
     if st.st_mode & 0o077:
-        problems.append(Problem(
-            "unsafe_mode",
-            f"has mode {stat.S_IMODE(st.st_mode):04o}; group/other permission bits must be "
-            "clear (expected 0600)",
-        ))
+        problems.append(Problem("unsafe_mode", f"has mode {stat.S_IMODE(st.st_mode):04o}; "
+                                "group/other permission bits must be clear (expected 0600)"))
     if expect_linked and st.st_nlink != 1:
         problems.append(Problem(
-            "link_count", f"has {st.st_nlink} hard links; a region must have exactly one",
-        ))
+            "link_count", f"has {st.st_nlink} hard links; a region must have exactly one"))
     if expected_size is not None and st.st_size != expected_size:
         problems.append(Problem(
-            "size_mismatch", f"is {st.st_size} bytes; its geometry needs {expected_size}",
-        ))
+            "size_mismatch", f"is {st.st_size} bytes; its geometry needs {expected_size}"))
     return problems
 
 
@@ -105,10 +91,9 @@ def raise_if_unsafe(
     """Turn the first problem of `stat_problems` into an UnsafeRegionError."""
     problems = stat_problems(st, allowed_uids=allowed_uids, expected_size=expected_size)
     if problems:
-        first = problems[0]
-        hint = _HINTS.get(first.code, "")
-        raise UnsafeRegionError(f"{path} {first.message}; refusing to use it{hint}",
-                                path=path, engine_id=engine_id, code=first.code)
+        code, message = problems[0].code, problems[0].message
+        raise UnsafeRegionError(f"{path} {message}; refusing to use it{_HINTS.get(code, '')}",
+                                path=path, engine_id=engine_id, code=code)
 
 
 _HINTS = {
@@ -121,22 +106,12 @@ _HINTS = {
 }
 
 
-# O_NONBLOCK (so a FIFO named like a region cannot hang us) also makes open()
-# fail with EAGAIN instead of waiting while another process holds a lease on
-# the file: gc holds one for moments while it proves a region unused.
-_LEASE_WAIT_SECONDS = 5.0
-
-
 class LeaseWait:
-    """How long opens may wait out other processes' leases, all together.
+    """How long opens may wait out other processes' leases (O_NONBLOCK makes open() fail
+    with EAGAIN then), all together: one budget per run, as anyone may lease their own
+    files, and a wait per file would let them set how long a run takes."""
 
-    One budget per run, shared by every file it opens: anyone may hold a lease
-    on a file of their own, so a wait per file would let them set how long a
-    command that looks at many files runs (12 leased files, 5 s each, outlast
-    gc's cron timeout). Once spent, a leased file is answered at once.
-    """
-
-    def __init__(self, seconds: float = _LEASE_WAIT_SECONDS) -> None:
+    def __init__(self, seconds: float = 5.0) -> None:
         self.seconds = seconds
         self.left = seconds
 
@@ -156,11 +131,8 @@ class LeaseWait:
 
 def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None = None,
                   lease_wait: LeaseWait | None = None) -> int:
-    """Open an existing name without creating it and without following a link.
-
-    A lease held by another process is waited out within `lease_wait` (the
-    caller's budget for all its opens; by default 5 s for this one).
-    """
+    """Open an existing name, no O_CREAT, no link followed; a lease is waited out within
+    `lease_wait` (the caller's budget for all its opens; by default 5 s for this one)."""
     wait = LeaseWait() if lease_wait is None else lease_wait
     try:
         fd = wait.open(path, flags | OPEN_EXISTING_FLAGS)
@@ -207,14 +179,12 @@ def no_space(path: str, exc: OSError, *, engine_id: str | None = None
     """ENOSPC/EDQUOT as a refusal that says whether bytes or inodes ran out."""
     directory = os.path.dirname(path) or "."
     why = exc.strerror or "no space left"
-    try:
+    with contextlib.suppress(OSError):
         vfs = os.statvfs(directory)
         if vfs.f_files and vfs.f_ffree == 0:
             why = (f"{directory} has no free inodes left ({vfs.f_files} in all; the tmpfs "
                    "nr_inodes limit): remove leftovers with `vllm-offload gc`, or remount it "
                    "with a larger nr_inodes")
-    except OSError:
-        pass
     return InsufficientSpaceError(f"cannot create {path}: {why}", path=path,
                                   engine_id=engine_id, code="no_space")
 
@@ -231,14 +201,9 @@ def same_file_at(path: str, fd: int) -> bool:
 def unlink_if_same(path: str, fd: int, *, private_fd: int | None = None) -> bool:
     """Unlink `path` only if it names the inode open as `fd`; True when it did.
 
-    With `private_fd` (this user's private directory, see `private_dir`) the
-    check cannot be raced: the name is first renamed into that directory (one
-    atomic step on one filesystem), the moved inode is compared with `fd`
-    there, where nobody but this user and root can rename it again, and only
-    then unlinked; anything else caught by the rename is linked back under its
-    old name without replacing whatever took that name meanwhile. Without it
-    (no private directory could be had) the check and the unlink are two
-    steps, so a user who owns both files could swap them in between.
+    With `private_fd` (this user's `private_dir`) it cannot be raced: the name is renamed
+    into that directory, where only this user and root can rename it again, checked
+    there and unlinked; anything else caught is linked back, never over a newer file.
     """
     if not same_file_at(path, fd):
         return False
@@ -282,20 +247,15 @@ def _put_back(moved: str, path: str, private_fd: int, st: os.stat_result) -> Non
                       f"private directory as {moved}") from None
 
 
-# {shm_dir}/.vllm-offload-{uid}: this user's start-up lock and the place where
-# removals are checked; 0700, so only this user and root can use it.
-PRIVATE_DIR_PREFIX = ".vllm-offload-"
-_PRIVATE_OPEN = os.O_RDONLY | os.O_DIRECTORY | UNTRUSTED_OPEN_FLAGS
-
-
 def private_dir_name(uid: int | None = None) -> str:
-    return f"{PRIVATE_DIR_PREFIX}{os.geteuid() if uid is None else uid}"
+    """{shm_dir}/.vllm-offload-{uid}, 0700: this user's start-up lock, where removals are
+    checked."""
+    return f".vllm-offload-{os.geteuid() if uid is None else uid}"
 
 
 @functools.lru_cache(maxsize=256)
 def user_name(uid: int) -> str | None:
-    """The account name of `uid`, None when it has none (looked up once per uid: a table
-    of many regions asks for the same few owners)."""
+    """The account name of `uid`, None when it has none (cached: a table asks for a few)."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -309,13 +269,8 @@ def user_text(uid: int) -> str:
 
 
 def private_dir(shm_dir: str | os.PathLike[str]) -> int:
-    """A descriptor of this user's private directory in `shm_dir`, made if needed.
-
-    Judged on the descriptor: a directory owned by this user, mode 0700, on
-    the shm directory's filesystem. Anything else at the name (another user's
-    directory, a symlink, a file) is a squatted name: UnsafeRegionError
-    naming the squatter.
-    """
+    """A descriptor of this user's private directory in `shm_dir`, made if needed: owned
+    by this user, mode 0700, on the shm filesystem; else a squatted name, refused."""
     shm = os.fspath(shm_dir)
     name = private_dir_name()
     path = os.path.join(shm, name)
@@ -331,7 +286,7 @@ def private_dir(shm_dir: str | os.PathLike[str]) -> int:
             raise OperationFailedError(f"cannot make {path}: {exc.strerror}",
                                        path=path) from None
         try:
-            fd = os.open(name, _PRIVATE_OPEN, dir_fd=dfd)
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | UNTRUSTED_OPEN_FLAGS, dir_fd=dfd)
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise

@@ -1,12 +1,8 @@
-"""The sidecar manifest: what the region's bytes mean, written beside them.
+"""The sidecar manifest: what the region's headerless bytes mean, written beside them.
 
-vLLM's region has no header, so nobody outside the engine can tell its
-geometry or who is attached. The creator writes this JSON file next to the
-region (atomically, mode 0600); every opener adds itself to `attachments`.
-
-Concurrent updates use a lock-then-verify protocol: flock the manifest, check
-that its name still points at the locked inode (a writer may have replaced it
-by rename meanwhile), then write a new file and rename it into place.
+The creator writes it (atomically, mode 0600); every opener adds itself to
+`attachments`. Updates lock-then-verify: flock it, check that the name still names
+the locked inode (a writer may have renamed another over it), write, rename.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef
 
 MANIFEST_VERSION = 1
-# How a region's vLLM layout was decided: read from the vLLM in use; the newest
-# release's, as no vLLM was found; or asked for by the operator.
+# How its vLLM layout was decided: the vLLM in use's, the newest (no vLLM found), asked
 LAYOUT_BASES = ("vllm", "newest", "requested")
 MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
 # Two-phase creation: `creating` until the region is sized and pre-faulted.
@@ -84,6 +79,9 @@ class Manifest:
     attachments: tuple[Attachment, ...] = field(default_factory=tuple)
     placement: dict[str, Any] | None = None  # optional: NUMA policy and huge pages asked for
     state: str = READY
+    segments: int = 1  # files `.mmap`, `.mmap.1`, ... (vLLM's CPU spec splits big regions)
+    engine_token: str | None = None  # the creating engine's token (engine hook), else None
+    vllm_layout_basis: str | None = None  # one of LAYOUT_BASES; None in older manifests
 
     @property
     def complete(self) -> bool:
@@ -97,10 +95,6 @@ class Manifest:
     def live_attachments(self) -> tuple[Attachment, ...]:
         """Openers still running (pid and start time): a dead one's entry stays until pruned."""
         return tuple(a for a in self.attachments if ProcessRef(a.pid, a.start_ticks).alive())
-    segments: int = 1  # files `.mmap`, `.mmap.1`, ... (vLLM's CPU spec splits big regions)
-    engine_token: str | None = None  # the creating engine's token (engine hook), else None
-    # why this vLLM layout was made: LAYOUT_BASES (None: written before it was recorded)
-    vllm_layout_basis: str | None = None
 
     @property
     def vllm_layout(self) -> str:
@@ -144,11 +138,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, doc: Any) -> Manifest:
-        """Validate strictly: a manifest steers what we delete and how we read bytes.
-
-        Every field is type- and range-checked (UntrustedJsonError, a ValueError);
-        unknown fields are ignored, so a later version's additions do not hurt.
-        """
+        """Type- and range-check every field (a manifest steers what we delete), raising
+        UntrustedJsonError; unknown fields are ignored, for a later version's additions."""
         doc = uj.obj(doc, "manifest")
         version = uj.field(doc, "manifest_version", "manifest")
         if version != MANIFEST_VERSION or isinstance(version, bool):
@@ -157,9 +148,6 @@ class Manifest:
         problem = engine_id_problem(engine_id)
         if problem is not None:
             raise uj.UntrustedJsonError(problem)
-        state = uj.string(doc.get("state", READY), "state")
-        if state not in (CREATING, READY):
-            raise uj.UntrustedJsonError(f"state must be {CREATING!r} or {READY!r}")
         region = uj.obj(uj.field(doc, "region", "manifest"), "region")
         creator = uj.obj(uj.field(doc, "creator", "manifest"), "creator")
         return cls(
@@ -177,11 +165,11 @@ class Manifest:
             layout=uj.string(doc.get("layout", "worker"), "layout", 32),
             rank_source=uj.opt_string(doc.get("rank_source"), "rank_source", 64),
             persistent=uj.boolean(doc.get("persistent", False), "persistent"),
-            state=state,
+            state=_one_of(doc.get("state", READY), "state", (CREATING, READY)),
             segments=uj.integer(doc.get("segments", 1), "segments", 1, MAX_SEGMENTS),
             engine_token=uj.opt_string(doc.get("engine_token"), "engine_token", 64),
             vllm_layout_basis=_one_of(doc.get("vllm_layout_basis"), "vllm_layout_basis",
-                                      LAYOUT_BASES),
+                                      (None, *LAYOUT_BASES)),
             placement=_placement(doc.get("placement")),
             attachments=tuple(
                 _attachment(uj.obj(a, "attachment"))
@@ -201,11 +189,10 @@ MAX_ATTACHMENTS = 4096
 MAX_SEGMENTS = 4096
 
 
-def _one_of(value: Any, what: str, allowed: tuple[str, ...]) -> str | None:
-    text = uj.opt_string(value, what, 32)
-    if text is not None and text not in allowed:
-        raise uj.UntrustedJsonError(f"{what} must be one of {', '.join(allowed)}")
-    return text
+def _one_of(value: Any, what: str, allowed: tuple[str | None, ...]) -> Any:
+    if value not in allowed:
+        raise uj.UntrustedJsonError(f"{what} must be one of {', '.join(filter(None, allowed))}")
+    return value
 
 
 def _placement(doc: Any) -> dict[str, Any] | None:
@@ -217,15 +204,13 @@ def _placement(doc: Any) -> dict[str, Any] | None:
 
 
 def _geometry(g: dict[str, Any]) -> Geometry:
+    def size(key: str, hi: int) -> int:
+        return uj.integer(uj.field(g, key, "geometry"), f"geometry.{key}", 1, hi)
     try:
         return Geometry(
-            num_blocks=uj.integer(uj.field(g, "num_blocks", "geometry"), "geometry.num_blocks", 1,
-                       _MAX_ROWS),
-            row_stride=uj.integer(uj.field(g, "row_stride", "geometry"), "geometry.row_stride", 1,
-                       _MAX_BYTES_PER_ROW),
-            cpu_page_size=uj.integer(uj.field(g, "cpu_page_size", "geometry"),
-                                     "geometry.cpu_page_size", 1,
-                       _MAX_BYTES_PER_ROW),
+            num_blocks=size("num_blocks", _MAX_ROWS),
+            row_stride=size("row_stride", _MAX_BYTES_PER_ROW),
+            cpu_page_size=size("cpu_page_size", _MAX_BYTES_PER_ROW),
             world_size=uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
         )
     except OffloadError as exc:
@@ -247,8 +232,10 @@ def _attachment(a: dict[str, Any]) -> Attachment:
     )
 
 
-def _parse(fd: int, path: str, allowed_uids: fsguard.AllowedUids,
-           owner_uid: int | None = None) -> Manifest:
+def read_fd(fd: int, path: str, *, allowed_uids: fsguard.AllowedUids = None,
+            owner_uid: int | None = None) -> Manifest:
+    """Parse a manifest open as `fd` (a caller may lock or unlink that very inode); with
+    `owner_uid` (the region's owner) anyone else's is refused: it proves nothing."""
     st = os.fstat(fd)
     if owner_uid is not None and st.st_uid != owner_uid:
         raise ManifestError(
@@ -266,8 +253,7 @@ def _parse(fd: int, path: str, allowed_uids: fsguard.AllowedUids,
         if named is not None and m.engine_id != named:
             raise uj.UntrustedJsonError(f"it records engine_id {m.engine_id!r}, not {named!r}")
     except (ValueError, TypeError) as exc:
-        # UntrustedJsonError is a ValueError; a field validator added later that
-        # raises plain ValueError/TypeError on hostile input must not crash us either
+        # not only UntrustedJsonError: no validator may crash on hostile input either
         raise ManifestError(
             f"manifest {path} is invalid ({str(exc)[:200]}); it is ignored. Remove it, or let "
             "`vllm-offload gc` do so once its region is gone", path=path,
@@ -277,36 +263,20 @@ def _parse(fd: int, path: str, allowed_uids: fsguard.AllowedUids,
 
 def read(path: str, *, allowed_uids: fsguard.AllowedUids = None,
          owner_uid: int | None = None) -> Manifest:
-    """Read and validate a manifest; RegionNotFoundError if absent, ManifestError if bad.
-
-    With `owner_uid` (the region's owner), a manifest owned by anyone else is
-    refused as `manifest_foreign`: in a shared directory it proves nothing.
-    """
+    """Read and validate a manifest; RegionNotFoundError if absent, ManifestError if bad."""
     fd = fsguard.open_existing(path, os.O_RDONLY)
     try:
-        return _parse(fd, path, allowed_uids, owner_uid)
+        return read_fd(fd, path, allowed_uids=allowed_uids, owner_uid=owner_uid)
     finally:
         os.close(fd)
-
-
-def read_fd(fd: int, path: str, *, allowed_uids: fsguard.AllowedUids = None,
-            owner_uid: int | None = None) -> Manifest:
-    """Parse a manifest already open as `fd`: a caller that also wants to lock
-    or later unlink that very inode reads it through the same descriptor."""
-    return _parse(fd, path, allowed_uids, owner_uid)
 
 
 def read_matching(path: str, file_id: FileId | None, *,
                   allowed_uids: fsguard.AllowedUids = None,
                   owner_uid: int | None = None,
                   ) -> tuple[Manifest | None, Problem | None]:
-    """The manifest describing the file `file_id`, or the problem that stops us using it.
-
-    (None, None) when there is no manifest (a region made by vLLM). A manifest
-    left from an earlier file of the same name, one owned by anyone but the
-    region's owner (`owner_uid`) or one that fails validation is never trusted:
-    the region is then judged as if it had none.
-    """
+    """The manifest describing the file `file_id`, or the problem that stops us using it
+    (then the region is judged as if it had none); (None, None) when there is none."""
     try:
         m = read(path, allowed_uids=allowed_uids, owner_uid=owner_uid)
     except RegionNotFoundError:
@@ -332,8 +302,6 @@ def write(path: str, manifest: Manifest) -> None:
                          allow_nan=False).encode() + b"\n"
     try:
         fd = fsguard.create_exclusive(tmp, os.O_WRONLY)
-    except OffloadError:
-        raise
     except OSError as exc:
         raise OperationFailedError(f"cannot write manifest beside {path}: {exc.strerror}",
                                    path=path) from exc
@@ -344,19 +312,17 @@ def write(path: str, manifest: Manifest) -> None:
             os.close(fd)
         os.rename(tmp, path)  # replaces a link itself, never its target
     except BaseException as exc:
-        _silent_unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise fsguard.no_space(path, exc) from None
         raise
 
 
 def _locked(path: str, timeout: float, work: Callable[[int], T | None], doing: str) -> T:
-    """`work(fd)` under LOCK_EX on the manifest named `path` right now (lock-then-verify).
-
-    The lock is tried, never waited for in the kernel, and `work` returns None
-    when the name was replaced meanwhile: both are retried until `timeout`, so a
-    stopped holder (a SIGSTOPped gc) fails the caller instead of stalling it.
-    """
+    """`work(fd)` under LOCK_EX on the manifest named `path` now. A lock held elsewhere,
+    or `work` returning None (the name was replaced), is retried until `timeout`, never
+    waited for in the kernel: a stopped holder (a SIGSTOPped gc) cannot stall us."""
     def attempt() -> T | None:
         fd = fsguard.open_existing(path, os.O_RDONLY)
         try:
@@ -376,7 +342,7 @@ def update(path: str, change: Callable[[Manifest], Manifest],
     def work(fd: int) -> Manifest | None:
         if not fsguard.same_file_at(path, fd):
             return None  # replaced by a concurrent writer: lock the new file
-        new = change(_parse(fd, path, allowed_uids))
+        new = change(read_fd(fd, path, allowed_uids=allowed_uids))
         write(path, new)
         return new
     return _locked(path, timeout, work, "updating")
@@ -391,7 +357,7 @@ def remove(path: str, *, timeout: float = 10.0) -> None:
     except RegionTimeoutError:
         raise
     except OffloadError:
-        return  # already gone, or not a file we would ever have written
+        pass  # already gone, or not a file we would ever have written
 
 
 def attach(path: str, attachment: Attachment, *, ready: bool = False, **kw: Any) -> Manifest:
@@ -410,7 +376,3 @@ def detach(path: str, pid: int, rank: int | None, **kw: Any) -> Manifest:
                                             if (a.pid, a.rank) != (pid, rank)))
     return update(path, remove, **kw)
 
-
-def _silent_unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

@@ -1,21 +1,11 @@
 """Is a file open anywhere else? Asked of the kernel, not of /proc.
 
-A /proc scan sees only the processes it may inspect. The kernel itself counts
-every open file description of an inode (`i_readcount`, `i_writecount`), and
-a write lease (`fcntl(F_SETLEASE, F_WRLCK)`) is granted only when the caller's
-own descriptor is the sole one. A mapping keeps its file open after `close`,
-and so does a descriptor parked in a unix socket, so a granted lease proves
-that no process, in any PID namespace, as any user, visible or not, has the
-file open or mapped. A refused lease proves that one does (or that another
-gc/inspect is probing it this instant: callers retry briefly).
-
-The kernel grants a lease only to the file's owner or to CAP_LEASE, while
-leases are enabled (`fs.leases-enable`); otherwise the answer is "cannot tell".
-While we hold a lease, another process's open() of the file waits (up to
-`fs.lease-break-time`) and the kernel signals us: SIGIO by default, whose
-default action kills. Each leased descriptor is set (F_SETSIG) to signal
-SIGURG instead, whose default action is to ignore it, so no process-wide
-signal disposition changes, and leases are held only for moments.
+A write lease (F_SETLEASE, F_WRLCK) is granted only when the caller's descriptor is
+the file's sole open description (a mapping or a descriptor parked in a socket keeps
+one), so it proves that no process, in any PID namespace, has the file open or mapped;
+a /proc scan sees only what it may inspect. Only the owner or CAP_LEASE gets one,
+else the answer is "cannot tell". A lease break signals SIGURG (F_SETSIG), whose
+default is to ignore it, instead of the fatal SIGIO; leases are held for moments.
 """
 
 from __future__ import annotations
@@ -29,8 +19,8 @@ from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.deadline import poll_until
 
-# A refused lease is retried this long: another collector's or inspect's probe
-# holds its descriptor for microseconds, a real user for as long as it lives.
+# A refused lease is retried this long: another gc's or inspect's probe holds its
+# descriptor for microseconds, a real user for as long as it lives.
 _RETRY_SECONDS = 0.15
 
 
@@ -71,13 +61,9 @@ def _release(fd: int) -> None:
 @contextmanager
 def sole_opener(fds: list[int], *, retry: float = _RETRY_SECONDS
                 ) -> Iterator[OpenersVerdict]:
-    """Hold write leases on every fd for the block; yield whether each was granted.
-
-    Each fd must be this process's only open file description of its file
-    (open it once, read-only, and open it nowhere else while in the block:
-    our own second open would wait on our own lease). The verdict is True only
-    if every file is open nowhere else; leases are released on exit.
-    """
+    """Hold write leases on every fd for the block; the verdict is True only if every
+    file is open nowhere else. Open each file once, read-only, and nowhere else while in
+    the block: our own second open would wait on our own lease."""
     taken: list[int] = []
     try:
         verdict = OpenersVerdict(True)
@@ -93,11 +79,8 @@ def sole_opener(fds: list[int], *, retry: float = _RETRY_SECONDS
 
 
 def still_sole(fd: int) -> bool:
-    """Under a granted lease: False once another process started to open the file.
-
-    While a lease break is pending the kernel reports the lease's target type,
-    so anything but F_WRLCK means an opener is waiting on us right now.
-    """
+    """Under a granted lease: False once another process started to open the file (a
+    pending break reports the lease's target type, not F_WRLCK)."""
     try:
         return fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_WRLCK
     except OSError:

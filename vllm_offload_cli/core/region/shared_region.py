@@ -1,20 +1,11 @@
 """SharedOffloadRegion: vLLM's mmap-backed KV offload region, hardened.
 
-Byte-compatible with vLLM's class of the same name (same path, same creator /
-joiner protocol, same layout, same views), so either side can create a region
-and the other can join it. On top of vLLM's behaviour (the hardening rules):
-
-* joiners never pass O_CREAT, and nothing is followed (O_NOFOLLOW);
-* the descriptor is judged by fstat: regular file, allowed owner, mode 0600,
-  one link, and exactly the expected size once the creator has sized it;
-* every opener holds a shared flock for the region's life (liveness proof);
-* the creator checks capacity first and writes a sidecar manifest; openers
-  record themselves in it; any failure removes what this opener created;
-* creation is two-phase: the manifest says `creating` (creator pid and start
-  time) until the file is sized and pre-faulted, and `ready` only after, so a
-  killed creator leaves a region that gc recognises as incomplete.
-
-torch is imported only when a tensor view is asked for.
+Byte-compatible with vLLM's class (path, creator/joiner protocol, layout, views), so
+either side can create a region and the other join it. On top: joiners never O_CREAT
+or follow a link, the descriptor is judged by fstat, every opener holds a shared flock,
+the creator checks capacity and writes a manifest that says `creating` until the file
+is sized and pre-faulted, and a failure removes what this opener created. torch is
+imported only when a tensor view is asked for.
 """
 
 from __future__ import annotations
@@ -80,6 +71,12 @@ logger = logging.getLogger(__name__)
 _RETRIES = 8  # restarts of the open protocol when a name changes under us
 
 
+def _positive(tensor_page_size: int) -> int:
+    if tensor_page_size <= 0:
+        raise InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
+    return tensor_page_size
+
+
 def _pausing(progress: Progress | None) -> Progress:
     """Report progress, and let the crash tests stop us half-way (test hook)."""
     def update(done: int, total: int) -> None:
@@ -93,14 +90,9 @@ def _pausing(progress: Progress | None) -> Progress:
 class SharedOffloadRegion:
     """One mmap'd file shared by every worker of one engine (one DP replica).
 
-    A drop-in for vLLM's class: the signature of vLLM 0.33 (`engine_id, num_chunks,
-    rank, kv_bytes_per_chunk, cpu_page_size, barrier=None, *, creator_memory_check,
-    populate_shard, num_segments`; 0.31/0.32's `populate_only_on_creator` too), its
-    attributes and its barrier protocol: once every worker has mapped the file the
-    creator drops the names, so no exit path can leak the bytes; a worker that fails
-    still arrives at the barriers it owes, so its peers fail on their own errors
-    instead of hanging. `rank=None` is the scheduler's rank-less view (whole rows,
-    whole-file pre-fault). The keyword-only arguments after those are ours.
+    A drop-in for vLLM's class: vLLM 0.33's signature (and 0.31/0.32's
+    `populate_only_on_creator`), attributes and barrier protocol; the keyword-only
+    arguments after vLLM's are ours. `rank=None` is the scheduler's rank-less view.
     """
 
     # vLLM's spec modules read this when they load (row strides are rounded up to it)
@@ -142,6 +134,8 @@ class SharedOffloadRegion:
         # what cleanup(), __repr__ and the failure path read, set before anything can fail
         self.engine_id = engine_id
         self.rank = rank
+        self.persistent = persistent
+        self.engine_token = engine_token
         self.page_size = PAGESIZE
         self.fd: int | None = None
         self.mmap_obj: mmap.mmap | None = None
@@ -149,6 +143,11 @@ class SharedOffloadRegion:
         self.huge_page_bytes: int | None = None  # PMD-mapped bytes after pre-fault
         self.is_pinned = False  # set by whoever page-locks the mapping (vLLM's worker, ours)
         self.pinned_addresses: list[int] = []  # vLLM's registrations, unregistered at cleanup
+        self._allowed_uids = allowed_uids
+        self._device_index = device_index
+        self._layout = layout
+        self._vllm_layout_basis = vllm_layout_basis
+        self._creator_memory_check = creator_memory_check
         self._creator = False
         self._manifest_written = False
         self._attached = False
@@ -157,7 +156,8 @@ class SharedOffloadRegion:
         self._views: list[torch.Tensor] = []
         self._base_tensor: torch.Tensor | None = None
         self._close_callbacks: list[Callable[[], None]] = []
-        # vLLM's barrier protocol: one rendezvous, a second after a sharded pre-fault
+        # vLLM's barrier protocol: one rendezvous, a second after a sharded pre-fault. A
+        # failing worker still arrives at the ones it owes, so its peers do not hang.
         barriers_owed = 0 if barrier is None else 2 if populate_shard is not None else 1
         try:
             if populate_only_on_creator and barrier is None:
@@ -165,14 +165,12 @@ class SharedOffloadRegion:
                                         "must not use pages the creator has not populated")
             self._describe(num_chunks, kv_bytes_per_chunk, cpu_page_size, shm_dir=shm_dir,
                            world_size=world_size, rank_source=rank_source,
-                           device_index=device_index, layout=layout, persistent=persistent,
-                           allowed_uids=allowed_uids, numa_node=numa_node,
-                           numa_policy=numa_policy, huge_pages=huge_pages,
-                           num_segments=num_segments, min_segment_bytes=min_segment_bytes,
-                           vllm_layout_basis=vllm_layout_basis, engine_token=engine_token)
-            self._creator_memory_check = creator_memory_check
-            if create_only:
-                self._refuse_corrupt_manifest()
+                           numa_node=numa_node, numa_policy=numa_policy,
+                           huge_pages=huge_pages, num_segments=num_segments,
+                           min_segment_bytes=min_segment_bytes)
+            if create_only:  # an explicit create changes nothing where a damaged manifest is
+                with contextlib.suppress(RegionNotFoundError):
+                    manifest_io.read(self.manifest_path, allowed_uids=allowed_uids)
             fd = self._open(create_only=create_only, join_timeout=join_timeout,
                             preflight=preflight)
             self.mmap_obj = self._map(fd)
@@ -192,7 +190,7 @@ class SharedOffloadRegion:
                 self._attach()  # recorded while the manifest still has its name
                 barriers_owed -= 1
                 barrier()
-                # every worker has mapped the file: the names are no longer needed
+                # every worker has mapped the file: no exit path may leak it by name
                 if self._creator and not self.persistent:
                     self.release_names()
                     logger.info("released the names of %s: every worker mapped it",
@@ -216,11 +214,9 @@ class SharedOffloadRegion:
 
     def _describe(self, num_chunks: int, kv_bytes_per_chunk: int, cpu_page_size: int, *,
                   shm_dir: str | os.PathLike[str], world_size: int | None,
-                  rank_source: str | RankSource | None, device_index: int | None,
-                  layout: str, persistent: bool, allowed_uids: fsguard.AllowedUids,
+                  rank_source: str | RankSource | None,
                   numa_node: int | Sequence[int] | None, numa_policy: str | None,
-                  huge_pages: str, num_segments: int, min_segment_bytes: int,
-                  vllm_layout_basis: str | None, engine_token: str | None) -> None:
+                  huge_pages: str, num_segments: int, min_segment_bytes: int) -> None:
         """Validate the request and compute what the region will be; touches no file."""
         # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
         self._rank_source = None if rank_source is None else parse_rank_source(rank_source).name
@@ -228,6 +224,9 @@ class SharedOffloadRegion:
                                  cpu_page_size=cpu_page_size, world_size=world_size)
         if self.rank is not None:
             check_rank(self.geometry, self.rank)
+            self._worker_offset = self.rank * cpu_page_size
+            self._worker_area_end = (self.rank + 1) * cpu_page_size
+        self._canonical_offset = 0
         self.num_chunks = num_chunks
         self.cpu_page_size = cpu_page_size
         self._row_stride = kv_bytes_per_chunk
@@ -236,7 +235,6 @@ class SharedOffloadRegion:
         self.mmap_path = str(self.path)
         self.manifest_path = str(manifest_path(shm_dir, self.engine_id))
         self.shm_dir = Path(shm_dir)
-        self.persistent = persistent
         # validated before the file exists: a request the host cannot meet creates nothing
         self.placement = page_policy.choose(shm_dir, numa_nodes=numa_node,
                                             numa_policy=numa_policy, huge_pages=huge_pages)
@@ -245,17 +243,8 @@ class SharedOffloadRegion:
             num_chunks, kv_bytes_per_chunk,
             effective_segments(num_segments, self.total_size_bytes,
                                min_bytes=min_segment_bytes))
-        self._vllm_layout_basis = vllm_layout_basis
         self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
-        self.engine_token = engine_token
-        self._allowed_uids = allowed_uids
         self._me = ProcessRef.current()
-        self._device_index = device_index
-        self._layout = layout
-        if self.rank is not None:
-            self._worker_offset = self.rank * cpu_page_size
-            self._worker_area_end = (self.rank + 1) * cpu_page_size
-        self._canonical_offset = 0
         if not self.shm_dir.is_dir():
             raise InvalidInputError(
                 f"shm directory {self.shm_dir} does not exist or is not a directory",
@@ -275,9 +264,7 @@ class SharedOffloadRegion:
         return [(start, min(share, self.total_size_bytes - start))]
 
     def _release_peers(self, barrier: Callable[[], object] | None, owed: int) -> None:
-        """Arrive at the barriers this worker still owes, so that peers fail on their own
-        errors instead of waiting for the collective to time out; our error stays the one
-        raised."""
+        """Arrive at the barriers still owed; our error stays the one raised."""
         if barrier is None:
             return
         for _ in range(owed):
@@ -471,14 +458,6 @@ class SharedOffloadRegion:
             logger.warning("joining %s whose creator (pid %d) is gone; nobody will unlink it",
                            self.mmap_path, m.creator_pid)
 
-    def _refuse_corrupt_manifest(self) -> None:
-        """An explicit create changes nothing when a damaged manifest holds the name."""
-        try:
-            manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids)
-        except RegionNotFoundError:
-            return
-        # a valid manifest without its region is an orphan: the new one replaces it
-
     def _name_taken(self) -> OffloadError:
         st = None
         with contextlib.suppress(FileNotFoundError):
@@ -539,26 +518,34 @@ class SharedOffloadRegion:
     def _abandon(self) -> None:
         """Undo a failed open: never leave a stub that joiners would wait on."""
         if self._creator and self.fd is not None:
-            self._unlink_segments()
-            if fsguard.unlink_if_same(self.mmap_path, self.fd) and self._manifest_written:
-                manifest_io.remove(self.manifest_path)
+            self._unlink_names(manifest=self._manifest_written)
             self._creator = False
         self._close()
 
-    def _unlink_segments(self) -> None:
-        """`.mmap.N` before the bare name: a new creator starts from the bare name."""
+    def _unlink_names(self, *, manifest: bool = True) -> bool:
+        """Unlink the names that still name our inodes, `.mmap.N` first (a new creator
+        starts from the bare name), then the manifest; True when the bare name went."""
+        assert self.fd is not None
         for path, fd in zip(self.segment_paths[1:], self._segment_fds, strict=False):
             fsguard.unlink_if_same(path, fd)
+        if not fsguard.unlink_if_same(self.mmap_path, self.fd):
+            return False
+        if manifest:
+            manifest_io.remove(self.manifest_path)
+        return True
 
     # -- views (vLLM's API) ----------------------------------------------------
+
+    def _mapping(self) -> mmap.mmap:
+        if self.mmap_obj is None or self._closed:
+            raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
+        return self.mmap_obj
 
     @property
     def _base(self) -> torch.Tensor:
         if self._base_tensor is None:
             torch = import_torch()
-            if self.mmap_obj is None or self._closed:
-                raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
-            self._base_tensor = torch.frombuffer(self.mmap_obj, dtype=torch.int8)
+            self._base_tensor = torch.frombuffer(self._mapping(), dtype=torch.int8)
         return self._base_tensor
 
     @property
@@ -591,9 +578,7 @@ class SharedOffloadRegion:
         """The next tensor's page in this worker's slot: (num_chunks, size), strides (row, 1)."""
         if self.rank is None:
             raise InvalidInputError("a rank-less region has no worker slot; pass a rank")
-        if tensor_page_size <= 0:
-            raise InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
-        end = self._worker_offset + tensor_page_size
+        end = self._worker_offset + _positive(tensor_page_size)
         if end > self._worker_area_end:
             raise SlotOverflowError(
                 f"worker offset {end} exceeds worker area end {self._worker_area_end}: a "
@@ -606,9 +591,7 @@ class SharedOffloadRegion:
 
     def create_next_canonical_view(self, tensor_page_size: int) -> torch.Tensor:
         """The next tensor's page carved from offset 0 of every row, shared by all workers."""
-        if tensor_page_size <= 0:
-            raise InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
-        end = self._canonical_offset + tensor_page_size
+        end = self._canonical_offset + _positive(tensor_page_size)
         if end > self._row_stride:
             raise SlotOverflowError(
                 f"canonical pages need {end} bytes per row, more than the row stride "
@@ -619,9 +602,7 @@ class SharedOffloadRegion:
 
     def create_kv_memoryview(self) -> memoryview:
         """Zero-copy (num_chunks, row_stride) byte view; chunk c is view[c]."""
-        if self.mmap_obj is None or self._closed:
-            raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
-        return memoryview(self.mmap_obj).cast("B", (self.num_chunks, self._row_stride))
+        return memoryview(self._mapping()).cast("B", (self.num_chunks, self._row_stride))
 
     # -- lifetime --------------------------------------------------------------
 
@@ -636,15 +617,10 @@ class SharedOffloadRegion:
         return FileId.of(os.fstat(self.fd))
 
     def release_names(self) -> bool:
-        """Unlink the files' names (and the manifest) but keep the mapping, as vLLM's CPU
-        spec does after its barrier: the bytes live until the last mapping goes, and a
-        SIGKILL can no longer leak them. Only names still naming our inodes go."""
-        if self.fd is None:
+        """Unlink the names (and the manifest) but keep the mapping, as vLLM's CPU spec does
+        after its barrier: the bytes live until the last mapping goes, SIGKILL or not."""
+        if self.fd is None or not self._unlink_names():
             return False
-        self._unlink_segments()
-        if not fsguard.unlink_if_same(self.mmap_path, self.fd):
-            return False
-        manifest_io.remove(self.manifest_path)
         self._creator = False  # nothing of ours is left to unlink at cleanup
         return True
 
@@ -658,9 +634,7 @@ class SharedOffloadRegion:
                 logger.debug("detach from %s: %s", self.manifest_path, exc)
             self._attached = False
         if self._creator and not self.persistent and self.fd is not None:
-            self._unlink_segments()
-            if fsguard.unlink_if_same(self.mmap_path, self.fd):
-                manifest_io.remove(self.manifest_path)
+            if self._unlink_names():
                 logger.info("removed %s", self.mmap_path)
             self._creator = False
         self._close()
@@ -715,10 +689,8 @@ class SharedOffloadRegion:
         self.cleanup()
 
     def _unregister_pins(self) -> None:
-        """Undo vLLM's page-locking as vLLM's own class does at cleanup: each address in
-        `pinned_addresses` (the whole mapping when none is listed), newest first, through
-        the unregister function vLLM's region module uses in this process. Our copy worker
-        unpins in its close callback, which runs before this and clears `is_pinned`."""
+        """Undo vLLM's page-locking as vLLM's class does: each of `pinned_addresses` (else
+        the whole mapping), newest first. Our copy worker unpins earlier, in its callback."""
         if not self.is_pinned:
             return
         addresses = list(self.pinned_addresses)
@@ -744,13 +716,8 @@ class SharedOffloadRegion:
 
 
 def _host_unregister() -> Callable[[int], object] | None:
-    """The function that undoes vLLM's host registration in this process.
-
-    vLLM 0.32+ registers through `host_register` and its region class unregisters
-    through the `host_unregister` its module imported; 0.31 called the CUDA runtime
-    directly. Only modules already loaded are consulted: whoever filled
-    `pinned_addresses` loaded them, and the core never imports vLLM.
-    """
+    """What undoes vLLM's host registration here: 0.32+'s `host_unregister` (from modules
+    already loaded: the core never imports vLLM), else the CUDA runtime, as 0.31 did."""
     for module in ("vllm.v1.kv_offload.cpu.shared_offload_region",
                    "vllm.v1.kv_offload.cpu.host_register"):
         unregister = getattr(sys.modules.get(module), "host_unregister", None)
