@@ -651,7 +651,7 @@ def test_cancelled_jobs_are_reported_in_order_after_the_running_one(
     assert started.wait(30)
     closing = threading.Thread(target=worker.shutdown, kwargs={"cancel_pending": True})
     closing.start()
-    assert wait_until(lambda: worker._lanes[Direction.STORE]._stopping)
+    assert wait_until(lambda: worker._lanes[Direction.STORE]._cancel)
     release.set()
     closing.join(30)
     results = worker.get_finished()

@@ -17,8 +17,7 @@ import pytest
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
 from vllm_offload_cli.core.transfer.jobs import Direction, make_job
-from vllm_offload_cli.core.transfer.lanes import StreamLane
-from vllm_offload_cli.core.transfer.result import ResultSink
+from vllm_offload_cli.core.transfer.lanes import ResultSink, StreamLane
 
 torch = import_torch()
 

@@ -1,25 +1,17 @@
-"""How a job's bytes move: fixed rules, the same issuing code for CUDA and CPU tensors.
-
-Per KV tensor, by the shape of the job alone (no measured costs, so the same
-job is copied the same way on every host and in every run):
+"""How a job's bytes move: fixed rules by the job's shape alone (so every host and run
+copies alike), the same issuing code for CUDA and CPU tensors. Per KV tensor:
 
 * slice   - source and destination are one run each: one slice copy;
 * gather  - the destinations are one run of rows under GATHER_MAX_ROW_BYTES: one
-            `index_select` into it (for larger rows the batched call is faster);
-* scatter - the sources are one run of rows (in any order): one `index_copy_`
-            from it. The kernel moves one element at a time, so rows are viewed
-            as 16-byte words where they align (see transfer.views); so viewed,
-            it beat the batched call at every block size the benchmark measures;
-* batched - anything else: one piece per run of both sides (per block where
-            rows are not adjacent), all tensors' pieces in one
-            `torch._foreach_copy_` call over row views cached once per tensor.
+            `index_select` into it;
+* scatter - the sources are one run of rows (in any order): one `index_copy_` from
+            it, over 16-byte words where rows align (transfer.views);
+* batched - anything else: one piece per run of both sides (per block where rows are
+            not adjacent), every tensor's pieces in one `torch._foreach_copy_` call.
 
-Indexed kernels need both sides on one device, so a pair of a GPU tensor and
-host memory uses slice (when each run is one span of bytes on both sides) or
-batched: one cudaMemcpyAsync per piece, issued in one C++ loop, as vLLM's
-swap_blocks does. On CPU the pieces of a batched call are copied one after
-another, so the issuer may hand half of them to a helper thread (`helper`);
-the GIL is released inside each call.
+Indexed kernels need both sides on one device, so a GPU tensor and host memory use
+slice or batched (one cudaMemcpyAsync per piece, as vLLM's swap_blocks). On CPU a
+batched call's pieces run one after another, so half may go to a helper thread.
 """
 
 from __future__ import annotations
@@ -41,28 +33,18 @@ if TYPE_CHECKING:
     from vllm_offload_cli.core.transfer.jobs import Ids
 
 SPLIT_MIN_BYTES = 1 << 20  # a batched call smaller than this stays on one thread
-# torch spreads a copy of more elements than this (at::internal::GRAIN_SIZE) over its
-# own threads; in a call split over two threads each would start its own team, four
-# threads on two CPUs. So there rows are copied in parts of at most this many
-# elements (benchmarks/README.md has the figures).
+# torch spreads a copy of more elements than this (at::internal::GRAIN_SIZE) over its own
+# threads; in a call split over two threads, rows are cut to this so each stays on one
 PART_MAX_ELEMENTS = 32768
-# index_select beats the batched call on small rows (one call instead of one per row)
-# and loses on large ones, where the batched call is split over two threads
-# (benchmarks/README.md). A fixed size: every host copies alike.
+# index_select wins on small rows (one call, not one per row), the split batched call on
+# large ones
 GATHER_MAX_ROW_BYTES = 512 << 10
 
 
 class RowViews:
-    """One view per row (or per part of a row) of a (rows, words) tensor, made on first
-    use and kept.
-
-    Making a view costs as much as copying a small block; cached, a job of
-    thousands of blocks picks its views by a list lookup each. Memory grows
-    with the rows ever copied, one small tensor object per part. The views are
-    kept in plain lists: the store and load lanes pick from the same cache at
-    once, and with the views in a numpy object array the benchmark's own
-    shutdown test crashed the process about once in 80 runs.
-    """
+    """One view per row (or part of a row) of a (rows, words) tensor, made on first use and
+    kept: making a view costs as much as copying a small block. Plain lists, because both
+    lanes pick from one cache at once and a numpy object array was not safe for that."""
 
     def __init__(self, rows: Tensor, part: int) -> None:
         import numpy as np
@@ -90,11 +72,8 @@ class RowViews:
 
 @dataclass(eq=False, kw_only=True)
 class TensorPair:
-    """One KV tensor: its device rows and its region rows, as words of the same width.
-
-    `one_device`: can an indexed kernel read one side and write the other
-    (both on the CPU)? The CUDA-path tests set it False on CPU tensors.
-    """
+    """One KV tensor's device rows and region rows, as words of the same width.
+    `one_device`: can an indexed kernel read one side and write the other?"""
 
     device: torch.Tensor
     region: torch.Tensor
@@ -136,14 +115,9 @@ class TensorPair:
 
 def _pieces(pair: TensorPair, job: CopyJob, dsts: list[Tensor], srcs: list[Tensor],
             sizes: list[int], *, in_parts: bool) -> None:
-    """Append one tensor's batched pieces: a cached row view per block, in ascending
-    order of the region's blocks, or, where rows are dense, one view per run of both
-    sides. `in_parts`: rows are cut into parts of PART_MAX_ELEMENTS (for a call split
-    over two threads).
-
-    Walking the region upwards is faster than the device's order for loads scattered
-    on both sides (benchmarks/README.md).
-    """
+    """Append one tensor's batched pieces: a row view per block in ascending order of the
+    region's blocks (the faster walk), or, where rows are dense, one view per run.
+    `in_parts`: rows cut into parts of PART_MAX_ELEMENTS, for a call split over two threads."""
     src, dst = pair.sides(job.direction)
     firsts_src, firsts_dst, lengths = job.runs
     if not pair.dense or lengths.size == job.num_blocks:
@@ -185,15 +159,9 @@ def _copy_many(dsts: list[Tensor], srcs: list[Tensor], non_blocking: bool) -> No
 
 def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = False,
              helper: Executor | None = None) -> str:
-    """Issue every copy of `job` on the calling thread (and `helper`); returns the rules
-    used, e.g. "gather" or "slice+batched/2" (/2: split over two threads). On CUDA the
-    copies are queued on the current stream (`non_blocking`); on CPU they are done when
-    this returns.
-
-    torch spreads one big copy or gather over its own threads, but runs the
-    pieces of a batched call one after another, so a batched call of SPLIT_MIN_BYTES or
-    more is split in halves over the caller and `helper` (CPU lanes pass one).
-    """
+    """Issue every copy of `job` on the calling thread (and `helper`, for halves of a batched
+    call of SPLIT_MIN_BYTES or more); returns the rules used, e.g. "slice+batched/2" (/2:
+    split over two threads). On CUDA the copies are queued on the current stream."""
     torch = import_torch()
     if job.num_blocks == 0:
         return "none"

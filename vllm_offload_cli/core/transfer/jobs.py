@@ -1,14 +1,9 @@
 """A copy job: its block lists checked, ordered by destination, and its runs found.
 
-Validation runs on the caller's thread, before any byte moves: a bad block id
-must be an exception at submit time, never a corrupted region later. The runs
-decide how a job is copied (see transfer.copies): n consecutive (source,
-destination) pairs are one slice copy instead of n block copies.
-
-The work is vectorised on numpy arrays: a job of thousands of blocks costs a
-handful of array operations, not a Python loop, each far cheaper than a trip
-through torch's dispatcher. The ids are copied at submit, so a caller may
-reuse its id buffers at once.
+Validation runs on the caller's thread before any byte moves: a bad block id must be
+an exception at submit, never a corrupted region later. The work is a few numpy array
+operations per job, not a Python loop per block; the ids are copied at submit, so a
+caller may reuse its id buffers at once.
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ def _refuse(what: str, detail: str) -> InvalidInputError:
 
 def as_block_ids(values: Any, *, what: str) -> Ids:
     """Any sequence of integer block ids (list, range, tensor, numpy array) as a fresh 1-D
-    int64 numpy array (a copy: the caller may reuse its buffer after submit)."""
+    int64 numpy array."""
     torch = import_torch()
     if isinstance(values, torch.Tensor):
         return _tensor_ids(torch, values, what)
@@ -59,9 +54,7 @@ def _tensor_ids(torch: Any, values: Any, what: str) -> Ids:
     import numpy as np
 
     if values.dtype is torch.int64 and values.is_cpu and values.dim() == 1:
-        # the usual case, with the fewest calls: each is paid on the submit path,
-        # whose caches the last copy flushed (integer tensors never need a
-        # detach: they cannot require grad)
+        # the usual case, in the fewest calls (an integer tensor never requires grad)
         fresh: Ids = values.numpy().copy()
         return fresh
     t = values.detach()
@@ -105,8 +98,8 @@ def _first(mask: Mask) -> int:
 
 def _check_range(ids: Ids, limit: int, *, label: str, holder: str,
                  ascending: bool = False) -> None:
-    """Two reductions in the common case (none when `ids` are known ascending: the ends
-    bound them); positions are searched only to explain a failure."""
+    """Ascending ids are bounded by their ends; positions are searched only to explain a
+    failure."""
     if ids.size == 0:
         return
     low, high = (int(ids[0]), int(ids[-1])) if ascending else (int(ids.min()), int(ids.max()))
@@ -124,8 +117,7 @@ def _check_range(ids: Ids, limit: int, *, label: str, holder: str,
 
 def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any, *,
                   device_blocks: int, region_blocks: int) -> CopyJob:
-    """Validate one job's block lists and order its pairs by destination; raises
-    InvalidInputError."""
+    """Validate one job's block lists and order its pairs by destination."""
     import numpy as np
 
     prefix = f"{direction.value} job {job_id}"
@@ -135,28 +127,19 @@ def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any
         raise InvalidInputError(f"{prefix}: {src.size} source blocks but {dst.size} "
                                 "destination blocks; they are copied pairwise",
                                 code="length_mismatch")
-    if direction is Direction.STORE:
-        src_holder, dst_holder = "the device cache", "the region"
-        src_limit, dst_limit = device_blocks, region_blocks
-    else:
-        src_holder, dst_holder = "the region", "the device cache"
-        src_limit, dst_limit = region_blocks, device_blocks
+    sides = [("the device cache", device_blocks), ("the region", region_blocks)]
+    if direction is Direction.LOAD:
+        sides.reverse()
+    (src_holder, src_limit), (dst_holder, dst_limit) = sides
     _check_range(src, src_limit, label=f"{prefix}: source", holder=src_holder)
-    if dst.size < 2:
-        _check_range(dst, dst_limit, label=f"{prefix}: destination", holder=dst_holder)
-        return CopyJob(job_id=job_id, direction=direction, src_ids=src, dst_ids=dst)
-    # Pairs are ordered by destination: destinations are unique, so the order
-    # of the pairs does not change the result, and sorted ids reveal runs.
-    step = _diff(dst)
-    ascending = int(step.min()) > 0
+    # destinations are unique, so ordering the pairs by them changes nothing but reveals runs
+    ascending = dst.size < 2 or int(_diff(dst).min()) > 0
     _check_range(dst, dst_limit, label=f"{prefix}: destination", holder=dst_holder,
                  ascending=ascending)
-    if not ascending:  # sort, then look again
+    if not ascending:
         order = np.argsort(dst)  # any order of equal ids will do: they are refused
-        dst = dst[order]
-        src = src[order]
-        step = _diff(dst)
-        repeated = step == 0
+        dst, src = dst[order], src[order]
+        repeated = _diff(dst) == 0
         if repeated.any():
             block = int(dst[1:][_first(repeated)])
             raise InvalidInputError(
@@ -173,11 +156,8 @@ def _diff(ids: Ids) -> Ids:
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class CopyJob:
-    """A validated job: pairs (src_ids[i] -> dst_ids[i]), destinations strictly ascending.
-
-    The ids are numpy int64 arrays owned by the job; the properties derive what
-    the copy rules ask, each once per job.
-    """
+    """A validated job: pairs (src_ids[i] -> dst_ids[i]) of int64 numpy arrays it owns,
+    destinations strictly ascending."""
 
     job_id: int
     direction: Direction

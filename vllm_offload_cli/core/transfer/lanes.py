@@ -1,18 +1,12 @@
-"""Lanes: where one direction's jobs run, in submission order, and report their results.
+"""Lanes: where one direction's jobs run, in submission order, and the results they report.
 
-Both lanes run the same copy function (transfer.copies); they differ only in
-what cannot be shared between devices:
-
-* ThreadLane (CPU tensors): CPU copies are synchronous, so a thread of the lane
-  copies its jobs one after another (FIFO is about data too: a later job to the
-  same block must win), with one helper thread for half of a batched call.
-* StreamLane (CUDA tensors): the copies are queued on the lane's own stream at
-  submit, after the caller's current stream (so a store never reads blocks
-  that queued kernels still write), and complete by events, polled in order.
-  Stores and loads overlap each other and the compute stream.
-
-Every job is reported exactly once, success or failure, in submission order;
-a failed job does not stop its lane.
+Both lanes run the same copy function (transfer.copies). A ThreadLane (CPU tensors)
+copies its jobs one after another on one thread, so a later job to the same block
+wins. A StreamLane (CUDA tensors) queues them at submit on its own stream, after the
+caller's current stream (a store never reads blocks that queued kernels still write),
+and completes them by events, polled in order. Every job ends as exactly one
+TransferResult, success or failure, in submission order; a failed job does not stop
+its lane.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction
-from vllm_offload_cli.core.transfer.result import ResultSink, TransferResult
 
 if TYPE_CHECKING:
     import torch
@@ -42,40 +35,92 @@ Copier = Callable[[CopyJob, Executor | None], str]  # copies a job; returns the 
 CANCELLED = "cancelled: the copy worker shut down before this job started"
 
 
+@dataclass(frozen=True, kw_only=True)
+class TransferResult:
+    """One finished job. `bytes` is the job's size; `success` says whether all of it moved."""
+
+    job_id: int
+    direction: Direction
+    success: bool
+    bytes: int
+    seconds: float
+    blocks: int = 0
+    method: str = ""  # how it was copied (e.g. "gather", "copy-engine"), for diagnostics
+    error: str | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.success and self.seconds > 0 else 0.0
+
+
+class ResultSink:
+    """Thread-safe store of results: filled by the lanes, drained by get_finished()."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._in_flight: set[int] = set()
+        self._ready: list[TransferResult] = []
+
+    def expect(self, job_id: int) -> None:
+        with self._cond:
+            self._in_flight.add(job_id)
+
+    def known(self, job_id: int) -> bool:
+        """In flight, or finished but not yet collected."""
+        with self._cond:
+            return job_id in self._in_flight or any(r.job_id == job_id for r in self._ready)
+
+    def add(self, result: TransferResult) -> None:
+        with self._cond:
+            self._in_flight.discard(result.job_id)
+            self._ready.append(result)
+            self._cond.notify_all()
+
+    def take(self) -> list[TransferResult]:
+        with self._cond:
+            ready, self._ready = self._ready, []
+            return ready
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None) -> bool:
+        """Block until none of `job_ids` is in flight; False on timeout."""
+        wanted = set(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while wanted & self._in_flight:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+
 def _result(job: CopyJob, nbytes: int, seconds: float, method: str,
             error: BaseException | str | None) -> TransferResult:
     if isinstance(error, BaseException):
         logger.warning("%s job %d failed: %s", job.direction.value, job.job_id, error)
         error = f"{type(error).__name__}: {error}"
     return TransferResult(job_id=job.job_id, direction=job.direction, success=error is None,
-                          bytes=nbytes,
-                          seconds=seconds if error is None else 0.0, blocks=job.num_blocks,
-                          method=method if error is None else "", error=error)
+                          bytes=nbytes, seconds=seconds if error is None else 0.0,
+                          blocks=job.num_blocks, method=method if error is None else "",
+                          error=error)
 
 
 class ThreadLane:
-    """One direction of CPU copies: a thread that copies the submitted jobs in order."""
+    """One direction of CPU copies: one thread copies the jobs in order, with a helper
+    thread for half of a batched call."""
 
     def __init__(self, direction: Direction, copy: Copier, sink: ResultSink,
                  job_bytes: Callable[[CopyJob], int]) -> None:
         self._copy = copy
         self._sink = sink
         self._job_bytes = job_bytes
-        self._cond = threading.Condition()
-        self._queue: deque[CopyJob] = deque()
         self._cancel = False
-        self._stopping = False
         name = f"vllm-offload-{direction.value}"
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-helper")
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     def submit(self, job: CopyJob) -> None:
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the lane is closed")
-            self._queue.append(job)
-            self._cond.notify()
+        self._thread.submit(self._run, job)
 
     def poll(self) -> None:
         """Nothing to do: the thread reports as it finishes."""
@@ -84,34 +129,23 @@ class ThreadLane:
         return self._sink.wait(job_ids, timeout)
 
     def close(self, cancel: bool) -> None:
-        """Finish what is queued (or, with `cancel`, report what has not started as
-        cancelled, in order), then stop the threads."""
-        with self._cond:
-            self._cancel = self._cancel or cancel
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join()
+        """Finish what is queued (with `cancel`, report what has not started as cancelled,
+        in order), then stop the threads."""
+        self._cancel = self._cancel or cancel
+        self._thread.shutdown()
         self._helper.shutdown()
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                job = self._queue.popleft()
-                cancel = self._cancel
-            nbytes = self._job_bytes(job)
-            if cancel:
-                self._sink.add(_result(job, nbytes, 0.0, "", CANCELLED))
-                continue
-            start = time.perf_counter()
-            try:
-                method, error = self._copy(job, self._helper), None
-            except Exception as exc:  # reported as the job's result; the lane carries on
-                method, error = "", exc
-            self._sink.add(_result(job, nbytes, time.perf_counter() - start, method, error))
+    def _run(self, job: CopyJob) -> None:
+        nbytes = self._job_bytes(job)
+        if self._cancel:
+            self._sink.add(_result(job, nbytes, 0.0, "", CANCELLED))
+            return
+        start = time.perf_counter()
+        try:
+            method, error = self._copy(job, self._helper), None
+        except Exception as exc:  # reported as the job's result; the lane carries on
+            method, error = "", exc
+        self._sink.add(_result(job, nbytes, time.perf_counter() - start, method, error))
 
 
 @dataclass(eq=False, kw_only=True)

@@ -1,35 +1,32 @@
 """Page-lock a region for the GPU's copy engines with cudaHostRegister, as vLLM does.
 
-Pinned memory lets cudaMemcpyAsync run on the copy engines at full PCIe speed
-and truly asynchronously; pageable memory is staged through a driver buffer
-at a fraction of that speed. Like vLLM we register in chunks of at most
-64 GiB that end on row boundaries, and when registration fails we carry on
-pageable with a warning rather than refuse to run.
-
-Each call runs on a short-lived helper thread: a failed CUDA runtime call
-leaves a per-thread "last error" behind, and torch would otherwise raise it
-later from an unrelated kernel launch on the engine's own thread.
+Pinned memory lets cudaMemcpyAsync run on the copy engines, truly asynchronously;
+pageable memory is staged through a driver buffer. Like vLLM we register in chunks of
+at most 64 GiB that end on row boundaries, and when registration fails we carry on
+pageable with a warning. Each call runs on a short-lived thread: a failed CUDA runtime
+call leaves a per-thread "last error" that torch would raise later from an unrelated
+kernel launch on the engine's own thread.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_offload_cli.core.base.torch_import import import_torch
 
 MAX_PIN_CHUNK = 64 * 1024**3  # bytes per cudaHostRegister call, as vLLM
 CUDA_HOST_REGISTER_DEFAULT = 0
+T = TypeVar("T")
 
 
 def pin_chunks(total: int, row_stride: int, limit: int = MAX_PIN_CHUNK) -> list[tuple[int, int]]:
     """(offset, length) chunks covering [0, total), each <= limit and ending on a row."""
     if total <= 0:
         return []
-    rows = max(1, limit // row_stride)
-    step = rows * row_stride
+    step = max(1, limit // row_stride) * row_stride
     return [(offset, min(step, total - offset)) for offset in range(0, total, step)]
 
 
@@ -48,27 +45,6 @@ def _code(rc: Any) -> int:
     return int(getattr(rc, "value", rc))
 
 
-def _on_helper_thread(fn: Callable[[], Any]) -> Any:
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed back to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="vllm-offload-pin", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-def _cudart() -> Any:
-    return import_torch().cuda.cudart()
-
-
 def _describe(cudart: Any, rc: Any) -> str:
     try:
         return f"{cudart.cudaGetErrorString(rc)} (cudaError {_code(rc)})"
@@ -76,14 +52,26 @@ def _describe(cudart: Any, rc: Any) -> str:
         return f"cudaError {_code(rc)}"
 
 
+def _off_thread(fn: Callable[[Any], T], device_index: int | None, cudart: Any) -> T:
+    """fn(runtime) on a short-lived thread, on `device_index` (the real runtime only)."""
+
+    def run() -> T:
+        if cudart is not None:
+            return fn(cudart)
+        torch = import_torch()
+        if device_index is not None:
+            torch.cuda.set_device(device_index)
+        return fn(torch.cuda.cudart())
+
+    with ThreadPoolExecutor(1, thread_name_prefix="vllm-offload-pin") as thread:
+        return thread.submit(run).result()
+
+
 def pin(ptr: int, total: int, row_stride: int, *, device_index: int | None,
         cudart: Any = None, limit: int = MAX_PIN_CHUNK) -> PinState:
     """Register [ptr, ptr+total); on any failure undo what was registered and say why."""
-    rt = cudart if cudart is not None else _cudart()
 
-    def register() -> PinState:
-        if device_index is not None and cudart is None:
-            import_torch().cuda.set_device(device_index)
+    def register(rt: Any) -> PinState:
         done: list[tuple[int, int]] = []
         for offset, length in pin_chunks(total, row_stride, limit):
             rc = rt.cudaHostRegister(ptr + offset, length, CUDA_HOST_REGISTER_DEFAULT)
@@ -99,25 +87,17 @@ def pin(ptr: int, total: int, row_stride: int, *, device_index: int | None,
             done.append((offset, length))
         return PinState(pinned=True, ptr=ptr, chunks=tuple(done), device_index=device_index)
 
-    state: PinState = _on_helper_thread(register)
-    return state
+    return _off_thread(register, device_index, cudart)
 
 
 def unpin(state: PinState, *, cudart: Any = None) -> list[str]:
     """Unregister every chunk of `state`; returns problems (never raises for one chunk)."""
     if not state.pinned:
         return []
-    rt = cudart if cudart is not None else _cudart()
 
-    def unregister() -> list[str]:
-        if state.device_index is not None and cudart is None:
-            import_torch().cuda.set_device(state.device_index)
-        problems = []
-        for offset, _ in state.chunks:
-            rc = rt.cudaHostUnregister(state.ptr + offset)
-            if _code(rc) != 0:
-                problems.append(f"cudaHostUnregister at offset {offset}: {_describe(rt, rc)}")
-        return problems
+    def unregister(rt: Any) -> list[str]:
+        return [f"cudaHostUnregister at offset {offset}: {_describe(rt, rc)}"
+                for offset, _ in state.chunks
+                if _code(rc := rt.cudaHostUnregister(state.ptr + offset)) != 0]
 
-    problems: list[str] = _on_helper_thread(unregister)
-    return problems
+    return _off_thread(unregister, state.device_index, cudart)

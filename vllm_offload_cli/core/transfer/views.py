@@ -1,16 +1,10 @@
 """Byte rows and word rows: how a KV tensor's blocks become something we can copy.
 
-A block of a device tensor is one row of it (everything after dim 0). Copies
-move bytes, never values, so each tensor is first viewed as int8 rows. The
-indexed copy kernels move one element per step, so rows are viewed again as
-the widest word their alignment allows: 16 bytes (complex128, the widest
-dtype torch has) where rows and addresses align, else 8, 4 or 2 bytes as
-integers. A copy only loads and stores words, never computes with them, so a
-complex or float word carries any bit pattern unchanged, NaN payloads
-included; the views never carry a conjugate bit, the one flag under which
-torch's copy would change bits. Tests copy signalling-NaN patterns through
-every rule, and each process proves it once on its own torch build before it
-uses 16-byte words (`complex_copies_exact`).
+A block is one row of a device tensor, viewed as int8 (copies move bytes, never
+values), then as the widest word its alignment allows: indexed kernels move one
+element per step. A copy only loads and stores words, so a complex or float word
+carries any bit pattern unchanged; each process proves that once on its own torch
+build before it uses 16-byte words (`complex_copies_exact`).
 """
 
 from __future__ import annotations
@@ -60,28 +54,19 @@ def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
 
 @functools.cache
 def complex_copies_exact() -> bool:
-    """Do this build's copy kernels move complex128 elements bit for bit?
-
-    They should (plain loads and stores), but a float path that quiets a
-    signalling NaN would corrupt KV bytes silently; so it is proved once, on
-    NaN, denormal and negative-zero patterns, by every kernel the rules use.
-    """
+    """Do this build's copy kernels (every one the rules use) move complex128 elements bit
+    for bit? A float path that quiets a signalling NaN would corrupt KV bytes silently."""
     torch = import_torch()
     patterns = (0x7FF0000000000001, 0xFFF0000000000001, 0x7FF8000000000123,
                 0x7FF4000000000000, 0x0000000000000001, 0x8000000000000000,
                 0x7FF0000000000000, 0xFFFFFFFFFFFFFFFF)
     row = b"".join(struct.pack("<Q", p) for p in patterns) * 1024  # 64 KiB per row
-    rows = 8
-    data = bytearray()
-    for i in range(rows):
-        data += bytes([i]) + row[1:]
-    src = torch.frombuffer(data, dtype=torch.int8).clone().view(rows, len(row))
+    data = bytearray(b"".join(bytes([i]) + row[1:] for i in range(8)))
+    src = torch.frombuffer(data, dtype=torch.int8).clone().view(8, len(row))
     perm = torch.tensor([3, 1, 0, 2, 7, 5, 4, 6])
     words = src.view(torch.complex128)
-    copied = torch.empty_like(words)
-    copied.copy_(words)
-    scattered = torch.empty_like(words)
-    scattered.index_copy_(0, perm, words)
+    copied = torch.empty_like(words).copy_(words)
+    scattered = torch.empty_like(words).index_copy_(0, perm, words)
     gathered = torch.index_select(words, 0, perm)
     return bool(torch.equal(copied.view(torch.int8), src)
                 and torch.equal(scattered.view(torch.int8)[perm], src)

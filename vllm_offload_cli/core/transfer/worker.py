@@ -1,13 +1,8 @@
 """CopyWorker: moves KV blocks between device tensors and one worker's slot of a region.
 
-The engine-facing API: `submit_store`/`submit_load` take
-a job id and pairwise (source block, destination block) lists, return at once,
-and every job is later reported exactly once by `get_finished()`, in
-submission order per direction. Block lists are validated before any byte
-moves. CUDA and CPU tensors are copied by the same rules and the same code
-(transfer.copies); only where the copies run differs (transfer.lanes: a CUDA
-stream, or a thread on the CPU, which stands in for the GPU in tests and on
-hosts without one).
+Every submitted job is reported exactly once by `get_finished()`, in submission order
+per direction; block lists are validated before any byte moves. CUDA and CPU tensors
+are copied by the same code (transfer.copies); only the lane they run on differs.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.transfer import pinning
 from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
 from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction, make_job
-from vllm_offload_cli.core.transfer.lanes import StreamLane, ThreadLane
-from vllm_offload_cli.core.transfer.result import ResultSink, TransferResult
+from vllm_offload_cli.core.transfer.lanes import ResultSink, StreamLane, ThreadLane, TransferResult
 from vllm_offload_cli.core.transfer.views import as_words, byte_rows, word_width
 
 if TYPE_CHECKING:
@@ -92,19 +86,16 @@ class CopyWorker:
         self._sink = ResultSink()
         self._pairs = [self._pair(dev, reg) for dev, reg in zip(rows, self.region_views,
                                                                 strict=True)]
-        self._lanes: dict[Direction, ThreadLane | StreamLane]
-        if self.device.type == "cpu":
-            self._lanes = {d: ThreadLane(d, self._copy, self._sink, self._job_bytes)
-                           for d in Direction}
-        else:
-            if pin:
-                self._pin(region)
-            self._lanes = {d: StreamLane(d, self._copy, self._sink, self._job_bytes,
-                                         self.device) for d in Direction}
+        if self.device.type == "cuda" and pin:
+            self._pin(region)
+        self._lanes: dict[Direction, ThreadLane | StreamLane] = {
+            d: ThreadLane(d, self._copy, self._sink, self._job_bytes)
+            if self.device.type == "cpu"
+            else StreamLane(d, self._copy, self._sink, self._job_bytes, self.device)
+            for d in Direction
+        }
         # cleanup() calls this before unmapping: no copy may outlive the mapping
         region.add_close_callback(self.shutdown)
-
-    # -- construction ----------------------------------------------------------------
 
     @staticmethod
     def _views(region: SharedOffloadRegion, rows: list[torch.Tensor], layout: str,
@@ -152,8 +143,6 @@ class CopyWorker:
 
     def _job_bytes(self, job: CopyJob) -> int:
         return job.num_blocks * self.bytes_per_block
-
-    # -- the engine-facing API ----------------------------------------------------------
 
     def submit_store(self, job_id: int, src_blocks: Any, dst_blocks: Any) -> None:
         """Copy device blocks `src_blocks[i]` into region blocks `dst_blocks[i]`."""
