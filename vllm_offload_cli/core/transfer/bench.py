@@ -1,24 +1,17 @@
 """The measurement behind `vllm-offload benchmark`: copy workers against a plain memcpy.
 
-For each block size a scratch region is created and pre-faulted (the
-pre-fault figure). Then, for each block-id pattern and direction, `repeat`
-rounds each time PIPELINE_DEPTH copy-worker jobs submitted back to back, as
-an engine keeps several in flight, timed from the first submit to the last
-completion, between two plain copies of the job's bytes as one contiguous
-span (on CPU between the benchmark's device tensor and region mapping
-themselves, see _Baseline; on CUDA pinned host <-> device), one just before
-and one just after. Bracketing puts the baseline and the worker
-under the same conditions on a busy host: the ratio is the median over
-rounds of each round's worker/baseline ratio, so a burst of load elsewhere
-hits both sides of one round, not one side of the figure.
-GB/s figures are the best round (the least disturbed), median beside. On CUDA the
-worker runs once pinned and once pageable. Each (size, pattern) ends with a
-byte-for-byte check of one store and one load. The scratch region is removed
-whatever happens, Ctrl-C included.
+For each block size a scratch region is created and pre-faulted. Per block-id pattern
+and direction, each of `repeat` rounds times PIPELINE_DEPTH jobs in flight (as an
+engine keeps them), from the first submit to the last completion, between two plain
+copies of the same bytes (_Baseline). The ratio is the median of each round's
+worker/baseline ratio, so a burst of load elsewhere on the host hits both sides of one
+round. GB/s figures are the best round, the median beside. Each (size, pattern) ends
+with a byte-for-byte check; the scratch region is removed whatever happens.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import secrets
@@ -27,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base.errors import (
@@ -37,7 +31,6 @@ from vllm_offload_cli.core.base.errors import (
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region.geometry import default_row_stride
-from vllm_offload_cli.core.region.naming import manifest_path, region_path
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 from vllm_offload_cli.core.transfer.worker import CopyWorker
 
@@ -47,18 +40,13 @@ if TYPE_CHECKING:
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)
 DEFAULT_SIZE = 256 * MiB
-# Default job size: bigger than a last-level cache, so that the worker and the
-# baseline both measure memory rather than whichever last left its bytes in
-# cache (benchmarks/README.md: why 128 MiB)
+# bigger than a last-level cache: worker and baseline both measure memory, not cache
 AUTO_TRANSFER_BYTES = 128 * MiB
-# contiguous: one run on both sides. device-scattered: random device blocks
-# into consecutive region blocks (vLLM's store into freshly allocated offload
-# blocks) and back. scattered: random blocks on both sides (a fragmented cache).
+# one run on both sides; random device blocks into consecutive region blocks (vLLM's
+# store into fresh offload blocks) and back; random blocks on both sides
 PATTERNS = ("contiguous", "device-scattered", "scattered")
 PIPELINE_DEPTH = 2  # jobs in flight per timed round, and copies per baseline round
-# Rounds per figure: the median of this many is steady from run to run on a busy
-# host (benchmarks/README.md: how the count was chosen).
-DEFAULT_REPEAT = 11
+DEFAULT_REPEAT = 11  # rounds per figure: enough for a steady median on a busy host
 # The targets: CPU store/load against memcpy for blocks >= 64 KiB
 TARGET_RATIOS = {"contiguous": 0.9, "device-scattered": 0.8, "scattered": 0.75}
 TARGET_MIN_BLOCK = 64 * KiB
@@ -217,12 +205,9 @@ def _rates(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
 class _Baseline:
     """A plain copy of `nbytes` between two contiguous buffers, in either direction.
 
-    On CPU the buffers are the benchmark's own device tensor and region mapping
-    (the first bytes of one, the last of the other: what a contiguous job of the
-    same size moves), so that the baseline copies the same memory as the worker:
-    separate scratch buffers copy at another speed than the region does, and the
-    ratio would tell where each buffer was placed (benchmarks/README.md).
-    On CUDA it is the device's own pinned copy: a pinned host buffer and the GPU.
+    On CPU: the first bytes of the benchmark's device tensor and the last of its region
+    mapping, the memory a contiguous job moves (scratch buffers would copy at their own
+    speed). On CUDA: a pinned host buffer and the GPU.
     """
 
     def __init__(self, host: Tensor, dev: Tensor, cuda: bool) -> None:
@@ -277,8 +262,6 @@ class _Bench:
         self.removed = True
         self._ids: Iterator[int] = iter(range(1, 1 << 62))
 
-    # -- sizes -------------------------------------------------------------------------
-
     def shape(self, block: int) -> tuple[int, int, int]:
         """(row_stride, num_blocks, blocks per transfer) for one block size."""
         c = self.config
@@ -301,24 +284,19 @@ class _Bench:
 
     def plan_total(self) -> int:
         """Bytes the worker will move in all: the progress bar's total."""
-        total = 0
-        for block in self.config.block_sizes:
-            _, _, n = self.shape(block)
-            per_direction = (self.config.repeat + 1) * PIPELINE_DEPTH + 1
-            jobs = len(self.modes) * len(self.config.patterns) * per_direction * 2
-            total += jobs * n * block
-        if self.config.huge_pages:  # normal and huge: one contiguous row each
-            _, _, n = self.shape(max(self.config.block_sizes))
-            per_direction = (self.config.repeat + 1) * PIPELINE_DEPTH + 1
-            total += 2 * per_direction * 2 * n * max(self.config.block_sizes)
+        c = self.config
+        jobs = ((c.repeat + 1) * PIPELINE_DEPTH + 1) * 2  # per direction, both directions
+        total = sum(len(self.modes) * len(c.patterns) * jobs * self.shape(block)[2] * block
+                    for block in c.block_sizes)
+        if c.huge_pages:  # normal and huge: one contiguous row each
+            block = max(c.block_sizes)
+            total += 2 * jobs * self.shape(block)[2] * block
         return total
 
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
         if self.progress is not None:
             self.progress(self.done, self.total)
-
-    # -- patterns ------------------------------------------------------------------------
 
     def ids(self, pattern: str, n: int, num_blocks: int) -> tuple[Tensor, Tensor]:
         """(device block ids, region block ids) of one job."""
@@ -331,15 +309,10 @@ class _Bench:
             return scattered_device, tail
         return scattered_device, torch.randperm(num_blocks, generator=self.generator)[:n]
 
-    # -- jobs ------------------------------------------------------------------------------
-
     def jobs(self, worker: CopyWorker, store: bool, src: Tensor, dst: Tensor,
              count: int = 1) -> tuple[float, list[float], str]:
-        """Submit `count` identical jobs back to back, as an engine does, and wait for all.
-
-        Returns (seconds from the first submit to the last completion, each job's
-        own copy seconds, method).
-        """
+        """Submit `count` identical jobs back to back and wait for all: (seconds from the
+        first submit to the last completion, each job's own copy seconds, method)."""
         ids = [next(self._ids) for _ in range(count)]
         submit = worker.submit_store if store else worker.submit_load
         t0 = time.perf_counter()
@@ -357,9 +330,8 @@ class _Bench:
 
     def direction(self, worker: CopyWorker, baseline: _Baseline, store: bool, src: Tensor,
                   dst: Tensor) -> Throughput:
-        """Rounds of: one plain copy, PIPELINE_DEPTH jobs in flight, one plain copy. The
-        two copies around the jobs are their baseline, so a change of the host's memory
-        bandwidth during a round (other tenants of the host) weighs on both sides alike."""
+        """Rounds of: one plain copy, PIPELINE_DEPTH jobs in flight, one plain copy (their
+        baseline, so a change of the host's memory bandwidth weighs on both alike)."""
         depth = PIPELINE_DEPTH
         self.jobs(worker, store, src, dst, depth)  # warm-up, both of them
         baseline.batch(store, depth)
@@ -406,48 +378,58 @@ class _Bench:
                 "copy the bytes it was given; this is a bug, please report it")
         return True
 
-    # -- one block size ----------------------------------------------------------------------
-
     def block_size(self, block: int, rows: list[BenchRow],
                    prefault: list[PrefaultFigure]) -> None:
-        torch = self.torch
+        region, measured = self.on_region(block, self.modes, self.config.patterns)
+        stats = region.populate_stats
+        if stats is not None:
+            prefault.append(PrefaultFigure(block_bytes=block, bytes=stats.bytes,
+                                           seconds=stats.seconds, gbps=stats.gbps,
+                                           method=stats.method, threads=stats.threads))
+        rows += measured
+
+    def region(self, block: int, huge_pages: str | None = None) -> SharedOffloadRegion:
+        """A scratch region; `huge_pages` (never or always) names the huge-page one."""
         c = self.config
-        row_stride, num_blocks, n = self.shape(block)
-        region = SharedOffloadRegion(self.engine_id, num_blocks, 0, row_stride, block,
-                                     shm_dir=c.shm_dir, world_size=c.world_size,
-                                     populate_threads=c.populate_threads)
+        row_stride, num_blocks, _ = self.shape(block)
+        name = self.engine_id if huge_pages is None else f"{self.engine_id}-thp"
+        return SharedOffloadRegion(name, num_blocks, 0, row_stride, block, shm_dir=c.shm_dir,
+                                   world_size=c.world_size, populate_threads=c.populate_threads,
+                                   huge_pages=huge_pages or "never")
+
+    def on_region(self, block: int, modes: Sequence[str], patterns: Sequence[str],
+                  huge_pages: str | None = None) -> tuple[SharedOffloadRegion, list[BenchRow]]:
+        """Measure `patterns` in each of `modes` on a scratch region, removed whatever
+        happens; returns it (for its pre-fault figures) and the rows."""
+        c = self.config
+        _, num_blocks, n = self.shape(block)
+        rows: list[BenchRow] = []
         worker: CopyWorker | None = None
+        region = self.region(block, huge_pages)
         try:
-            stats = region.populate_stats
-            if stats is not None:
-                prefault.append(PrefaultFigure(block_bytes=block, bytes=stats.bytes,
-                                               seconds=stats.seconds, gbps=stats.gbps,
-                                               method=stats.method, threads=stats.threads))
-            device_rows = torch.full((num_blocks, block), 0x5A, dtype=torch.int8,
-                                     device=c.device)
-            views = [region.create_next_worker_view(block)]
-            baseline = _Baseline.for_device(c.device, n * block, device_rows, views[0])
-            for mode in self.modes:
-                worker = CopyWorker(region, [device_rows], region_views=views,
+            device_rows = self.torch.full((num_blocks, block), 0x5A, dtype=self.torch.int8,
+                                          device=c.device)
+            view = region.create_next_worker_view(block)
+            baseline = _Baseline.for_device(c.device, n * block, device_rows, view)
+            for mode in modes:
+                worker = CopyWorker(region, [device_rows], region_views=[view],
                                     pin=mode == "pinned")
                 if mode == "pinned":
-                    self.pinned = worker.pinned
-                    self.pin_warning = worker.pin_warning
-                for pattern in c.patterns:
-                    rows.append(self.measure(worker, baseline, views[0], device_rows, block,
-                                             num_blocks, n, pattern, mode))
+                    self.pinned, self.pin_warning = worker.pinned, worker.pin_warning
+                rows += [self.measure(worker, baseline, view, device_rows, block, num_blocks,
+                                      n, pattern, mode) for pattern in patterns]
                 worker.shutdown()
                 worker = None
         finally:
             if worker is not None:
                 worker.shutdown(cancel_pending=True)
-            region.cleanup()
-            gone = not region_path(c.shm_dir, self.engine_id).exists()
-            self.removed = self.removed and gone and not manifest_path(
-                c.shm_dir, self.engine_id).exists()
+            self.drop(region)
+        return region, rows
 
-
-    # -- huge pages --------------------------------------------------------------------------
+    def drop(self, region: SharedOffloadRegion) -> None:
+        region.cleanup()
+        gone = not (Path(region.mmap_path).exists() or Path(region.manifest_path).exists())
+        self.removed = self.removed and gone
 
     def huge_pages(self, block: int) -> HugePageComparison:
         """The same pre-fault and contiguous store/load, normal pages then huge pages."""
@@ -460,71 +442,30 @@ class _Bench:
         best = {"never": 0.0, "always": 0.0}
         for _ in range(self.config.repeat):
             for mode in best:
-                best[mode] = max(best[mode], self.prefault_once(block, mode))
-        runs = [self.huge_page_run(block, mode, best[mode]) for mode in ("never", "always")]
+                region = self.region(block, mode)
+                try:
+                    stats = region.populate_stats
+                    best[mode] = max(best[mode], 0.0 if stats is None else stats.gbps)
+                finally:
+                    self.drop(region)
+        runs = []
+        for mode, prefault_gbps in best.items():
+            region, (row,) = self.on_region(block, self.modes[:1], ("contiguous",), mode)
+            runs.append(HugePageRun(huge_page_bytes=region.huge_page_bytes,
+                                    prefault_gbps=prefault_gbps, store_gbps=row.store.gbps,
+                                    load_gbps=row.load.gbps))
         return HugePageComparison(available=True, reason=support.reason, block_bytes=block,
                                   normal=runs[0], huge=runs[1])
 
-    def scratch(self, block: int, mode: str) -> SharedOffloadRegion:
-        c = self.config
-        row_stride, num_blocks, _ = self.shape(block)
-        return SharedOffloadRegion(f"{self.engine_id}-thp", num_blocks, 0, row_stride, block,
-                                   shm_dir=c.shm_dir, world_size=c.world_size,
-                                   populate_threads=c.populate_threads, huge_pages=mode)
 
-    def prefault_once(self, block: int, mode: str) -> float:
-        region = self.scratch(block, mode)
-        try:
-            return 0.0 if region.populate_stats is None else region.populate_stats.gbps
-        finally:
-            self.drop(region)
-
-    def drop(self, region: SharedOffloadRegion) -> None:
-        region.cleanup()
-        self.removed = self.removed and not region_path(
-            self.config.shm_dir, f"{self.engine_id}-thp").exists()
-
-    def huge_page_run(self, block: int, mode: str, prefault_gbps: float) -> HugePageRun:
-        torch = self.torch
-        c = self.config
-        _, num_blocks, n = self.shape(block)
-        region = self.scratch(block, mode)
-        worker: CopyWorker | None = None
-        try:
-            device_rows = torch.full((num_blocks, block), 0x5A, dtype=torch.int8,
-                                     device=c.device)
-            views = [region.create_next_worker_view(block)]
-            baseline = _Baseline.for_device(c.device, n * block, device_rows, views[0])
-            worker = CopyWorker(region, [device_rows], region_views=views,
-                                pin=self.modes[0] == "pinned")
-            row = self.measure(worker, baseline, views[0], device_rows, block, num_blocks, n,
-                               "contiguous", self.modes[0])
-            return HugePageRun(huge_page_bytes=region.huge_page_bytes, prefault_gbps=prefault_gbps,
-                               store_gbps=row.store.gbps,
-                               load_gbps=row.load.gbps)
-        finally:
-            if worker is not None:
-                worker.shutdown(cancel_pending=True)
-            self.drop(region)
-
-
+@functools.cache
 def passive_openmp() -> str | None:
-    """Make torch's OpenMP team sleep, not spin, between parallel regions, if it is not
-    loaded yet; the policy in force (None: torch was loaded first, left as it was).
-
-    The memcpy baseline runs on the main thread's OpenMP team, which by default spins
-    for a while after each copy; interleaved with the copy worker, those spinning
-    threads take a core from the worker's copy threads (benchmarks/README.md). Set
-    only in the benchmark, never by the library.
-    """
-    global _wait_policy
-    if _wait_policy is None and "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        _wait_policy = os.environ["OMP_WAIT_POLICY"]
-    return _wait_policy
-
-
-_wait_policy: str | None = None
+    """Make torch's OpenMP team sleep, not spin, between parallel regions if torch is not
+    loaded yet (spinning threads would take a core from the copy worker's); the policy
+    in force, None where torch was loaded first. Set by the benchmark only."""
+    if "torch" in sys.modules:
+        return None
+    return os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> BenchReport:
