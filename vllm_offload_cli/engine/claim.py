@@ -32,6 +32,7 @@ from vllm_offload_cli.core.base.errors import (
     RegionBusyError,
     UnsafeRegionError,
 )
+from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host.discovery import (
     PERSISTENT,
     STALE,
@@ -49,7 +50,7 @@ from vllm_offload_cli.core.region.locking import lock_waiting
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
-from vllm_offload_cli.core.system.processes import comm, named_pids
+from vllm_offload_cli.core.system.processes import comm
 from vllm_offload_cli.engine.identity import (
     EngineIdCollisionError,
     read_token,
@@ -134,7 +135,7 @@ def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> 
 def _lock_busy(path: str, fd: int, timeout: float) -> RegionBusyError:
     pids = [pid for pid, _ in flock_holders(FileId.of(os.fstat(fd)))
             if pid > 0 and pid != os.getpid()]
-    who = named_pids(pids) or "an unseen process"
+    who = pids_text(pids, 3, comm) or "an unseen process"
     return RegionBusyError(
         f"the start-up lock {path} is still held after {timeout:.0f} s by {who}: another "
         "start-up of this user is stuck or slow; refusing to start without it",
@@ -326,7 +327,7 @@ def _classify(r: RegionInfo, want: RegionShape | None, path: str,
                                  "holds it and cannot be told apart from another engine")
             if who.readers:
                 raise RegionBusyError(
-                    f"{path} is held only by {named_pids(who.readers)}, which "
+                    f"{path} is held only by {pids_text(who.readers, 3, comm)}, which "
                     "only read it (an inspect or gc of this tool?), and still was after "
                     f"the wait: it is neither joined nor removed while held; retry",
                     path=path, engine_id=engine_id, pid=who.readers[0], code="region_busy")

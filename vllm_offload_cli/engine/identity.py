@@ -1,17 +1,10 @@
 """Which processes are "this engine": a token every process of one `vllm serve` shares.
 
-An engine_id says which region a process wants, not who started it: two
-replicas launched with the same pinned id want the same name. So the hook
-gives each engine a random token, set in the environment of the first
-process (the API server or engine core, via the plugin) before any worker is
-spawned; children inherit it. Attachments in the manifest record it, and a
-holder's token can also be read from `/proc/<pid>/environ` (same user only).
-
-`/proc/<pid>/environ` shows the environment a process was exec'd with, so a
-worker forked after the token was set does not show it there. Every process
-that knows the token therefore also holds a beacon: an anonymous memfd named
-after it (nothing in /dev/shm, gone with the process), which forked children
-inherit and `/proc/<pid>/fd` shows to the same user.
+An engine_id names a region, not who started it (two replicas may pin one id).
+The plugin sets a random token in the first process's environment before any
+worker is spawned; attachments record it. A worker forked after that does not
+show it in /proc/PID/environ, so every process that knows the token also holds
+a beacon: a memfd named after it, inherited by forks, seen in /proc/PID/fd.
 """
 
 from __future__ import annotations
@@ -44,10 +37,8 @@ _beacon: tuple[str, int] | None = None  # (token, fd), held for the life of the 
 
 
 def engine_token(environ: MutableMapping[str, str] | None = None) -> str:
-    """This engine's token; made (and exported to future children) when absent or malformed.
-
-    For the process's own environment it also holds the token's beacon.
-    """
+    """This engine's token; made (and exported to children) when absent or malformed.
+    For the process's own environment it also holds the token's beacon."""
     env = os.environ if environ is None else environ
     token = env.get(ENGINE_TOKEN_ENV)
     if not valid_token(token):
@@ -73,9 +64,8 @@ def _hold_beacon(token: str) -> None:
 
 
 def read_token(pid: int) -> tuple[str | None, bool]:
-    """(token, readable): another process's token, from its initial environment, else
-    from a beacon it holds (None if neither can be read), and whether its environment
-    could be read at all (False: nothing can be told). One read of the environment."""
+    """(token, readable): another process's token from its environment, else from a
+    beacon it holds; `readable` is False when its environment could not be read."""
     env = processes.environ(pid)
     value = None if env is None else env.get(ENGINE_TOKEN_ENV)
     if valid_token(value):
@@ -84,11 +74,7 @@ def read_token(pid: int) -> tuple[str | None, bool]:
 
 
 def _beacon_token(pid: int) -> str | None:
-    targets = procfs.fd_targets(pid)
-    if isinstance(targets, procfs.Unreadable):
+    links = procfs.fd_links(pid)
+    if isinstance(links, procfs.Unreadable):
         return None
-    for target in targets:
-        found = _BEACON_RE.fullmatch(target)
-        if found:
-            return found.group(1)
-    return None
+    return next((m.group(1) for _, t in links if (m := _BEACON_RE.fullmatch(t))), None)

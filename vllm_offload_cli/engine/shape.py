@@ -13,11 +13,12 @@ import os
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
+from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host.discovery import RegionInfo
 from vllm_offload_cli.core.region.geometry import mismatches
 from vllm_offload_cli.core.region.naming import gc_command
-from vllm_offload_cli.core.system.processes import named_pids
+from vllm_offload_cli.core.system.processes import comm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,7 @@ def refuse_held_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
     if why is None:
         return
     pids = ours or tuple(h.pid for h in r.holders)
-    who = named_pids(pids) or "a process"
+    who = pids_text(pids, 3, comm) or "a process"
     raise RegionBusyError(
         f"{path} is in use by {who} with another shape than this engine asks for ({why}); "
         "it cannot be joined. Start every rank with the same configuration, or stop "

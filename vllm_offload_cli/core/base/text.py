@@ -9,7 +9,7 @@ which no encoder writes) become `\\xNN` in both.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 # C0, DEL, C1, line/paragraph separators and bidi overrides; a backslash stays (a name
@@ -59,7 +59,9 @@ def shortened(items: Sequence[object], most: int, more: str = ", ...") -> str:
     return ", ".join(map(str, items[:most])) + (more if len(items) > most else "")
 
 
-def pids_text(pids: Sequence[int], most: int = 5) -> str:
-    """'pid 1, pid 2 and 3 more'."""
-    shown = ", ".join(f"pid {p}" for p in pids[:most])
+def pids_text(pids: Sequence[int], most: int = 5,
+              name: Callable[[int], str | None] | None = None) -> str:
+    """'pid 1, pid 2 and 3 more'; with `name`, 'pid 1 (python), pid 2 (?) and 3 more'."""
+    shown = ", ".join(f"pid {p}" if name is None else f"pid {p} ({name(p) or '?'})"
+                      for p in pids[:most])
     return shown + (f" and {len(pids) - most} more" if len(pids) > most else "")

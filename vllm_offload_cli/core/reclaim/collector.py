@@ -103,7 +103,7 @@ from vllm_offload_cli.core.region.naming import (
     region_path,
 )
 from vllm_offload_cli.core.system.files import FileId
-from vllm_offload_cli.core.system.processes import ProcessRef, named_pids
+from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 logger = logging.getLogger(__name__)
 
@@ -717,7 +717,7 @@ class _Run:
                               "gc or inspect run is examining it)", exclusive[0])
         shared = [pid for pid, excl in holders if not excl and pid > 0]
         if shared:
-            names = named_pids(shared)
+            names = pids_text(shared, 3, comm)
             return self._kept(r, LIVE, f"holds a shared lock: {names}", shared[0])
         if holders:  # /proc/locks shows pid 0 for a holder outside our pid namespace
             return self._kept(r, LIVE, "locked by a process in another pid namespace "

@@ -28,11 +28,7 @@ UNTRUSTED_OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXE
 def open_regular(path: str, expect: FileId | None = None, flags: int = os.O_RDONLY
                  ) -> int | None:
     """A descriptor of `path` if it is a regular file (with identity `expect`); else None.
-
-    The type and identity are checked on the descriptor, so a name swapped
-    between a caller's scan and this open is caught, and the open itself can
-    neither block nor follow a link.
-    """
+    Judged on the descriptor, so a name swapped since the caller's scan is caught."""
     try:
         fd = os.open(path, flags | UNTRUSTED_OPEN_FLAGS)
     except OSError:
@@ -48,12 +44,8 @@ def open_regular(path: str, expect: FileId | None = None, flags: int = os.O_RDON
 
 
 def _verified_path_fd(path: str, expect: FileId | None) -> tuple[int, os.stat_result] | None:
-    """O_PATH descriptor of what a /proc magic link points at, if it is a regular file.
-
-    O_PATH resolves the link without opening the object (no FIFO or device
-    open runs), so nothing behind it can block us; the type and identity are
-    read from that descriptor.
-    """
+    """O_PATH descriptor (and fstat) of the regular file behind a /proc magic link:
+    O_PATH resolves without opening, so no FIFO or device behind it can block us."""
     try:
         pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:
@@ -82,12 +74,8 @@ def stat_proc_link(path: str, expect: FileId | None = None) -> os.stat_result | 
 def open_proc_link(path: str, expect: FileId | None = None, flags: int = os.O_RDONLY
                    ) -> int | None:
     """A descriptor of the regular file behind a /proc magic link; else None.
-
-    The link must be followed (O_NOFOLLOW refuses every magic link with
-    ELOOP), so it is resolved with O_PATH first, judged on that descriptor,
-    and only then reopened through our own /proc/self/fd entry: the reopened
-    file is the inode we judged, whatever the other process does meanwhile.
-    """
+    Judged on an O_PATH descriptor, then reopened through our own /proc/self/fd:
+    the file opened is the inode judged, whatever the other process does meanwhile."""
     got = _verified_path_fd(path, expect)
     if got is None:
         return None

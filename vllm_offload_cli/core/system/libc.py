@@ -65,6 +65,13 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def _numa_syscall(which: int, name: str) -> ctypes.c_long:
+    number = _NUMA_SYSCALLS.get(platform.machine())
+    if number is None:
+        raise OSError(38, f"{name}: not supported on {platform.machine()}")  # ENOSYS
+    return ctypes.c_long(number[which])
+
+
 def madvise(addr: int, length: int, advice: int) -> None:
     _check(_libc().madvise(addr, length, advice), "madvise")
 
@@ -76,11 +83,8 @@ def mincore(addr: int, length: int, vec: ctypes.Array[ctypes.c_ubyte]) -> None:
 def mbind(addr: int, length: int, mode: int, nodemask: ctypes.Array[ctypes.c_ulong],
           flags: int = 0) -> None:
     """mbind(2): set the memory policy of [addr, addr+length); shmem keeps it per file."""
-    number = _NUMA_SYSCALLS.get(platform.machine())
-    if number is None:
-        raise OSError(38, f"mbind: not supported on {platform.machine()}")  # ENOSYS
     maxnode = len(nodemask) * 8 * ctypes.sizeof(ctypes.c_ulong)
-    rc = _libc().syscall(ctypes.c_long(number[0]), ctypes.c_void_p(addr),
+    rc = _libc().syscall(_numa_syscall(0, "mbind"), ctypes.c_void_p(addr),
                          ctypes.c_ulong(length), ctypes.c_ulong(mode), nodemask,
                          ctypes.c_ulong(maxnode + 1), ctypes.c_uint(flags))
     _check(int(rc), "mbind")
@@ -88,13 +92,11 @@ def mbind(addr: int, length: int, mode: int, nodemask: ctypes.Array[ctypes.c_ulo
 
 def page_nodes(addrs: list[int]) -> list[int]:
     """move_pages(2) with nodes=NULL: the node of each page (negative errno if none)."""
-    number = _NUMA_SYSCALLS.get(platform.machine())
-    if number is None:
-        raise OSError(38, f"move_pages: not supported on {platform.machine()}")
+    number = _numa_syscall(1, "move_pages")
     count = len(addrs)
     pages = (ctypes.c_void_p * count)(*addrs)
     status = (ctypes.c_int * count)()
-    rc = _libc().syscall(ctypes.c_long(number[1]), ctypes.c_int(0), ctypes.c_ulong(count),
+    rc = _libc().syscall(number, ctypes.c_int(0), ctypes.c_ulong(count),
                          pages, None, status, ctypes.c_int(0))
     _check(int(rc), "move_pages")
     return list(status)
@@ -103,9 +105,7 @@ def page_nodes(addrs: list[int]) -> list[int]:
 def map_readonly(fd: int, length: int, offset: int = 0) -> int:
     """mmap(PROT_READ, MAP_SHARED); a read-only fd cannot back a writable mmap.mmap."""
     addr = _libc().mmap(None, length, PROT_READ, MAP_SHARED, fd, offset)
-    if addr is None or addr == MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap: {os.strerror(err)}")
+    _check(int(addr is None or addr == MAP_FAILED), "mmap")
     return int(addr)
 
 
@@ -114,11 +114,7 @@ def unmap(addr: int, length: int) -> None:
 
 
 def map_shared_fixed(addr: int, length: int, fd: int) -> None:
-    """Map `fd` read-write over [addr, addr+length) of a range this process reserved.
-
-    How one address range is backed by several files (vLLM's segmented region).
-    """
+    """Map `fd` read-write over [addr, addr+length) of a range this process reserved
+    (how one address range is backed by several files: vLLM's segmented region)."""
     got = _libc().mmap(addr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0)
-    if got is None or got == MAP_FAILED or got != addr:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap: {os.strerror(err)}")
+    _check(int(got != addr), "mmap")

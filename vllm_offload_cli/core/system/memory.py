@@ -15,15 +15,10 @@ _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge number
 
 
 def _read_int(path: Path) -> int | None:
+    """A cgroup number; None for "max", v1's huge "no limit", or none at all."""
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
+        value = int(path.read_text())
+    except (OSError, ValueError):
         return None
     return None if value >= _UNLIMITED else value
 
@@ -31,11 +26,8 @@ def _read_int(path: Path) -> int | None:
 def cgroup_headroom(proc_root: Path = Path(PROC),
                     cgroup_root: Path = Path(CGROUP_ROOT)) -> tuple[int | None, int | None]:
     """(limit, free) of the tightest memory cgroup above this process, or (None, None).
-
-    tmpfs pages are charged to the cgroup of the process that faults them, and
-    every ancestor's limit applies, in cgroup v2 and in v1's memory hierarchy alike
-    (a Kubernetes pod's limit sits one level above its containers').
-    """
+    tmpfs pages are charged to the faulting process's cgroup and every ancestor's
+    limit applies (v2 and v1 alike: a pod's limit sits above its containers')."""
     try:
         lines = (proc_root / "self" / "cgroup").read_text().splitlines()
     except OSError:
@@ -86,10 +78,7 @@ def mem_available() -> int | None:
 
 
 def shmem_thp_setting(path: str = SHMEM_ENABLED) -> str | None:
-    """The selected word of shmem_enabled ('never', 'advise', 'deny', 'force', ...).
-
-    None when the kernel has no transparent huge pages for shmem.
-    """
+    """The selected word of shmem_enabled ('never', 'advise', ...); None without THP."""
     try:
         with open(path, encoding="ascii") as f:
             return selected_word(f.read())

@@ -33,11 +33,7 @@ def mounts() -> list[Mount]:
 
 def top_mount_at(point: str, table: list[Mount]) -> Mount | None:
     """The mount that path lookups see at exactly `point` (the last one there)."""
-    found = None
-    for m in table:
-        if m.point == point:
-            found = m
-    return found
+    return next((m for m in reversed(table) if m.point == point), None)
 
 
 def mount_of(path: str, table: list[Mount]) -> Mount | None:

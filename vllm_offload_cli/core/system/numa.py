@@ -1,9 +1,4 @@
-"""The host's NUMA topology, read from sysfs, tolerant of its absence.
-
-A kernel without NUMA support (or a container that hides sysfs) has no
-/sys/devices/system/node; that host is treated as one node 0 holding every
-CPU, which is what the memory really is there.
-"""
+"""The host's NUMA topology from sysfs; without it (no NUMA, sysfs hidden), one node 0."""
 
 from __future__ import annotations
 
@@ -29,12 +24,13 @@ def parse_cpulist(text: str) -> frozenset[int]:
     return frozenset(out)
 
 
-def _read(path: str) -> str | None:
+def _cpulist(path: str, default: frozenset[int] = frozenset()) -> frozenset[int]:
+    """A sysfs list file, parsed; `default` when it is absent or garbled."""
     try:
         with open(path, encoding="ascii") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
-        return None
+            return parse_cpulist(f.read())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return default
 
 
 @dataclass(frozen=True)
@@ -59,23 +55,10 @@ class Topology:
 
 def topology(root: str = NODE_ROOT) -> Topology:
     """Read the online nodes; one node 0 with every CPU where sysfs says nothing."""
-    online = _read(os.path.join(root, "online"))
-    try:
-        nodes = parse_cpulist(online) if online is not None else frozenset()
-    except ValueError:
-        nodes = frozenset()
+    nodes = _cpulist(os.path.join(root, "online"))
     if not nodes:
         return Topology({0: frozenset(range(os.cpu_count() or 1))}, frozenset({0}), False)
-    cpus: dict[int, frozenset[int]] = {}
-    for node in sorted(nodes):
-        text = _read(os.path.join(root, f"node{node}", "cpulist"))
-        try:
-            cpus[node] = parse_cpulist(text) if text is not None else frozenset()
-        except ValueError:
-            cpus[node] = frozenset()
-    memory = _read(os.path.join(root, "has_memory"))
-    try:
-        with_memory = parse_cpulist(memory) if memory is not None else frozenset(nodes)
-    except ValueError:
-        with_memory = frozenset(nodes)
-    return Topology(cpus, with_memory & frozenset(nodes) or frozenset(nodes), True)
+    cpus = {node: _cpulist(os.path.join(root, f"node{node}", "cpulist"))
+            for node in sorted(nodes)}
+    with_memory = _cpulist(os.path.join(root, "has_memory"), nodes)
+    return Topology(cpus, with_memory & nodes or nodes, True)

@@ -1,33 +1,31 @@
 """Processes: identity and state from /proc/PID/stat, the rest through psutil.
 
-A pid alone is not an identity (pids are reused); the pair (pid, start time
-in clock ticks since boot) is, and its state is part of it: a zombie has
-exited. It holds no mapping, no descriptor and no lock, and finishes nothing
-it was creating, whatever its /proc/PID/stat still says.
-
-The start time is kept in clock ticks, the unit /proc/PID/stat and the
-manifests written by earlier releases use; both come from one read of it
-(procfs.stat_identity). psutil answers name, owner, environment and affinity.
+A pid alone is not an identity (pids are reused); (pid, start time in clock
+ticks, the unit of /proc/PID/stat and of older manifests) is. A zombie has
+exited: it holds no mapping, descriptor or lock, whatever its stat still says.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import psutil
 
 from vllm_offload_cli.core.system import procfs
 
 _EXITED = frozenset("ZXx")  # zombie, dead
+_T = TypeVar("_T")
 
 
-def _process(pid: int) -> psutil.Process | None:
+def _ask(pid: int, what: Callable[[psutil.Process], _T]) -> _T | None:
+    """One psutil answer about `pid`; None if it is gone or cannot be asked."""
     try:
-        return psutil.Process(pid)
-    except (psutil.Error, ValueError):
+        return what(psutil.Process(pid))
+    except (psutil.Error, OSError, ValueError):
         return None
 
 
@@ -62,16 +60,7 @@ def start_ticks(pid: int) -> int | None:
 
 def comm(pid: int) -> str | None:
     """The process's name (comm); None if it is gone or hidden."""
-    proc = _process(pid)
-    try:
-        return None if proc is None else proc.name()
-    except psutil.Error:
-        return None
-
-
-def named_pids(pids: Sequence[int], most: int = 3) -> str:
-    """'pid 1 (python), pid 2 (?)': the first `most`; empty when there are none."""
-    return ", ".join(f"pid {p} ({comm(p) or '?'})" for p in pids[:most])
+    return _ask(pid, psutil.Process.name)
 
 
 def pids() -> list[int]:
@@ -81,20 +70,12 @@ def pids() -> list[int]:
 
 def environ(pid: int) -> dict[str, str] | None:
     """The environment the process was exec'd with; None if it cannot be read."""
-    proc = _process(pid)
-    try:
-        return None if proc is None else proc.environ()
-    except (psutil.Error, OSError):
-        return None
+    return _ask(pid, psutil.Process.environ)
 
 
 def allowed_cpus(pid: int) -> frozenset[int] | None:
     """The CPUs the process may run on; None if it is gone or cannot be asked."""
-    proc = _process(pid)
-    try:
-        return None if proc is None else frozenset(proc.cpu_affinity() or ())
-    except (psutil.Error, OSError):
-        return None
+    return _ask(pid, lambda p: frozenset(p.cpu_affinity() or ()))
 
 
 def hostname() -> str:

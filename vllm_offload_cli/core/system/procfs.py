@@ -1,15 +1,9 @@
 """Hand-written /proc readers for what psutil has no reader for.
 
-Mappings and descriptors are matched by (device, inode), which psutil's
-memory_maps() and open_files() cannot do (they give paths, and drop deleted
-or non-regular files); /proc/locks, the PID namespace and capability masks
-have no psutil reader at all. A process's identity (start time in clock
-ticks, and whether it has exited) is one read of /proc/PID/stat here: psutil
-gives the start as wall-clock seconds, and turning that back into ticks took
-two more reads of /proc/stat, whose boot time can move between them.
-
-Error policy: a process that vanished reads as `GONE`, one that refuses us
-as `DENIED`; nothing else escapes from a per-process read.
+Mappings and descriptors are matched by (device, inode): psutil gives paths and
+drops deleted or non-regular files. A process's start is read in clock ticks
+from one read of /proc/PID/stat (psutil's wall-clock start drifts with boot time).
+A process that vanished reads as `GONE`, one that refuses us as `DENIED`.
 """
 
 from __future__ import annotations
@@ -130,23 +124,12 @@ def parse_maps(data: bytes) -> Iterator[Mapping]:
 
 # -- /proc/PID/fd -------------------------------------------------------------------
 
-def _fd_entries(pid: int) -> list[str] | Unreadable:
-    try:
-        return os.listdir(f"{PROC}/{pid}/fd")
-    except OSError as exc:
-        return _why(exc)
-
-
 def fd_stats(pid: int, skip: Collection[int] = ()
              ) -> list[tuple[int, os.stat_result]] | Unreadable:
     """(fd, stat of the open file) for each distinct file a process has open.
 
-    stat() of /proc/PID/fd/N follows to the open file itself, so its identity
-    holds whatever name it was opened by. One entry per file (its first
-    descriptor): a process that dups one descriptor a million times costs one
-    entry, not a million. The directory is streamed, never listed whole. A
-    descriptor closed meanwhile is skipped; a directory we may list but not
-    follow (PID 1 in some sandboxes) is DENIED.
+    One entry per file, from a streamed directory: a million dups cost one entry.
+    A directory we may list but not follow (PID 1 in some sandboxes) is DENIED.
     """
     fd_dir = f"{PROC}/{pid}/fd"
     out = []
@@ -175,12 +158,11 @@ def fd_stats(pid: int, skip: Collection[int] = ()
 def may_write(pid: int, fids: Collection[FileId]) -> bool | Unreadable:
     """Whether a process holds any of these files in a way that can write them: a
     descriptor opened for writing (fdinfo `flags`), or a mapping that may write
-    (smaps `VmFlags` has `mw`; a shared mapping of a read-only descriptor never
-    can, whatever mprotect it asks). The kernel keeps these, the process cannot
-    fake them."""
-    fd_dir = f"{PROC}/{pid}/fd"
+    (smaps `VmFlags` `mw`). The kernel keeps these; the process cannot fake them.
+    smaps walks page tables, so it is read only up to the last mapping of the files
+    that maps shows, and not at all for a holder of descriptors only."""
     try:
-        with os.scandir(fd_dir) as entries:
+        with os.scandir(f"{PROC}/{pid}/fd") as entries:
             for entry in entries:
                 try:
                     if FileId.of(os.stat(entry.path)) not in fids:
@@ -195,32 +177,41 @@ def may_write(pid: int, fids: Collection[FileId]) -> bool | Unreadable:
                               if line.startswith(b"flags:")), None)
                 if flags is None or flags & os.O_ACCMODE != os.O_RDONLY:
                     return True
-        with open(f"{PROC}/{pid}/smaps", "rb") as f:
-            smaps = f.read()
+        maps = read_maps(pid)
+        if isinstance(maps, Unreadable):
+            return maps
+        devs = {maps_dev_token(fid.dev) for fid in fids}  # parse only lines of their devices
+        lines = b"\n".join(x for x in maps.splitlines() if any(d in x for d in devs))
+        starts = {m.start for m in parse_maps(lines) if m.file_id in fids}
+        if starts:
+            return _maps_writable(pid, starts)
     except OSError as exc:
         return _why(exc)
-    tokens = {maps_dev_token(fid.dev) + str(fid.ino).encode() + b" " for fid in fids}
-    ours = False
-    for line in smaps.splitlines():
-        if line.startswith(b"VmFlags:"):
-            if ours and b"mw" in line.split():
-                return True
-        elif b"-" in line.split(b" ", 1)[0]:  # a mapping's first line
-            ours = any(t in line for t in tokens)
     return False
 
 
-def fd_targets(pid: int) -> list[str] | Unreadable:
-    """What each descriptor of a process shows as its target (readlink)."""
-    links = fd_links(pid)
-    return links if isinstance(links, Unreadable) else [t for _, t in links]
+def _maps_writable(pid: int, starts: set[int]) -> bool:
+    """Whether any mapping starting at `starts` may write; smaps read in address order."""
+    last, start = max(starts), -1
+    with open(f"{PROC}/{pid}/smaps", "rb") as f:
+        for line in f:
+            head = line.split(b" ", 1)[0]
+            if b"-" in head:  # a mapping's first line
+                start = int(head.split(b"-")[0], 16)
+            elif start in starts and line.startswith(b"VmFlags:"):
+                if b"mw" in line.split():
+                    return True
+                if start == last:
+                    break
+    return False
 
 
 def fd_links(pid: int) -> list[tuple[int, str]] | Unreadable:
     """(descriptor, target) of each descriptor of a process (readlink)."""
-    entries = _fd_entries(pid)
-    if isinstance(entries, Unreadable):
-        return entries
+    try:
+        entries = os.listdir(f"{PROC}/{pid}/fd")
+    except OSError as exc:
+        return _why(exc)
     return [(int(e), t) for e in entries if (t := fd_target(pid, int(e))) is not None]
 
 
@@ -232,12 +223,8 @@ def fd_target(pid: int, fd: int) -> str | None:
 
 
 def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
-    """Our own read-only descriptor of another process's open regular file `expect`.
-
-    The descriptor may have been swapped for a FIFO, a device or a socket since
-    the scan, so the open can neither block nor take a terminal, and it is kept
-    only for a regular file with the identity the scan saw; None otherwise.
-    """
+    """Our own read-only descriptor of another process's open regular file `expect`
+    (never a FIFO or device swapped in since the scan); None otherwise."""
     return open_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
 
 
@@ -247,8 +234,7 @@ def stat_fd(pid: int, fd: int, expect: FileId) -> os.stat_result | None:
 
 
 def stat_mapping(pid: int, start: int, end: int, expect: FileId) -> os.stat_result | None:
-    """The same for a mapping (/proc/PID/map_files, root only): a region that
-    lives on only in its mappings still has an owner."""
+    """The same for a mapping (/proc/PID/map_files, root only)."""
     return stat_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
 
 
@@ -291,8 +277,7 @@ def lock_entries() -> Iterator[LockEntry]:
 # -- status, namespaces ---------------------------------------------------------------
 
 def credentials(pid: int) -> tuple[frozenset[int], int] | Unreadable:
-    """(real, effective, saved and filesystem uids; CapPrm | CapEff) from one read of
-    /proc/PID/status: what decides which files a process may open."""
+    """(real, effective, saved and filesystem uids; CapPrm | CapEff): one status read."""
     try:
         with open(f"{PROC}/{pid}/status", "rb") as f:
             text = f.read().decode("ascii", "replace")

@@ -1,8 +1,5 @@
-"""/proc/PID/smaps and numa_maps: the kernel's account of the pages a process maps.
-
-The kernel walks every page table to produce these files, so callers read
-each at most once per process and ask for every file they care about at once.
-"""
+"""/proc/PID/smaps and numa_maps: the pages a process maps (a page-table walk each,
+so read at most once per process, for every file wanted at once)."""
 
 from __future__ import annotations
 
@@ -31,10 +28,8 @@ class MappedPages:
 
 def read_smaps(pid: int, *, wanted: set[FileId] | None = None, start: int | None = None
                ) -> dict[int, MappedPages] | None:
-    """Mappings by start address, only of `wanted` files or only the one at `start`.
-
-    None when the file cannot be read or parsed (process gone, denied).
-    """
+    """Mappings by start address, only of `wanted` files or only the one at `start`;
+    None when smaps cannot be read or parsed."""
     out: dict[int, MappedPages] = {}
     try:
         with open(f"{PROC}/{pid}/smaps", "rb") as f:
