@@ -1,12 +1,8 @@
 """Plan mode of `verify-rank-layout`: which bytes would every worker write?
 
-Before launch, given the world size W, the data-parallel size D, where each
-worker's devices are and a rank source, compute every replica's engine_id
-and every worker's slot, and name each pair of workers that would share
-bytes. Workers share bytes when they map the same file (their replicas have
-one engine_id) and compute the same slot, or when a slot falls outside
-[0, W) and so lands in another worker's bytes. Pure computation: the CLI
-passes in the environment it read.
+From the world size, the data-parallel size, the devices and a rank source: every
+replica's engine_id and every worker's slot, and each pair of workers that would share
+bytes (one engine_id and one slot, or a slot outside [0, W)). Pure computation.
 """
 
 from __future__ import annotations
@@ -18,13 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.problems import Problem, WorkerRef
+from vllm_offload_cli.core.base.problems import Problem, WorkerRef, jsonable
 from vllm_offload_cli.core.base.text import joined
 from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.region.ranks import RankSource, WorkerPlace
 
 MAX_WORKERS = 65536  # a plan bigger than any host is a typo, not a layout
-BASE_PLACEHOLDER = "<engine_id>"
 
 CONTIGUOUS, EXPLICIT, ENV, PER_PROCESS = "contiguous", "explicit", "env", "per-process"
 VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
@@ -40,12 +35,8 @@ _VISIBLE_ENTRY_RE = re.compile(r"[0-9]+|(?:GPU|MIG)-[A-Za-z0-9/_-]+")
 
 @dataclass(frozen=True)
 class Device:
-    """A worker's device: the index its process sees, and what it physically is.
-
-    `label` identifies the physical device when the layout knows it (two
-    workers with one label share a GPU); None when each process sees only
-    its own GPU and nothing relates the indices.
-    """
+    """The index a worker's process sees; `label` names the physical device (one label,
+    one GPU), None where each process sees only its own GPU."""
 
     index: int
     label: str | None
@@ -65,13 +56,9 @@ class DeviceLayout:
         return len(self.groups) if self.kind == EXPLICIT else None
 
     def assign(self, world_size: int, dp_size: int) -> tuple[tuple[Device, ...], ...]:
-        """Every replica's devices, in worker order."""
-        if self.kind == CONTIGUOUS:
-            return tuple(tuple(Device(k * world_size + w, str(k * world_size + w))
-                               for w in range(world_size)) for k in range(dp_size))
-        if self.kind == PER_PROCESS:
-            return tuple(tuple(Device(0, None) for _ in range(world_size))
-                         for _ in range(dp_size))
+        """Every replica's devices, in worker order: replica k takes positions k*W .. k*W+W-1
+        of the visible list, as vLLM slices it."""
+        need = world_size * dp_size
         if self.kind == EXPLICIT:
             if len(self.groups) != dp_size:
                 raise InvalidInputError(
@@ -83,14 +70,17 @@ class DeviceLayout:
                         f"--devices {self.spec!r}: replica {k} has {len(group)} device(s); "
                         f"--world-size is {world_size}", code="invalid_devices")
             return self.groups
-        # ENV: replica k takes positions k*W .. k*W+W-1 of the visible list, as vLLM slices it
-        visible = self.groups[0]
-        need = world_size * dp_size
-        if len(visible) < need:
+        if self.kind == CONTIGUOUS:
+            visible = tuple(Device(i, str(i)) for i in range(need))
+        elif self.kind == PER_PROCESS:
+            visible = (Device(0, None),) * need
+        elif len(self.groups[0]) < need:
             raise InvalidInputError(
-                f"{VISIBLE_DEVICES_ENV}={self.spec!r} lists {len(visible)} device(s); "
+                f"{VISIBLE_DEVICES_ENV}={self.spec!r} lists {len(self.groups[0])} device(s); "
                 f"{dp_size} replica(s) of {world_size} worker(s) need {need}",
                 code="invalid_devices")
+        else:
+            visible = self.groups[0]
         return tuple(visible[k * world_size:(k + 1) * world_size] for k in range(dp_size))
 
     def unused(self, world_size: int, dp_size: int) -> tuple[str, ...]:
@@ -102,11 +92,8 @@ class DeviceLayout:
 
 def parse_devices(spec: str | None, *, environ: Mapping[str, str] | None = None
                   ) -> DeviceLayout:
-    """Parse `--devices`: a keyword, or `0,2;1,3` (`;` between replicas, `,` between workers).
-
-    Explicit indices are what each worker's process sees
-    (`current_device_index()`), so they are also the device's identity.
-    """
+    """A keyword, or `0,2;1,3` (`;` between replicas, `,` between workers): indices each
+    worker's process sees (`current_device_index()`), so also the device's identity."""
     if spec is None:
         return DeviceLayout(CONTIGUOUS)
     text = spec.strip()
@@ -171,10 +158,6 @@ class WorkerPlan:
     slot: int
     problems: tuple[str, ...]  # codes of the problems that involve this worker
 
-    @property
-    def ref(self) -> WorkerRef:
-        return WorkerRef(self.replica, self.worker)
-
     def to_dict(self) -> dict[str, Any]:
         return {"worker": self.worker, "rank": self.worker, "device_index": self.device.index,
                 "device": self.device.label, "slot": self.slot,
@@ -189,9 +172,7 @@ class ReplicaPlan:
     workers: tuple[WorkerPlan, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"replica": self.replica, "engine_id": self.engine_id,
-                "engine_id_suffix": self.engine_id_suffix,
-                "workers": [w.to_dict() for w in self.workers]}
+        return {**jsonable(self), "workers": [w.to_dict() for w in self.workers]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +212,6 @@ def plan_layout(
     dp_size: int | None = None,
     devices: DeviceLayout | None = None,
     dp_suffix: bool = True,
-    base_engine_id: str = BASE_PLACEHOLDER,
 ) -> LayoutPlan:
     """Every replica's engine_id and every worker's device and slot, with every collision."""
     layout = devices or DeviceLayout(CONTIGUOUS)
@@ -244,33 +224,27 @@ def plan_layout(
             f"{dp_size} replica(s) of {world_size} worker(s) is more than {MAX_WORKERS} "
             "workers; check --world-size and --dp-size", code="invalid_layout")
     assigned = layout.assign(world_size, dp_size)
-    slots = {
-        WorkerRef(k, w): rank_source.slot(WorkerPlace(w, device.index, world_size))
-        for k, group in enumerate(assigned) for w, device in enumerate(group)
-    }
-    engine_ids = [base_engine_id + engine_id_suffix(k, dp_size, dp_suffix=dp_suffix)
-                  for k in range(dp_size)]
     device_of = {WorkerRef(k, w): d for k, g in enumerate(assigned) for w, d in enumerate(g)}
-
+    slots = {ref: rank_source.slot(WorkerPlace(ref.worker, device.index, world_size))
+             for ref, device in device_of.items()}
+    suffixes = [engine_id_suffix(k, dp_size, dp_suffix=dp_suffix) for k in range(dp_size)]
+    engine_ids = [f"<engine_id>{suffix}" for suffix in suffixes]
     problems = [
         *_engine_id_collisions(engine_ids, dp_suffix),
         *_slot_collisions(slots, engine_ids, device_of, rank_source),
         *_out_of_range(slots, world_size, engine_ids, device_of, rank_source),
         *_shared_devices(device_of),
     ]
-    involved: dict[WorkerRef, list[str]] = defaultdict(list)
+    involved: dict[WorkerRef, dict[str, None]] = defaultdict(dict)
     for p in problems:
-        members = p.workers or tuple(r for r in slots if r.replica in p.replicas)
-        for ref in members:
-            if p.code not in involved[ref]:
-                involved[ref].append(p.code)
+        for ref in p.workers or tuple(r for r in slots if r.replica in p.replicas):
+            involved[ref][p.code] = None
     replicas = tuple(
-        ReplicaPlan(replica=k, engine_id=engine_ids[k],
-                    engine_id_suffix=engine_id_suffix(k, dp_size, dp_suffix=dp_suffix),
-                    workers=tuple(
-            WorkerPlan(replica=k, worker=w, device=device, slot=slots[WorkerRef(k, w)],
-                       problems=tuple(involved[WorkerRef(k, w)]))
-            for w, device in enumerate(group)))
+        ReplicaPlan(replica=k, engine_id=engine_ids[k], engine_id_suffix=suffixes[k],
+                    workers=tuple(WorkerPlan(replica=k, worker=w, device=device,
+                                             slot=slots[WorkerRef(k, w)],
+                                             problems=tuple(involved[WorkerRef(k, w)]))
+                                  for w, device in enumerate(group)))
         for k, group in enumerate(assigned)
     )
     return LayoutPlan(world_size=world_size, dp_size=dp_size, rank_source=rank_source,
@@ -288,25 +262,16 @@ def _engine_id_collisions(engine_ids: Sequence[str], dp_suffix: bool) -> list[Pr
     by_id: dict[str, list[int]] = defaultdict(list)
     for k, engine_id in enumerate(engine_ids):
         by_id[engine_id].append(k)
-    problems = []
-    for engine_id, replicas in by_id.items():
-        if len(replicas) < 2:
-            continue
-        why = ("" if dp_suffix else
-               " (no _dp suffix: the multiprocessing path before vLLM PR 47987)")
-        problems.append(Problem(
-            code="engine_id_collision",
-            message=f"replicas {joined(replicas)} would all use engine_id {engine_id}{why}: one "
-                    f"region "
-            "file for all of them, so their workers write into each other's rows",
-            replicas=tuple(replicas), engine_id=engine_id))
-    return problems
+    why = "" if dp_suffix else " (no _dp suffix: the multiprocessing path before vLLM PR 47987)"
+    return [Problem(
+        "engine_id_collision", f"replicas {joined(replicas)} would all use engine_id "
+        f"{engine_id}{why}: one region file for all of them, so their workers write into each "
+        "other's rows", replicas=tuple(replicas), engine_id=engine_id)
+        for engine_id, replicas in by_id.items() if len(replicas) > 1]
 
 
 def _why(source: RankSource, ref: WorkerRef, device: Device) -> str:
-    if source.device_based:
-        return f"device {device.index}"
-    return f"rank {ref.worker}"
+    return f"device {device.index}" if source.device_based else f"rank {ref.worker}"
 
 
 def _slot_collisions(slots: Mapping[WorkerRef, int], engine_ids: Sequence[str],
@@ -324,9 +289,8 @@ def _slot_collisions(slots: Mapping[WorkerRef, int], engine_ids: Sequence[str],
                                      for r in refs))
         via = reasons[0] + " for each" if len(reasons) == 1 else ", ".join(reasons)
         problems.append(Problem(
-            code="slot_collision",
-            message=f"{_name_workers(refs)} {_both(refs)} -> slot {slot} of {engine_id} "
-            f"({source.name}: {via}); they would overwrite each other's KV blocks",
+            "slot_collision", f"{_name_workers(refs)} {_both(refs)} -> slot {slot} of "
+            f"{engine_id} ({source.name}: {via}); they would overwrite each other's KV blocks",
             workers=tuple(refs), slot=slot, engine_id=engine_id))
     return problems
 
@@ -334,18 +298,12 @@ def _slot_collisions(slots: Mapping[WorkerRef, int], engine_ids: Sequence[str],
 def _out_of_range(slots: Mapping[WorkerRef, int], world_size: int, engine_ids: Sequence[str],
                   device_of: Mapping[WorkerRef, Device], source: RankSource
                   ) -> list[Problem]:
-    problems = []
-    for ref, slot in slots.items():
-        if 0 <= slot < world_size:
-            continue
-        problems.append(Problem(
-            code="slot_out_of_range",
-            message=f"{_name_workers([ref])} -> slot {slot}, outside [0, {world_size}) "
-            f"({source.name}: {_why(source, ref, device_of[ref])} -> {slot}); its bytes fall "
-            "past the row's slots, into another worker's slot of the next row (or past the "
-            "end of the file)",
-            workers=(ref,), slot=slot, engine_id=engine_ids[ref.replica]))
-    return problems
+    return [Problem(
+        "slot_out_of_range", f"{_name_workers([ref])} -> slot {slot}, outside [0, {world_size}) "
+        f"({source.name}: {_why(source, ref, device_of[ref])} -> {slot}); its bytes fall past "
+        "the row's slots, into another worker's slot of the next row (or past the end of the "
+        "file)", workers=(ref,), slot=slot, engine_id=engine_ids[ref.replica])
+        for ref, slot in slots.items() if not 0 <= slot < world_size]
 
 
 def _shared_devices(device_of: Mapping[WorkerRef, Device]) -> list[Problem]:
