@@ -95,7 +95,7 @@ def looks(shm: str, repeat: int) -> None:
             ("room's look before", lambda: discover(shm, measure_residency=False)),
             ("room's look now", lambda: discover(shm, measure_residency=False,
                                                  judge_uids=[me],
-                                                 only=visibility.may_open(me, 0o600)))):
+                                                 only=visibility.MayOpen(me, 0o600)))):
         times = []
         for _ in range(repeat):
             t0 = time.perf_counter()

@@ -57,7 +57,7 @@ def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
     # this user's files only, and the processes that could have opened them: the
     # collector re-checks each removal against every process and the kernel's lease
     inv = discover(shm_dir, measure_residency=False, judge_uids=[me],
-                   only=visibility.may_open(me, 0o600))
+                   only=visibility.MayOpen(me, 0o600))
     picked: list[RegionInfo] = []
     freed = 0
     for r in sorted(filter(_may_give_way, inv.regions),

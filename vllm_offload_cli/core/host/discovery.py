@@ -1,21 +1,18 @@
 """Find every region in a shm directory and say what state it is in.
 
-A region is found by its name (`vllm_offload_{id}.mmap`, segments `.mmap.N`
-grouped with it) or, when the name was unlinked, by the processes that still
-map it or hold it open. For each region we report its holders (a live one
-makes the region `live`), residency, ownership, manifest geometry and every
-problem we can see. Nothing here writes, and nothing imports torch.
+A region is found by name (`vllm_offload_{id}.mmap`, segments `.mmap.N`) or, once its
+name is unlinked, through the processes that still map or hold it open. Nothing here
+writes, and nothing imports torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import heapq
 import os
 import stat
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -77,10 +74,9 @@ class SegmentFile:
     mode: int | None
     mtime: float | None
     linked: bool
-    resident_bytes: int | None
+    resident_bytes: int | None = None
     problems: tuple[Problem, ...] = ()
-    # why resident_bytes is None when the measurement was refused ("mincore: ...")
-    resident_error: str | None = None
+    resident_error: str | None = None  # why resident_bytes is None: a refusal ("mincore: ...")
     # tmpfs memory the file holds (st_blocks): what removing it gives back, as gc counts
     allocated_bytes: int | None = None
     # the kernel's answer to "open anywhere else?", asked only when /proc may miss a holder
@@ -219,8 +215,9 @@ class Counts:
         c[1] += size
         c[2] += allocated
 
-    def add(self, st: os.stat_result) -> None:
-        self.add_file(st.st_uid, st.st_size, st.st_blocks * 512)
+    def add(self, *stats: os.stat_result) -> None:
+        for st in stats:
+            self.add_file(st.st_uid, st.st_size, st.st_blocks * 512)
 
     def add_region(self, r: RegionInfo) -> None:
         for s in r.segments:
@@ -236,6 +233,7 @@ class Counts:
 class _Listing:
     """Region files by engine_id: judged ones (opened), and others seen by lstat only."""
 
+    judge_uids: fsguard.AllowedUids = None
     judged: dict[str, list[_Entry]] = field(default_factory=lambda: defaultdict(list))
     unjudged: dict[str, list[_Entry]] = field(default_factory=lambda: defaultdict(list))
     manifests: dict[str, str] = field(default_factory=dict)
@@ -243,18 +241,37 @@ class _Listing:
     counted: Counts = field(default_factory=Counts)
     overflow: bool = False  # some judged files were left out: complete their regions
     complete: bool = True  # False: the deadline came before the listing ended
+    # other users' files to judge, a heap of the largest: (st_blocks, n, engine_id, entry)
+    others: list[tuple[int, int, str, _Entry]] = field(default_factory=list)
+    listed: int = 0  # files listed from lstat alone
+    me: int = field(default_factory=os.geteuid)
+
+    def file(self, n: int, engine_id: str, entry: _Entry) -> None:
+        """Judged (ours, or among the largest of others'), listed from lstat, or counted."""
+        st, me = entry[2], self.me
+        if entry[0] > MAX_SEGMENT:
+            self.not_judged.add(st)
+        elif st.st_uid == me and fsguard.uid_allowed(me, self.judge_uids):
+            self.judged[engine_id].append(entry)
+        elif fsguard.uid_allowed(st.st_uid, self.judge_uids):
+            item = (st.st_blocks, n, engine_id, entry)
+            if len(self.others) < JUDGED_OTHERS:
+                heapq.heappush(self.others, item)
+            else:
+                self.overflow = True
+                self.not_judged.add(heapq.heappushpop(self.others, item)[3][2])
+        elif self.listed < LISTED_UNJUDGED:
+            self.listed += 1
+            self.unjudged[engine_id].append(entry)
+        else:
+            self.counted.add(st)
 
 
 def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.AllowedUids,
               partial: bool = False) -> _Listing:
-    """One pass over the directory, one lstat per region-named file, nothing opened.
-
-    Memory is bounded by the caller's own files plus a fixed number of others.
-    """
-    listing = _Listing()
-    me = os.geteuid()
-    heap: list[tuple[int, int, str, str, int, os.stat_result]] = []
-    listed = 0
+    """One pass over the directory, one lstat per region-named file, nothing opened:
+    memory is bounded by the caller's own files plus a fixed number of others."""
+    listing = _Listing(judge_uids=judge_uids)
     with os.scandir(shm_dir) as it:
         for n, entry in enumerate(it):
             if not n % 4096 and deadline.expired():
@@ -262,39 +279,22 @@ def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.
                     deadline.check("listing the shm directory")
                 listing.complete = False
                 break
-            name = entry.name
-            parsed = parse_region_filename(name)
-            if parsed is None:
-                engine_id = parse_manifest_filename(name)
-                if engine_id is not None and (wanted is None or engine_id in wanted):
-                    listing.manifests[engine_id] = entry.path
-                    if len(listing.manifests) > 4 * JUDGED_OTHERS:
-                        listing.manifests.pop(engine_id)  # looked up by name if needed
+            parsed = parse_region_filename(entry.name)
+            engine_id = parse_manifest_filename(entry.name) if parsed is None else parsed.engine_id
+            if engine_id is None or (wanted is not None and engine_id not in wanted):
                 continue
-            if wanted is not None and parsed.engine_id not in wanted:
+            if parsed is None:
+                listing.manifests[engine_id] = entry.path
+                if len(listing.manifests) > 4 * JUDGED_OTHERS:
+                    listing.manifests.pop(engine_id)  # looked up by name if needed
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if parsed.segment > MAX_SEGMENT:
-                listing.not_judged.add(st)
-            elif st.st_uid == me and fsguard.uid_allowed(me, judge_uids):
-                listing.judged[parsed.engine_id].append((parsed.segment, entry.path, st))
-            elif fsguard.uid_allowed(st.st_uid, judge_uids):
-                item = (st.st_blocks, n, parsed.engine_id, entry.path, parsed.segment, st)
-                if len(heap) < JUDGED_OTHERS:
-                    heapq.heappush(heap, item)
-                else:
-                    listing.overflow = True
-                    listing.not_judged.add(heapq.heappushpop(heap, item)[5])
-            elif listed < LISTED_UNJUDGED:
-                listed += 1
-                listing.unjudged[parsed.engine_id].append((parsed.segment, entry.path, st))
-            else:
-                listing.counted.add(st)
-    for _, _, engine_id, path, segment, st in heap:
-        listing.judged[engine_id].append((segment, path, st))
+            listing.file(n, engine_id, (parsed.segment, entry.path, st))
+    for _, _, engine_id, judged in listing.others:
+        listing.judged[engine_id].append(judged)
     if listing.overflow:
         _complete(listing, shm_dir)
     return listing
@@ -328,73 +328,76 @@ def _order(engine_id: str, entries: list[_Entry]) -> tuple[int, int, str]:
     return (0 if own else 1, -sum(st.st_blocks for _, _, st in entries), engine_id)
 
 
-def _inspect_file(path: str, segment: int, allowed_uids: fsguard.AllowedUids,
-                  measure: bool, probe_if: Callable[[os.stat_result], bool] | None = None,
-                  lease_wait: fsguard.LeaseWait | None = None) -> tuple[SegmentFile, bool]:
-    """lstat, open without following, fstat, residency and a lock probe: (file, locked).
+@dataclass
+class _Run:
+    """What judging a region needs from the run that judges it."""
 
-    `mtime` is the file's ctime: its owner can set mtime to any time (a future
-    one would make a leftover look young for ever), nobody can set ctime.
-    """
+    shm: str
+    scan: ProcessScan
+    vis: Visibility = field(default_factory=lambda: Visibility((), ()))
+    allowed_uids: fsguard.AllowedUids = None
+    measure: bool = False  # residency
+    listing: _Listing = field(default_factory=_Listing)
+    now: float = field(default_factory=time.time)
+    lease_wait: fsguard.LeaseWait = field(default_factory=fsguard.LeaseWait)  # one for all opens
+    linked: set[FileId] = field(default_factory=set)  # files judged by name
+    memfds: dict[int, dict[tuple[int, int], int] | None] = field(default_factory=dict)
+
+    def needs_probe(self, st: os.stat_result) -> bool:
+        """Ask the kernel only where /proc may have missed a holder and saw none."""
+        return (not self.vis.blind and bool(self.vis.could_hide(st.st_uid, st.st_mode))
+                and not self.scan.holders(FileId.of(st)))
+
+
+def _from_stat(path: str, segment: int, st: os.stat_result, problems: Iterable[Problem] = (),
+               resident: tuple[int | None, str | None] = (None, None),
+               sole_opener: openers.OpenersVerdict | None = None) -> SegmentFile:
+    """A linked file as its stat shows it. `mtime` is its ctime: an owner can set mtime
+    (a future one would make a leftover look young for ever), nobody can set ctime."""
+    regular = stat.S_ISREG(st.st_mode)
+    return SegmentFile(path=path, segment=segment, file_id=FileId.of(st) if regular else None,
+                       size_bytes=st.st_size if regular else 0, uid=st.st_uid,
+                       allocated_bytes=st.st_blocks * 512 if regular else None,
+                       mode=stat.S_IMODE(st.st_mode), mtime=st.st_ctime, linked=True,
+                       resident_bytes=resident[0], resident_error=resident[1],
+                       problems=tuple(problems), sole_opener=sole_opener)
+
+
+def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool]:
+    """lstat, open without following, fstat, residency and a lock probe: (file, locked)."""
     lst = os.stat(path, follow_symlinks=False)  # FileNotFoundError: vanished, caller skips
     if not stat.S_ISREG(lst.st_mode):
-        problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids)
-        return SegmentFile(path=path, segment=segment, file_id=None, size_bytes=0, uid=lst.st_uid,
-                           mode=stat.S_IMODE(lst.st_mode),
-                           mtime=lst.st_ctime, linked=True, resident_bytes=None,
-                           problems=tuple(problems)), False
+        return _from_stat(path, segment, lst, fsguard.stat_problems(
+            lst, allowed_uids=run.allowed_uids)), False
     # another user's lease is held by a process that has the file open: it is in use,
     # and answering at once is the same answer; only our own files share the wait
-    wait = lease_wait if lease_wait is not None and lst.st_uid == os.geteuid() \
-        else fsguard.LeaseWait(0.0)
+    wait = run.lease_wait if lst.st_uid == os.geteuid() else fsguard.LeaseWait(0.0)
     try:
         fd = fsguard.open_existing(path, os.O_RDONLY, lease_wait=wait)
     except RegionNotFoundError:
         raise FileNotFoundError(path) from None
     except RegionBusyError:  # a long-held lease: someone is at it; not stale
-        return SegmentFile(path=path, segment=segment, file_id=FileId.of(lst),
-                           size_bytes=lst.st_size, uid=lst.st_uid,
-                           allocated_bytes=lst.st_blocks * 512,
-                           mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_ctime, linked=True,
-                           resident_bytes=None), True
+        return _from_stat(path, segment, lst), True
     except (OffloadError, OSError):  # refused or unsafe; a bug is not "unreadable"
-        problems = fsguard.stat_problems(lst, allowed_uids=allowed_uids) or [
-            Problem("unreadable", "cannot be opened by this user")]
-        return SegmentFile(path=path, segment=segment, file_id=FileId.of(lst),
-                           size_bytes=lst.st_size, uid=lst.st_uid,
-                           allocated_bytes=lst.st_blocks * 512,
-                           mode=stat.S_IMODE(lst.st_mode), mtime=lst.st_ctime, linked=True,
-                           resident_bytes=None,
-                           problems=tuple(problems)), False
+        return _from_stat(path, segment, lst, fsguard.stat_problems(
+            lst, allowed_uids=run.allowed_uids) or [
+            Problem("unreadable", "cannot be opened by this user")]), False
     try:
         st = os.fstat(fd)
         if FileId.of(st) != FileId.of(lst):
             raise FileNotFoundError(path)  # replaced between lstat and open: rescan later
-        problems = fsguard.stat_problems(st, allowed_uids=allowed_uids)
-        resident, refusal = _resident(fd) if measure else (None, None)
+        resident = _resident(fd) if run.measure else (None, None)
         locked = not locking.try_lock_exclusive(fd)
-        return SegmentFile(path=path, segment=segment, file_id=FileId.of(st),
-                           size_bytes=st.st_size, uid=st.st_uid,
-                           allocated_bytes=st.st_blocks * 512,
-                           mode=stat.S_IMODE(st.st_mode), mtime=st.st_ctime, linked=True,
-                           resident_bytes=resident, problems=tuple(problems),
-                           resident_error=refusal,
-                           sole_opener=None if locked or probe_if is None or not probe_if(st)
-                           else openers.probe(fd, retry=_PROBE_RETRY)), locked
+        probe = not locked and run.needs_probe(st)
+        return _from_stat(path, segment, st, fsguard.stat_problems(
+            st, allowed_uids=run.allowed_uids), resident,
+            openers.probe(fd, retry=_PROBE_RETRY) if probe else None), locked
     finally:
         os.close(fd)  # also drops the probe lock
 
 
 # inspect only labels; gc decides under the lock with its own, patient lease
 _PROBE_RETRY = 0.02
-
-
-def _needs_lease_probe(vis: Visibility, scan: ProcessScan) -> Callable[[os.stat_result], bool]:
-    """Ask the kernel only where /proc may have missed a holder and saw none."""
-    def needed(st: os.stat_result) -> bool:
-        return (not vis.blind and bool(vis.could_hide(st.st_uid, st.st_mode))
-                and not scan.holders(FileId.of(st)))
-    return needed
 
 
 def _resident(fd: int) -> tuple[int | None, str | None]:
@@ -425,26 +428,19 @@ def holders_of(uses: Iterable[FileUse], manifest: Manifest | None = None
 
 def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
                   ) -> dict[str, dict[FileId, list[FileUse]]]:
-    """Regions known only from /proc: unlinked names still mapped or open.
-
-    The directory a holder's /proc entry names is shm_dir when it is the same
-    directory (device and inode), whatever mount path the holder opened it by.
-    """
+    """Regions known only from /proc: unlinked names still mapped or open, in shm_dir
+    by (device, inode), whatever mount path the holder opened it by."""
     found: dict[str, dict[FileId, list[FileUse]]] = defaultdict(dict)
     same_dir = _same_directory(shm_dir)
     for fid, uses in scan.uses.items():
-        if fid in linked_ids:
+        named = [u for u in uses if u.path]  # none: only a lock entry, no name to go by
+        # none deleted: still linked, a name this run counted rather than listed
+        if fid in linked_ids or not any(u.deleted for u in named):
             continue
-        named = [u for u in uses if u.path]
-        if not named:
-            continue  # only a lock entry: nothing tells us its name
-        if not any(u.deleted for u in named):
-            continue  # still linked: a name this run counted rather than listed
         directory, name = os.path.split(named[0].path)
         parsed = parse_region_filename(name)
-        if parsed is None or not same_dir(directory):
-            continue
-        found[parsed.engine_id][fid] = uses
+        if parsed is not None and same_dir(directory):
+            found[parsed.engine_id][fid] = uses
     return found
 
 
@@ -478,27 +474,25 @@ def discover(
     judge_uids: fsguard.AllowedUids = None,
     judge_until: float | None = None,
     partial: bool = False,
-    only: Callable[[int], bool] | None = None,
+    only: visibility.MayOpen | None = None,
 ) -> Inventory:
     """Every region in shm_dir (or only `engine_ids`), with holders, state and problems.
 
-    `shm_private_to_namespace`: the operator states that no process outside
-    this PID namespace uses shm_dir, which waives that one blind spot.
-    `judge_uids`: owners whose files are opened, locked and read (by default
-    those `allowed_uids` accepts); any other file is classified from its
-    `lstat` alone, before anything is opened, waited for or parsed.
-    `judge_until` (time.monotonic()) and the command's deadline end the judging;
-    with `partial` what is left is counted in `not_judged` instead of raising
-    DeadlineExpiredError (gc keeps what it has proven and says what it did not).
-    `only`: read only the processes it admits (`visibility.may_open`), for a caller
-    whose every removal the collector re-checks against all of them.
+    `shm_private_to_namespace`: the operator states that no process outside this PID
+    namespace uses shm_dir (waives that one blind spot). `judge_uids`: owners whose files
+    are opened, locked and read (default: those `allowed_uids` accepts); any other file
+    is classified from its `lstat` alone. `judge_until` (time.monotonic()) and the
+    deadline end the judging; with `partial` what is left is counted in `not_judged`
+    instead of raising (gc keeps what it proved and says what it did not). `only`: read
+    only the processes it admits, for a caller whose every removal the collector
+    re-checks against all of them.
     """
     shm = _shm_dir(shm_dir)
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
     allowed_uids = fsguard.inspection_uids(allowed_uids)
-    judge = judge_uids if judge_uids is not None else allowed_uids
     now = time.time()
-    listing = _list_dir(shm, wanted, judge, partial)
+    listing = _list_dir(shm, wanted, allowed_uids if judge_uids is None else judge_uids,
+                        partial)
     order = sorted(listing.judged.items(), key=lambda item: _order(*item))
     try:
         # before we open anything ourselves; region names found by lstat
@@ -507,58 +501,54 @@ def discover(
     except deadline.DeadlineExpiredError:
         if not partial:
             raise
-        for _, entries in order:
-            for _, _, st in entries:
-                listing.not_judged.add(st)
+        listing.not_judged.add(*(st for _, entries in order for _, _, st in entries))
         return _inventory(shm, [], [], listing, ProcessScan(), visibility.assess([]))
-    vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace)
-    probe_if = _needs_lease_probe(vis, scan)
-    lease_wait = fsguard.LeaseWait()  # one budget for every open of this run
-    regions: list[RegionInfo] = []
-    linked_ids: set[FileId] = set()
+    vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace,
+                            seen=None if only is None else only.seen)
+    run = _Run(shm=shm, scan=scan, vis=vis, allowed_uids=allowed_uids,
+               measure=measure_residency, listing=listing, now=now)
+    regions = _judge_listed(run, order, judge_until, partial)
+    for engine_id, entries in sorted(listing.unjudged.items()):
+        segments = [_from_stat(path, segment, st, fsguard.stat_problems(
+            st, allowed_uids=allowed_uids)) for segment, path, st in sorted(entries)]
+        run.linked.update(s.file_id for s in segments if s.file_id is not None)
+        regions.append(judge_visibility(_region(run, engine_id, segments, False, None), vis))
+    try:
+        for engine_id, by_inode in sorted(_deleted_only(scan, run.linked, shm).items()):
+            if wanted is not None and engine_id not in wanted:
+                continue
+            for fid, uses in by_inode.items():
+                regions.append(_deleted_region(run, engine_id, fid, uses))
+    except deadline.DeadlineExpiredError:
+        if not partial:
+            raise  # gc: unlinked regions are in use, never removed; what was judged counts
+    regions = _flag_collisions(regions)
+    orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
+    return _inventory(shm, regions, orphans, listing, scan, vis)
 
+
+def _judge_listed(run: _Run, order: list[tuple[str, list[_Entry]]],
+                  judge_until: float | None, partial: bool) -> list[RegionInfo]:
+    """The regions whose files this run opens, in `order`: with `partial`, those the
+    time left does not reach are counted in `not_judged`."""
+    regions = []
     for i, (engine_id, entries) in enumerate(order):
         # the first (the caller's own, or the largest) is judged whenever the deadline
         # allows: every run makes progress, however little of its share is left
         if _out_of_time(judge_until if i else None, partial):
-            for _, later in order[i:]:
-                for _, _, st in later:
-                    listing.not_judged.add(st)
+            run.listing.not_judged.add(*(st for _, later in order[i:] for _, _, st in later))
             break
         try:
-            region = _judge(engine_id, entries, allowed_uids, measure_residency, probe_if,
-                            lease_wait, scan, listing, shm, now)
+            region = _judge(run, engine_id, entries)
         except deadline.DeadlineExpiredError:  # the backstop cut one file's wait short
             if not partial:
                 raise
-            for _, _, st in entries:
-                listing.not_judged.add(st)
+            run.listing.not_judged.add(*(st for _, _, st in entries))
             continue
         if region is not None:
-            linked_ids.update(s.file_id for s in region.segments if s.file_id is not None)
-            regions.append(judge_visibility(region, vis))
-    for engine_id, entries in sorted(listing.unjudged.items()):
-        segments = [_seen_only(path, segment, st, allowed_uids)
-                    for segment, path, st in sorted(entries, key=lambda e: e[0])]
-        linked_ids.update(s.file_id for s in segments if s.file_id is not None)
-        regions.append(judge_visibility(
-            _region(engine_id, segments, False, scan, None, allowed_uids, now), vis))
-
-    memfds: dict[int, dict[tuple[int, int], int] | None] = {}  # a holder's, read once
-    try:
-        for engine_id, by_inode in sorted(_deleted_only(scan, linked_ids, shm).items()):
-            if wanted is not None and engine_id not in wanted:
-                continue
-            for fid, uses in by_inode.items():
-                regions.append(_deleted_region(engine_id, fid, uses, measure_residency, now,
-                                               memfds))
-    except deadline.DeadlineExpiredError:
-        if not partial:
-            raise  # gc: unlinked regions are in use, never removed; what was judged counts
-
-    regions = _flag_collisions(regions)
-    orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
-    return _inventory(shm, regions, orphans, listing, scan, vis)
+            run.linked.update(s.file_id for s in region.segments if s.file_id is not None)
+            regions.append(judge_visibility(region, run.vis))
+    return regions
 
 
 def _out_of_time(judge_until: float | None, partial: bool) -> bool:
@@ -586,16 +576,12 @@ def _shm_dir(shm_dir: str | os.PathLike[str]) -> str:
     return shm
 
 
-def _judge(engine_id: str, entries: list[_Entry], allowed_uids: fsguard.AllowedUids,
-           measure: bool, probe_if: Callable[[os.stat_result], bool],
-           lease_wait: fsguard.LeaseWait, scan: ProcessScan, listing: _Listing, shm: str,
-           now: float) -> RegionInfo | None:
+def _judge(run: _Run, engine_id: str, entries: list[_Entry]) -> RegionInfo | None:
     """One region, its files opened and judged; None when they all vanished."""
     judged: list[tuple[SegmentFile, bool]] = []
     for segment, path, _ in sorted(entries, key=lambda e: e[0]):
         try:
-            judged.append(_inspect_file(path, segment, allowed_uids, measure, probe_if,
-                                        lease_wait))
+            judged.append(_inspect_file(path, segment, run))
         except FileNotFoundError:
             continue  # vanished while we looked
     if not judged:
@@ -603,79 +589,60 @@ def _judge(engine_id: str, entries: list[_Entry], allowed_uids: fsguard.AllowedU
     segments = [seg for seg, _ in judged]
     owner = next((s for s in segments if s.segment == 0), segments[0]).uid
     locked = any(seg_locked for seg, seg_locked in judged if seg.uid == owner)
-    mpath = listing.manifests.get(engine_id)
+    mpath = run.listing.manifests.get(engine_id)
     if mpath is None:  # the listing keeps a bounded number: look it up by name
-        candidate = str(manifest_path(shm, engine_id))
+        candidate = str(manifest_path(run.shm, engine_id))
         mpath = candidate if os.path.lexists(candidate) else None
-    return _region(engine_id, segments, locked, scan, mpath, allowed_uids, now)
+    return _region(run, engine_id, segments, locked, mpath)
 
 
-def _seen_only(path: str, segment: int, st: os.stat_result,
-               allowed_uids: fsguard.AllowedUids) -> SegmentFile:
-    """A file of an owner this run does not judge: what lstat says, nothing opened."""
-    return SegmentFile(
-        path=path, segment=segment,
-        file_id=FileId.of(st) if stat.S_ISREG(st.st_mode) else None,
-        size_bytes=st.st_size if stat.S_ISREG(st.st_mode) else 0, uid=st.st_uid,
-        allocated_bytes=st.st_blocks * 512,
-        mode=stat.S_IMODE(st.st_mode), mtime=st.st_ctime, linked=True, resident_bytes=None,
-        problems=tuple(fsguard.stat_problems(st, allowed_uids=allowed_uids)))
-
-
-def _region(engine_id: str, segments: list[SegmentFile], locked: bool, scan: ProcessScan,
-            mpath: str | None, allowed_uids: fsguard.AllowedUids, now: float) -> RegionInfo:
-    parts = split_engine_id(engine_id)
+def _region(run: _Run, engine_id: str, segments: list[SegmentFile], locked: bool,
+            mpath: str | None) -> RegionInfo:
+    """A linked region from its files: manifest, holders, state and problems."""
     bare = next((s for s in segments if s.segment == 0), None)
-    # a file of another owner is no part of this region, and its holders hold only
-    # it: grouped by name alone, a squatter's held segment would keep (and show as
-    # holding) someone else's stale region for ever
-    owner = (bare or segments[0]).uid
+    segments, problems = _owned(segments, (bare or segments[0]).uid)
+    manifest, mproblem = (None, None) if mpath is None else manifest_io.read_matching(
+        mpath, None if bare is None else bare.file_id, allowed_uids=run.allowed_uids,
+        owner_uid=None if bare is None else bare.uid)
+    size = sum(s.size_bytes for s in segments)
+    geometry = manifest.geometry if manifest is not None else None
+    problems += [p for p in (mproblem, *_files_problems(segments, bare, size, geometry))
+                 if p is not None]
+    uses = [u for s in segments if s.file_id is not None for u in run.scan.holders(s.file_id)]
+    holders = holders_of(uses, manifest)
+    age = _age(segments, manifest, run.now)
+    first = bare or segments[0]
+    state, creation = _state(manifest, bool(holders or locked))
+    parts = split_engine_id(engine_id)
+    return RegionInfo(
+        engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
+        segments=tuple(segments), linked=True, size_bytes=size,
+        resident_bytes=None if any(s.resident_bytes is None for s in segments) else sum(
+            s.resident_bytes or 0 for s in segments),
+        uid=first.uid, mode=None if first.mode is None else f"{first.mode:04o}",
+        age_seconds=None if age is None else max(age, 0.0), geometry=geometry,
+        manifest=manifest, manifest_path=mpath, holders=holders, locked=locked, state=state,
+        problems=(*problems, *(() if creation is None else (creation,))),
+    )
+
+
+def _owned(segments: list[SegmentFile], owner: int | None
+           ) -> tuple[list[SegmentFile], list[Problem]]:
+    """The files of the region's owner, and what is wrong with them. Another owner's file
+    is no part of it: grouped by name alone, a squatter's held segment would keep (and
+    show as holding) someone else's stale region for ever."""
     problems = [Problem("squatted_segment", (
         f"{os.path.basename(sq.path)} is owned by uid {sq.uid}, not by the region's owner "
         f"(uid {owner}): another user's file under its name, not part of it"))
         for sq in segments if sq.uid != owner]
-    segments = [s for s in segments if s.uid == owner]
-    problems += [Problem(p.code, f"{os.path.basename(s.path)} {p.message}")
-                 for s in segments for p in s.problems]
-    manifest, mproblem = _manifest_of(mpath, bare, allowed_uids)
-    if mproblem is not None:
-        problems.append(mproblem)
-    size = sum(s.size_bytes for s in segments)
-    geometry = manifest.geometry if manifest is not None else None
-    problems += _files_problems(segments, bare, size, geometry)
-    uses = [u for s in segments if s.file_id is not None for u in scan.holders(s.file_id)]
-    holders = holders_of(uses, manifest)
-    resident = None if any(s.resident_bytes is None for s in segments) else sum(
-        s.resident_bytes or 0 for s in segments)
-    age = _age(segments, manifest, now)
-    first = bare or segments[0]
-    state, creation = _state(manifest, bool(holders or locked))
-    if creation is not None:
-        problems.append(creation)
-    return RegionInfo(
-        engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
-        segments=tuple(segments), linked=True, size_bytes=size, resident_bytes=resident,
-        uid=first.uid, mode=None if first.mode is None else f"{first.mode:04o}",
-        age_seconds=None if age is None else max(age, 0.0), geometry=geometry,
-        manifest=manifest, manifest_path=mpath, holders=holders, locked=locked, state=state,
-        problems=tuple(problems),
-    )
-
-
-def _manifest_of(mpath: str | None, bare: SegmentFile | None,
-                 allowed_uids: fsguard.AllowedUids) -> tuple[Manifest | None, Problem | None]:
-    """The manifest, if there is one and it describes the bare file (inode and owner)."""
-    if mpath is None:
-        return None, None
-    return manifest_io.read_matching(mpath, None if bare is None else bare.file_id,
-                                     allowed_uids=allowed_uids,
-                                     owner_uid=None if bare is None else bare.uid)
+    owned = [s for s in segments if s.uid == owner]
+    return owned, problems + [Problem(p.code, f"{os.path.basename(s.path)} {p.message}")
+                              for s in owned for p in s.problems]
 
 
 def _files_problems(segments: list[SegmentFile], bare: SegmentFile | None, size: int,
                     geometry: Geometry | None) -> list[Problem]:
-    """What the files say is wrong: no bare file, a gap in the segment numbers, or a size
-    the manifest's geometry does not describe."""
+    """No bare file, a gap in the segment numbers, or a size the geometry does not describe."""
     problems = []
     if bare is None:
         problems.append(Problem("missing_segment", "segment files exist without the bare .mmap"))
@@ -713,9 +680,7 @@ def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
     return (PERSISTENT if manifest is not None and manifest.persistent else STALE), None
 
 
-def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
-                    measure: bool, now: float,
-                    memfds: dict[int, dict[tuple[int, int], int] | None] | None = None
+def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse]
                     ) -> RegionInfo:
     """A region whose name is gone: all we know comes through its users' /proc entries,
     the manifest they carry (`core.region.carried`) included."""
@@ -723,11 +688,12 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
     path = next(u.path for u in uses if u.path)
     size = max((u.size_hint or 0) for u in uses)
     resident, refusal, uid, mode = None, None, None, None
-    st = _deleted_stat(fid, uses)
+    # its own stat (its owner above all), through a user: identity only, nothing read
+    st = _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
     if st is not None:
         size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
     fd_use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
-    if measure and fd_use is not None and fd_use.fd is not None:
+    if run.measure and fd_use is not None and fd_use.fd is not None:
         fd = procfs.open_fd(fd_use.pid, fd_use.fd, fid)
         if fd is not None:
             try:
@@ -739,13 +705,14 @@ def _deleted_region(engine_id: str, fid: FileId, uses: list[FileUse],
                       size_bytes=size, uid=uid, mode=None, mtime=None,
                       linked=False, resident_bytes=resident, resident_error=refusal)
     manifest = carried.carried_by((u.pid for u in uses if u.kind != "lock"), fid, uid,
-                                  memfds)
+                                  run.memfds)
     if manifest is not None and manifest.engine_id != engine_id:
         manifest = None  # describes another name: nothing this region's holders may claim
     return RegionInfo(
         engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
         segments=(seg,), linked=False, size_bytes=size, resident_bytes=resident, uid=uid,
-        mode=mode, age_seconds=None if manifest is None else max(now - manifest.created_at, 0.0),
+        mode=mode,
+        age_seconds=None if manifest is None else max(run.now - manifest.created_at, 0.0),
         geometry=None if manifest is None else manifest.geometry, manifest=manifest,
         manifest_path=None, holders=holders_of(uses, manifest), locked=False, state=LIVE,
         problems=(),
@@ -771,87 +738,80 @@ def _through_users(uses: list[FileUse], fid: FileId,
     return None
 
 
-def _deleted_stat(fid: FileId, uses: list[FileUse]) -> os.stat_result | None:
-    """The unlinked file's own stat (its owner above all), through a descriptor or a
-    mapping of one of its users; identity only, nothing is opened for reading."""
-    return _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
-
-
 def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:
     """A region nobody visibly holds is `stale` only if no holder could be hidden.
 
-    Host-wide blind spots make it `unknown`. Hidden processes that could open
-    it make it `unknown` too, unless the kernel proved that nobody else has
-    any of its files open (`live` when it proved the opposite).
+    Host-wide blind spots make it `unknown`; so do hidden processes that could open
+    it, unless the kernel proved that nobody else has any of its files open (`live`
+    when it proved the opposite).
     """
     if r.state not in (STALE, PERSISTENT) or not r.linked:
         return r
     if any(s.file_id is None for s in r.segments):
         return r  # a symlink or not a regular file: never removed, its problem says why
     if vis.blind:
-        if r.state == PERSISTENT:
-            return r
         spot = vis.effective[0]
-        return replace(r, state=UNKNOWN, problems=(*r.problems, Problem(spot.code, (
-            f"{spot.message}; a holder could be hidden, so it is not called stale"))))
+        return r if r.state == PERSISTENT else _with_problem(r, UNKNOWN, Problem(spot.code, (
+            f"{spot.message}; a holder could be hidden, so it is not called stale")))
     suspects = sorted({pid for s in r.segments for pid in vis.could_hide(s.uid, s.mode)})
-    if not suspects:
-        return r
+    return _lease_verdict(r, pids_text(suspects)) if suspects else r
+
+
+def _lease_verdict(r: RegionInfo, who: str) -> RegionInfo:
+    """A region that processes `who` (hidden) could hold, by the kernel's lease test."""
     verdicts = [s.sole_opener for s in r.segments]
-    who = pids_text(suspects)
     if any(v is not None and v.sole is False for v in verdicts):
-        return replace(r, state=LIVE, problems=(*r.problems, Problem("hidden_holder", (
+        return _with_problem(r, LIVE, Problem("hidden_holder", (
             f"open or mapped by a process that cannot be inspected (one of {who}); the "
-            "kernel's lease test says another process has it open"))))
+            "kernel's lease test says another process has it open")))
     if all(v is not None and v.sole for v in verdicts) or r.state == PERSISTENT:
         return r
     why = next((v.why for v in verdicts if v is not None and v.why), "not tested")
-    return replace(r, state=UNKNOWN, problems=(*r.problems, Problem(
+    return _with_problem(r, UNKNOWN, Problem(
         visibility.HIDDEN_HOLDERS,
         f"could be held by {who}, which cannot be inspected, and the lease test that would "
-        f"prove it unused is not available ({why})")))
+        f"prove it unused is not available ({why})"))
+
+
+def _with_problem(r: RegionInfo, state: str, p: Problem) -> RegionInfo:
+    return replace(r, state=state, problems=(*r.problems, p))
 
 
 def _flag_collisions(regions: list[RegionInfo]) -> list[RegionInfo]:
     """Two regions claiming one (base id, dp rank): a restarted replica beside its ghost."""
-    by_key: dict[tuple[str, int | None], list[int]] = defaultdict(list)
-    for i, r in enumerate(regions):
-        by_key[(r.base_engine_id, r.dp_rank)].append(i)
-    out = list(regions)
-    for (base, dp), idx in by_key.items():
-        if len(idx) < 2:
-            continue
-        rank = "no dp suffix" if dp is None else f"dp rank {dp}"
-        msg = (f"{len(idx)} regions claim base id {base!r} with {rank} (a linked file and "
-               "unlinked ones still mapped); processes of one replica may be split between them")
-        for i in idx:
-            r = out[i]
-            out[i] = _with_problem(r, Problem("dp_collision", msg))
+    claims = Counter((r.base_engine_id, r.dp_rank) for r in regions)
+    out = []
+    for r in regions:
+        n = claims[(r.base_engine_id, r.dp_rank)]
+        rank = "no dp suffix" if r.dp_rank is None else f"dp rank {r.dp_rank}"
+        out.append(r if n < 2 else _with_problem(r, r.state, Problem("dp_collision", (
+            f"{n} regions claim base id {r.base_engine_id!r} with {rank} (a linked file and "
+            "unlinked ones still mapped); processes of one replica may be split between them"))))
     return out
 
 
-def _with_problem(r: RegionInfo, p: Problem) -> RegionInfo:
-    return replace(r, problems=(*r.problems, p))
+def _orphan(engine_id: str, path: str) -> OrphanManifest | None:
+    """A manifest file, with its ctime as mtime (an owner sets mtime, never ctime)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return OrphanManifest(engine_id=engine_id, path=path, file_id=FileId.of(st),
+                          uid=st.st_uid, mtime=st.st_ctime)
 
 
 def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | None
                       ) -> list[OrphanManifest]:
     """Manifests whose region is gone, both by name and from every process."""
     orphans = []
-    seen = set(listing.judged) | set(listing.unjudged)
+    seen = present | set(listing.judged) | set(listing.unjudged)
     for engine_id, path in sorted(listing.manifests.items()):
-        if engine_id in present or engine_id in seen:
+        if engine_id in seen or (wanted is not None and engine_id not in wanted):
             continue
-        if wanted is not None and engine_id not in wanted:
-            continue
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if os.path.lexists(str(region_path(os.path.dirname(path), engine_id))):
-            continue  # its region is there, counted rather than listed
-        orphans.append(OrphanManifest(engine_id=engine_id, path=path, file_id=FileId.of(st),
-                                      uid=st.st_uid, mtime=st.st_ctime))
+        orphan = _orphan(engine_id, path)
+        # a region there was counted rather than listed
+        if orphan and not os.path.lexists(region_path(os.path.dirname(path), engine_id)):
+            orphans.append(orphan)
     return orphans
 
 
@@ -859,52 +819,41 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
     """One engine_id's regions, looked for only where they can be: for the start-up
     claim, which every rank runs under the start-up lock.
 
-    Its names are looked up (bare file, segments, manifest), never listed, and
-    only processes that could have opened a file of this user by themselves
-    (`visibility.may_open`: one of their uids, or a capability that overrides
-    file permissions) are read, each skipped on one read of its status. So the
-    cost is set by this user's processes, not by how many other users' files or
-    processes exist. Another process holds our file only if one of this user's
-    handed it a descriptor; gc, which removes, still looks at every process.
-    Residency is not measured.
+    Its names are looked up, never listed, and only processes that could have opened a
+    file of this user by themselves (`visibility.MayOpen`) are read: the cost is set by
+    this user's processes, not by others' files or processes. Another process holds our
+    file only if one of this user's handed it a descriptor; gc, which removes, still
+    looks at every process. Residency is not measured.
     """
     shm = _shm_dir(shm_dir)
     base = os.path.join(shm, region_filename(engine_id))
-    found: list[tuple[int, str, os.stat_result]] = []
+    found: list[_Entry] = []
     for segment in range(MAX_SEGMENT + 1):
         path = base if segment == 0 else f"{base}.{segment}"
-        with contextlib.suppress(FileNotFoundError):
+        try:
             found.append((segment, path, os.stat(path, follow_symlinks=False)))
+        except FileNotFoundError:
+            continue
     me = os.geteuid()
     mode = 0o600
     for _, _, st in found:
         mode |= stat.S_IMODE(st.st_mode) if st.st_uid == me else 0
+    only = visibility.MayOpen(me, mode)
     scan = scan_processes(shm, {FileId.of(st) for _, _, st in found},
-                          name=region_filename(engine_id),
-                          only=visibility.may_open(me, mode))
-    vis = visibility.assess(scan.denied_pids)
-    allowed_uids = fsguard.inspection_uids(None)
-    probe_if = _needs_lease_probe(vis, scan)
+                          name=region_filename(engine_id), only=only)
+    run = _Run(shm=shm, scan=scan, vis=visibility.assess(scan.denied_pids, seen=only.seen),
+               allowed_uids=fsguard.inspection_uids(None))
     # the same judgement as discover()'s: a lock counts only on the owner's files
-    named = _judge(engine_id, found, allowed_uids, False, probe_if, fsguard.LeaseWait(),
-                   scan, _Listing(), shm, time.time()) if found else None
-    regions = [] if named is None else [judge_visibility(named, vis)]
+    named = _judge(run, engine_id, found) if found else None
+    regions = [] if named is None else [judge_visibility(named, run.vis)]
     linked = {s.file_id for s in (named.segments if named else ()) if s.file_id is not None}
-    memfds: dict[int, dict[tuple[int, int], int] | None] = {}  # each holder's, read once
-    regions += [_deleted_region(engine_id, fid, uses, False, time.time(), memfds)
+    regions += [_deleted_region(run, engine_id, fid, uses)
                 for fid, uses in _deleted_only(scan, linked, shm).get(engine_id, {}).items()]
-    orphans = []
-    if not regions:
-        mpath = str(manifest_path(shm, engine_id))
-        with contextlib.suppress(FileNotFoundError):
-            st = os.stat(mpath, follow_symlinks=False)
-            # ctime, as _orphan_manifests: an owner sets mtime, never ctime
-            orphans.append(OrphanManifest(engine_id=engine_id, path=mpath,
-                                          file_id=FileId.of(st), uid=st.st_uid,
-                                          mtime=st.st_ctime))
+    orphan = None if regions else _orphan(engine_id, str(manifest_path(shm, engine_id)))
     return Inventory(
-        shm_dir=shm, regions=tuple(_flag_collisions(regions)), orphan_manifests=tuple(orphans),
-        shm=shm_usage(shm), uninspectable_processes=scan.denied, visibility=vis)
+        shm_dir=shm, regions=tuple(_flag_collisions(regions)),
+        orphan_manifests=() if orphan is None else (orphan,), shm=shm_usage(shm),
+        uninspectable_processes=scan.denied, visibility=run.vis)
 
 
 def open_released(shm_dir: str | os.PathLike[str], engine_id: str
@@ -917,26 +866,20 @@ def open_released(shm_dir: str | os.PathLike[str], engine_id: str
     """
     shm = _shm_dir(shm_dir)
     validate_engine_id(engine_id)
-    scan = scan_processes(shm, name=region_filename(engine_id))
+    run = _Run(shm=shm, scan=scan_processes(shm, name=region_filename(engine_id)))
     best: tuple[int, RegionInfo] | None = None
-    memfds: dict[int, dict[tuple[int, int], int] | None] = {}  # each holder's, read once
-    for fid, uses in _deleted_only(scan, set(), shm).get(engine_id, {}).items():
+    for fid, uses in _deleted_only(run.scan, set(), shm).get(engine_id, {}).items():
         # _deleted_only keeps only unlinked files with a name: is it the bare file?
-        named = next(u for u in uses if u.path)
-        parsed = parse_region_filename(os.path.basename(named.path))
+        parsed = parse_region_filename(os.path.basename(next(u for u in uses if u.path).path))
         if parsed is None or parsed.segment != 0:
             continue
-        info = _deleted_region(engine_id, fid, uses, False, time.time(), memfds)
+        info = _deleted_region(run, engine_id, fid, uses)
         if best is not None and (best[1].manifest is not None or info.manifest is None):
             continue
-        fd = _open_through(uses, fid)
+        fd = _through_users(uses, fid, procfs.open_fd, procfs.open_mapping)
         if fd is None:
             continue
         if best is not None:
             os.close(best[0])
         best = (fd, info)
     return best
-
-
-def _open_through(uses: list[FileUse], fid: FileId) -> int | None:
-    return _through_users(uses, fid, procfs.open_fd, procfs.open_mapping)

@@ -1,8 +1,5 @@
-"""Which pages of a region are resident, via mincore on a read-only mapping.
-
-For tmpfs a page is resident once it was allocated (faulted) and not swapped
-out. Mapping without touching allocates nothing, so measuring is harmless.
-"""
+"""Which pages of a region are resident (allocated, not swapped out), via mincore on a
+read-only mapping: mapping without touching allocates nothing."""
 
 from __future__ import annotations
 
@@ -15,6 +12,21 @@ from vllm_offload_cli.core.region.geometry import PAGESIZE
 from vllm_offload_cli.core.system import libc
 
 _WINDOW = 1 << 30  # map and measure at most this much at once
+_LOW_BIT = bytes(b & 1 for b in range(256))  # only the low bit of mincore's answer is defined
+
+
+def _windows(fd: int, pos: int, end: int) -> Iterator[bytes]:
+    """One byte per page (1 resident) of [pos, end), a window at a time into one vector."""
+    vec = (ctypes.c_ubyte * (_WINDOW // PAGESIZE))()
+    while pos < end:
+        size = min(_WINDOW, end - pos)
+        addr = libc.map_readonly(fd, size, pos)
+        try:
+            libc.mincore(addr, size, vec)
+        finally:
+            libc.unmap(addr, size)
+        yield bytes(vec)[:-(-size // PAGESIZE)].translate(_LOW_BIT)
+        pos += size
 
 
 def page_map(fd: int, offset: int = 0, length: int | None = None) -> bytes:
@@ -23,50 +35,20 @@ def page_map(fd: int, offset: int = 0, length: int | None = None) -> bytes:
         length = os.fstat(fd).st_size - offset
     if offset % PAGESIZE:
         raise ValueError("offset must be page aligned")
-    out = bytearray()
-    pos, end = offset, offset + length
-    while pos < end:
-        size = min(_WINDOW, end - pos)
-        pages = -(-size // PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        addr = libc.map_readonly(fd, size, pos)
-        try:
-            libc.mincore(addr, size, vec)
-        finally:
-            libc.unmap(addr, size)
-        out += bytes(vec)
-        pos += size
-    # only the low bit is defined
-    return bytes(out).translate(_LOW_BIT)
-
-
-_LOW_BIT = bytes(b & 1 for b in range(256))
+    return b"".join(_windows(fd, offset, offset + length))
 
 
 def resident_bytes(fd: int) -> int:
     """Bytes of the file that are resident in memory.
 
-    The cost follows what the file holds, never its apparent size (one
-    `ftruncate` sets that, allocating nothing): nothing is mapped for a file
-    without blocks, and only its data extents (SEEK_DATA/SEEK_HOLE) are
-    measured, window by window into one reused vector, counted as we go.
+    The cost follows what the file holds, never its apparent size (one `ftruncate`
+    sets that): only its data extents (SEEK_DATA/SEEK_HOLE) are measured.
     """
     st = os.fstat(fd)
     if st.st_size == 0 or st.st_blocks == 0:
         return 0
-    vec = (ctypes.c_ubyte * (_WINDOW // PAGESIZE))()
-    total = 0
-    for start, end in _data_extents(fd, st.st_size):
-        pos = start - start % PAGESIZE
-        while pos < end:
-            size = min(_WINDOW, end - pos)
-            addr = libc.map_readonly(fd, size, pos)
-            try:
-                libc.mincore(addr, size, vec)
-            finally:
-                libc.unmap(addr, size)
-            total += bytes(vec)[:-(-size // PAGESIZE)].translate(_LOW_BIT).count(1)
-            pos += size
+    total = sum(w.count(1) for start, end in _data_extents(fd, st.st_size)
+                for w in _windows(fd, start - start % PAGESIZE, end))
     return min(total * PAGESIZE, st.st_size)
 
 
@@ -91,14 +73,12 @@ def _data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
         pos = end
 
 
-# A seccomp filter (a systemd unit's SystemCallFilter=, a container's profile) answers
-# EPERM; EACCES is a policy too. ENOSYS is a kernel without the call, not a refusal.
-# A refusal is said, never left a blank value.
-_REFUSALS = frozenset({errno.EPERM, errno.EACCES})
+# A seccomp filter (SystemCallFilter=, a container's profile) answers EPERM; EACCES is a
+# policy too; ENOSYS is a kernel without the call. A refusal is said, never left blank.
 REFUSED_HINT = ("a seccomp filter or security policy refused the system call; the shipped "
                 "systemd units allow it (SystemCallFilter= in contrib/systemd)")
 
 
 def refused(exc: OSError) -> bool:
     """The system call was refused (not: this file cannot be measured)."""
-    return exc.errno in _REFUSALS
+    return exc.errno in (errno.EPERM, errno.EACCES)

@@ -1,29 +1,16 @@
-"""What a /proc scan cannot see: the one place that knows our blind spots.
+"""What a /proc scan cannot see: a holder found proves a region in use, none found proves
+nothing unless /proc showed every process that could use it.
 
-A holder found in /proc proves a region is in use; no holder found proves
-nothing unless /proc showed every process that could use it. Three things
-break that:
-
-- **Host-wide** (a blind spot, a `Problem`): we run in a PID namespace that is not the
-  host's (a container without hostPID), /proc is mounted from another
-  namespace, or /proc hides processes (`hidepid=`, `subset=pid`). Then any
-  number of processes are missing and pid-based facts (is that creator still
-  running?) are wrong. Only the namespace case may be waived, by an operator
-  who states that the shm directory is private to the namespace.
-- **Per process** (`HiddenProcess`): a process whose maps or descriptors we
-  may not read (another user's, a non-dumpable one, PID 1 in some sandboxes).
-  It matters only for files it could open: same uid as the owner, or a
-  capability that overrides file permissions, or a region with group/other
-  bits. Its owner and capabilities stay readable and say which.
-
-Callers turn "could be hidden" into state `unknown` unless the kernel's own
-count of open files (region.openers) proves the file is open nowhere else.
+Host-wide blind spots (a PID namespace not the host's, a foreign /proc, `hidepid=`,
+`subset=pid`) hide any number of processes; a waiver covers the namespace case only.
+A hidden process (`HiddenProcess`: maps or descriptors unreadable) matters only for
+files it could open. Callers say `unknown` unless region.openers proves no other opener.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.problems import Problem
@@ -32,9 +19,7 @@ from vllm_offload_cli.core.system import mounts, procfs
 # The initial PID namespace's inode number (PROC_PID_INIT_INO, fixed since Linux 3.8).
 PROC_PID_INIT_INO = 0xEFFFFFFC
 
-# Capabilities that let a process open a file whatever its owner and mode:
-# CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH (read), CAP_FOWNER (chmod it),
-# CAP_SETUID (become the owner).
+# CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER (chmod), CAP_SETUID: open any file
 _OPEN_ANY_CAPS = (1 << 1) | (1 << 2) | (1 << 3) | (1 << 7)
 
 PID_NAMESPACE = "pid_namespace"
@@ -68,8 +53,7 @@ class Visibility:
 
     @property
     def effective(self) -> tuple[Problem, ...]:
-        """Host-wide blind spots that still apply after the operator's waiver (which
-        --shm-private-to-namespace gives for the PID namespace only)."""
+        """Host-wide blind spots left after the operator's namespace waiver."""
         return tuple(b for b in self.blind_spots
                      if not (b.code == PID_NAMESPACE and self.namespace_waived))
 
@@ -104,7 +88,6 @@ def namespace_blind_spots() -> list[Problem]:
 
 @dataclass(frozen=True)
 class ProcMount:
-    """The options of the /proc mount that is on top (what path lookups see)."""
 
     hidepid: str | None
     subset: str | None
@@ -143,8 +126,8 @@ def host_blind_spots() -> list[Problem]:
 
 
 def hidden_process(pid: int) -> HiddenProcess | None:
-    """Who a process we could not inspect runs as, and whether it may open any file
-    (None: it is gone). Unreadable owner or capabilities count as "could open it"."""
+    """Who a process runs as, and whether it may open any file (None: it is gone).
+    Unreadable owner or capabilities count as "could open it"."""
     ids = procfs.credentials(pid)
     if ids is procfs.GONE:
         return None
@@ -153,21 +136,28 @@ def hidden_process(pid: int) -> HiddenProcess | None:
     return HiddenProcess(pid, ids[0], bool(ids[1] & _OPEN_ANY_CAPS))
 
 
-def may_open(owner: int, mode: int) -> Callable[[int], bool]:
-    """Whether a process could have opened a file of this owner and mode by itself:
-    the processes a search for the file's holders must look at (the same rule that
-    makes a hidden process matter). Unreadable credentials count as "could"."""
-    def could(pid: int) -> bool:
-        h = hidden_process(pid)
-        return h is not None and h.could_open(owner, mode)
-    return could
+class MayOpen:
+    """Whether a process could have opened a file of this owner and mode by itself (the
+    rule that makes a hidden process matter): the processes a search for its holders
+    must read. `seen` keeps each credential read, so `assess` does not read it again."""
+
+    def __init__(self, owner: int, mode: int) -> None:
+        self.owner, self.mode = owner, mode
+        self.seen: dict[int, HiddenProcess | None] = {}
+
+    def __call__(self, pid: int) -> bool:
+        h = self.seen[pid] = hidden_process(pid)
+        return h is not None and h.could_open(self.owner, self.mode)
 
 
-def assess(denied_pids: Iterable[int], *, namespace_waived: bool = False) -> Visibility:
-    """This run's visibility, from the pids a scan could not read."""
-    hidden = [h for h in (hidden_process(p) for p in sorted(set(denied_pids)))
-              if h is not None]
-    return Visibility(tuple(host_blind_spots()), tuple(hidden), namespace_waived)
+def assess(denied_pids: Iterable[int], *, namespace_waived: bool = False,
+           seen: Mapping[int, HiddenProcess | None] | None = None) -> Visibility:
+    """This run's visibility, from the pids a scan could not read (and credentials
+    already read by `MayOpen`)."""
+    seen = seen or {}
+    hidden = (seen[p] if p in seen else hidden_process(p) for p in sorted(set(denied_pids)))
+    return Visibility(tuple(host_blind_spots()), tuple(h for h in hidden if h is not None),
+                      namespace_waived)
 
 
 def advice(spots: Iterable[Problem]) -> str:
