@@ -181,6 +181,8 @@ def test_help_text_takes_exit_statuses_from_the_enum() -> None:
     typed = [(f, line, m.group()) for f, line, text in _help_strings()
              for m in re.finditer(r"\b[Ee]xit(?:s| status:?| code)? \d+", text)]
     assert typed == []
+    datadoc = (ROOT / "tools" / "datadoc.py").read_text()  # the man page's JSON reference
+    assert re.findall(r"\b[Ee]xit(?:s| status:?| code)? \d+", datadoc) == []
     man = (ROOT / "man" / "vllm-offload.1").read_text()
     assert [s.name for s in ExitStatus if f"{{{s.name}}}" in man] == []  # every one filled
 
@@ -275,5 +277,8 @@ def test_fish_completes_engine_ids_and_rank_sources(tmp_path: Path) -> None:
 
     assert complete(f"vllm-offload inspect --shm-dir {tmp_path} ") == ["f1"]
     assert complete(f"vllm-offload --shm-dir {tmp_path} gc ") == ["f1"]
+    # options before the command, as bash and zsh complete them
+    assert complete("vllm-offload --j") == ["--json"]
+    assert "inspect" in complete(f"vllm-offload --shm-dir {tmp_path} -v ")
     assert sorted(complete("vllm-offload verify-rank-layout --rank-source ")) == [
         "device-index", "device-modulo", "logical"]

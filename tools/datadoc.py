@@ -7,6 +7,8 @@ describe. Paths use `[]` for list items (`regions[].holders[]`).
 
 from __future__ import annotations
 
+from vllm_offload_cli.core.base.exit_status import ExitStatus as S
+
 ENVELOPE = (
     'With --json a command prints exactly one JSON document on stdout and nothing else: '
     '{"schema_version": 1, "command": NAME, "ok": BOOL, "exit_code": INT, "data": {...}, '
@@ -27,8 +29,8 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("persistent, held", "kept for an engine to join, or held until a signal"),
         ("placement", "NUMA policy and nodes, huge-page mode, whether advised, bytes mapped "
          "with huge pages"),
-        ("released_by, removed", "with --hold: the signal that ended it (SIGINT: exit 130), "
-         "whether it is gone"),
+        ("released_by, removed", "with --hold: the signal that ended it (SIGINT: exit "
+         f"{S.INTERRUPTED:d}), whether it is gone"),
         ("owner", "with --owner or --mode: {uid, gid, mode} the files were given"),
         ("vllm_layout", "{name: segmented or single-file, basis: vllm (read from the vLLM "
          "installed here), newest (none installed) or requested, vllm_version}"),
@@ -61,8 +63,8 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
          "manifest)"),
         ("gc_would_free_bytes", "tmpfs memory of the stale regions shown (st_blocks, as gc "
          "counts what it frees)"),
-        ("check", "with --check: {flagged: engine_ids stale or with a problem} (exit 3 when "
-         "any)"),
+        ("check", f"with --check: {{flagged: engine_ids stale or with a problem}} (exit "
+         f"{S.PROBLEMS_FOUND:d} when any)"),
         ("unsafe_entries[]", "{engine_id, paths, problems}: names like a region's that are "
          "no regular file (a symlink, a FIFO): not regions, never stale, left by gc; --check "
          "flags them"),
@@ -70,7 +72,7 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("shm", "{total_bytes, free_bytes} of the shm filesystem"),
         ("uninspectable_processes", "processes whose /proc entries could not be read"),
         ("visibility", "blind spots that may hide a holder, and the processes hidden"),
-        ("not_found", "engine_ids asked for that match no region (exit 2)"),
+        ("not_found", f"engine_ids asked for that match no region (exit {S.USAGE:d})"),
         ("not_judged[], others_counted[]", "{uid, files, size_bytes, allocated_bytes}: "
          "region-named files of other users counted per owner, not looked at one by one "
          "(past the largest 4,096 judged, or the first 256 listed from lstat)"),
@@ -80,7 +82,8 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "verify-rank-layout": (
         ("mode", "plan or live"),
-        ("ok, problems[]", "false with {code, message, ...} for each problem (exit 3)"),
+        ("ok, problems[]", "false with {code, message, ...} for each problem (exit "
+         f"{S.PROBLEMS_FOUND:d})"),
         ("world_size, dp_size, rank_source, devices, devices_spec, dp_suffix, "
          "unused_devices, replicas[]", "plan: the inputs and every replica's engine_id and "
          "workers {worker, device, slot, problems}"),
@@ -107,7 +110,7 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
          "allocated_bytes} per owner: region files this run could have removed but did not "
          "judge within --timeout (or past the largest 4,096 of other users'); listed_all is "
          "false when time ran out before the directory was listed; either makes the run "
-         "exit 7"),
+         f"exit {S.PARTIAL:d}"),
         ("others_counted[]", "{uid, files, size_bytes, allocated_bytes}: files of owners "
          "this run may not remove, counted per owner past the first 256 (listed in kept[])"),
         ("syslog", "{socket, sent, dropped, problem}: the system log's record (one line per "
