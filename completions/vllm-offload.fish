@@ -13,16 +13,31 @@ function __vllm_offload_engine_ids
         string replace -r '^.*/vllm_offload_(.*)\.mmap$' '$1' -- $f
     end
 end
+function __vllm_offload_no_command  # options before the command, --shm-dir's DIR too
+    set -l prev ''
+    for w in (commandline -opc)[2..-1]
+        if test "$prev" != --shm-dir; and not string match -q -- '-*' $w
+            return 1
+        end
+        set prev $w
+    end
+    return 0
+end
 complete -c vllm-offload -f
-complete -c vllm-offload -n __fish_use_subcommand -l version -d 'Print the version'
-complete -c vllm-offload -n __fish_use_subcommand -a benchmark -d 'Measure pre-fault, store and load throughput of the copy workers against a plain memcpy.'
-complete -c vllm-offload -n __fish_use_subcommand -a completion -d 'Print the shell completion script; where the man page is.'
-complete -c vllm-offload -n __fish_use_subcommand -a create -d 'Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.'
-complete -c vllm-offload -n __fish_use_subcommand -a fleet -d 'Run inspect, gc or verify-rank-layout on every node of a Ray cluster at once (needs the ray extra).'
-complete -c vllm-offload -n __fish_use_subcommand -a garbage-collect -d 'Remove provably stale regions and orphaned manifests (alias: gc).'
-complete -c vllm-offload -n __fish_use_subcommand -a inspect -d 'List every region: named files and unlinked ones still mapped, with segments grouped.'
-complete -c vllm-offload -n __fish_use_subcommand -a preflight -d 'Check (and clear) what an engine\'s start-up needs: a free engine_id and room for its region.'
-complete -c vllm-offload -n __fish_use_subcommand -a verify-rank-layout -d 'Prove that no two workers share bytes: plan a layout, or check a live region.'
+complete -c vllm-offload -n __vllm_offload_no_command -l version -d 'Print the version and exit.'
+complete -c vllm-offload -n __vllm_offload_no_command -l shm-dir -r -F -d 'Directory that holds the regions.'
+complete -c vllm-offload -n __vllm_offload_no_command -l json -d 'Print exactly one JSON document on stdout, nothing else: the envelope with this command\'s data (JSON OUTPUT in vllm-offload(1)).'
+complete -c vllm-offload -n __vllm_offload_no_command -l verbose -s v -d 'More diagnostics on stderr (repeatable).'
+complete -c vllm-offload -n __vllm_offload_no_command -l quiet -s q -d 'Fewer diagnostics on stderr (repeatable).'
+complete -c vllm-offload -n __vllm_offload_no_command -l help -s h -d 'Show the help and exit.'
+complete -c vllm-offload -n __vllm_offload_no_command -a benchmark -d 'Measure pre-fault, store and load throughput of the copy workers against a plain memcpy.'
+complete -c vllm-offload -n __vllm_offload_no_command -a completion -d 'Print the shell completion script; where the man page is.'
+complete -c vllm-offload -n __vllm_offload_no_command -a create -d 'Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.'
+complete -c vllm-offload -n __vllm_offload_no_command -a fleet -d 'Run inspect, gc or verify-rank-layout on every node of a Ray cluster at once (needs the ray extra).'
+complete -c vllm-offload -n __vllm_offload_no_command -a garbage-collect -d 'Remove provably stale regions and orphaned manifests (alias: gc).'
+complete -c vllm-offload -n __vllm_offload_no_command -a inspect -d 'List every region: named files and unlinked ones still mapped, with segments grouped.'
+complete -c vllm-offload -n __vllm_offload_no_command -a preflight -d 'Check (and clear) what an engine\'s start-up needs: a free engine_id and room for its region.'
+complete -c vllm-offload -n __vllm_offload_no_command -a verify-rank-layout -d 'Prove that no two workers share bytes: plan a layout, or check a live region.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from fleet; and not __fish_seen_subcommand_from garbage-collect gc inspect verify-rank-layout' -a garbage-collect -d 'garbage-collect on every node; --dry-run shows the plan (alias: gc).'
 complete -c vllm-offload -n '__fish_seen_subcommand_from fleet; and not __fish_seen_subcommand_from garbage-collect gc inspect verify-rank-layout' -a inspect -d 'inspect on every node: one table with a NODE column.'
 complete -c vllm-offload -n '__fish_seen_subcommand_from fleet; and not __fish_seen_subcommand_from garbage-collect gc inspect verify-rank-layout' -a verify-rank-layout -d 'verify-rank-layout on every node.'
