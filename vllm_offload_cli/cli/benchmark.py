@@ -23,7 +23,6 @@ from vllm_offload_cli.cli.common import (
     shm_dir_checked,
     subcommand,
     text_table,
-    write_text,
 )
 from vllm_offload_cli.cli.params import EnumChoice, Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
@@ -193,4 +192,4 @@ def _render(out: Out, report: BenchReport) -> None:
             f"(worst {v['min_ratio']:.2f}x)" for name, v in target["patterns"].items())
         lines.append(f"Target    memcpy ratio for blocks >= "
                      f"{format_bytes(target['min_block_bytes'])}: {verdicts}")
-    write_text(out, "\n".join(lines))
+    out.print("\n".join(lines))

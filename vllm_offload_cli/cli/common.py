@@ -1,11 +1,8 @@
 """What every subcommand shares: common options, the JSON envelope, the error boundary.
 
-A subcommand is a function `(inv: Invocation, **its_options) -> Outcome`
-under click's option decorators. `subcommand()` makes it a click command with
-`--shm-dir`, `--json`, `-v` and `-q`, runs it inside the one error boundary
-and renders the outcome, so each command module is only: parse, call the
-core, describe the result. rich is imported only for what a terminal shows
-(progress bars, coloured warnings); tables and messages are plain text.
+A subcommand is `(inv: Invocation, **its_options) -> Outcome` under click's
+option decorators; `subcommand()` adds the common options and the boundary.
+rich is imported only for what a terminal shows (progress bars, coloured warnings).
 """
 
 from __future__ import annotations
@@ -55,24 +52,17 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *,
     return "\n".join(out)
 
 
+@dataclass(frozen=True)
 class Out:
-    """A stream for people: plain text, control characters shown as `\\xNN`.
+    """A stream for people: plain text as is, control characters shown as `\\xNN`
+    (names and manifest fields come from other users: no ESC may reach a terminal)."""
 
-    Names and manifest fields come from other users; an ESC sequence among
-    them must not reach the operator's terminal.
-    """
-
-    def __init__(self, file: TextIO) -> None:
-        self.file = file
+    file: TextIO
 
     def print(self, *objects: object) -> None:
-        write_text(self, " ".join(str(o) for o in objects))
-
-
-def write_text(out: Out, text: str) -> None:
-    """Plain text on `out`'s stream as is: no markup, no wrapping, no emoji codes."""
-    out.file.write("".join(printable(line) + "\n" for line in text.split("\n")))
-    out.file.flush()
+        text = " ".join(str(o) for o in objects)
+        self.file.write("".join(printable(line) + "\n" for line in text.split("\n")))
+        self.file.flush()
 
 
 class _PrintableFormatter(logging.Formatter):
@@ -106,10 +96,7 @@ class _WarningCollector(logging.Handler):
 
 @dataclass(kw_only=True)
 class Invocation:
-    """One run of one subcommand: its common options and its output channels.
-
-    Not frozen: `inspect --format json` turns `json_output` on once it knows.
-    """
+    """One run of one subcommand (not frozen: `inspect --format json` sets `json_output`)."""
 
     command: str
     shm_dir: Path
@@ -128,8 +115,7 @@ class Invocation:
 
     @cached_property
     def terminal(self) -> Console:
-        """stderr as rich sees it: for a progress bar or a coloured warning on a terminal.
-        Only our own text goes there, escaped (`printable`) before markup is escaped."""
+        """stderr for rich: only our own text, `printable` before markup is escaped."""
         from rich.console import Console
 
         return Console(file=sys.stderr, stderr=True, highlight=False)
@@ -183,12 +169,8 @@ def envelope(command: str, *, ok: bool, exit_code: int, data: dict[str, Any],
 
 
 def print_json(doc: dict[str, Any]) -> None:
-    """Strict JSON: strings raw (the encoder escapes control characters), never NaN,
-    no lone surrogate (each byte of a name that is not UTF-8 becomes the text `\\xNN`).
-
-    Indented for a person at a terminal; one line into a pipe, where the C encoder
-    (which indentation would turn off) writes it several times faster.
-    """
+    """Strict JSON: never NaN, no lone surrogate (a byte of a name that is not UTF-8
+    becomes `\\xNN`). One line into a pipe, where the C encoder is several times faster."""
     indent = 2 if sys.stdout.isatty() else None
     payload = json.dumps(doc, indent=indent, sort_keys=False, allow_nan=False)
     if "\\ud" in payload:  # a lone surrogate (a name that is not UTF-8), or a pair: redo
@@ -197,10 +179,10 @@ def print_json(doc: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _configure_logging(inv: Invocation) -> Callable[[], None]:
-    level = {-2: logging.CRITICAL + 1, -1: logging.ERROR, 0: logging.WARNING,
-             1: logging.INFO}.get(inv.verbosity, logging.DEBUG if inv.verbosity > 1
-                                  else logging.CRITICAL + 1)
+@contextmanager
+def _logging_to(inv: Invocation) -> Iterator[None]:
+    level = logging.CRITICAL + 1 if inv.verbosity <= -2 else \
+        max(logging.DEBUG, logging.WARNING - 10 * inv.verbosity)
     logger = logging.getLogger("vllm_offload_cli")
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(_PrintableFormatter("%(levelname)s: %(message)s"))
@@ -210,11 +192,11 @@ def _configure_logging(inv: Invocation) -> Callable[[], None]:
     logger.addHandler(collector)
     logger.setLevel(min(level, logging.WARNING))
     logger.propagate = False
-
-    def undo() -> None:
+    try:
+        yield
+    finally:
         logger.removeHandler(stream)
         logger.removeHandler(collector)
-    return undo
 
 
 def _error_envelope(inv: Invocation, code: str, message: str, exit_code: int
@@ -225,12 +207,8 @@ def _error_envelope(inv: Invocation, code: str, message: str, exit_code: int
 
 def evaluate(inv: Invocation, body: Callable[[], Outcome]
              ) -> tuple[dict[str, Any], Outcome | None, Exception | None]:
-    """Run `body` inside the error boundary and build its envelope, printing nothing.
-
-    Returns (envelope, outcome or None when it failed, the bug if it raised one
-    outside the error hierarchy). `run_boundary` prints the result; the fleet
-    runs the same function on every node and ships the envelope back.
-    """
+    """(envelope, outcome or None when it failed, the bug raised outside the error
+    hierarchy) of `body` in the error boundary, printing nothing (the fleet's nodes too)."""
     try:
         outcome = body()
     except errors.OffloadError as exc:
@@ -250,8 +228,7 @@ def evaluate(inv: Invocation, body: Callable[[], Outcome]
 
 def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
     """The CLI's one error boundary: known errors become one line and an exit code."""
-    undo = _configure_logging(inv)
-    try:
+    with _logging_to(inv):
         doc, outcome, bug = evaluate(inv, body)
         if inv.json_output:
             print_json(doc)
@@ -259,12 +236,10 @@ def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
             sys.stderr.write(f"Error: {printable(doc['errors'][0]['message'])}\n")
         elif outcome is not None and outcome.render is not None:
             outcome.render(inv.out)
-        if bug is not None:
-            raise bug
-        code: int = doc["exit_code"]
-        return code
-    finally:
-        undo()
+    if bug is not None:
+        raise bug
+    code: int = doc["exit_code"]
+    return code
 
 
 # -- common options -------------------------------------------------------------
@@ -308,12 +283,8 @@ def _typed(ctx: click.Context, name: str) -> bool:
 
 def common_values(ctx: click.Context, values: dict[str, Any]
                   ) -> tuple[Path | None, bool, int]:
-    """Take the common options out of `values`: (shm_dir, json, verbosity).
-
-    Those typed before the command name count too: `--json` and `-v`/`-q`
-    wherever they are; a --shm-dir typed after the command name wins over one
-    typed before it, which wins over $VLLM_OFFLOAD_SHM_DIR and the default.
-    """
+    """Take the common options out of `values`: (shm_dir, json, verbosity), those typed
+    before the command name too; a --shm-dir after the name wins over one before it."""
     own = {name: values.pop(name) for name in COMMON if name in values}
     root = ctx.find_root()
     given = root.params if root is not ctx else {}
@@ -333,11 +304,7 @@ def invocation(command: str, ctx: click.Context, values: dict[str, Any]) -> Invo
 
 @dataclass(frozen=True, kw_only=True)
 class Subcommand:
-    """A click command with the common options, and the body the fleet runs on each node.
-
-    Subcommand modules only build these; `cli.app` imports one when its name is
-    asked for, so imports run one way (app -> subcommands -> common).
-    """
+    """A click command with the common options, and the body the fleet runs on each node."""
 
     command: click.Command
     body: Callable[..., Outcome]  # fn(inv, **own_options): parse, call the core, describe
@@ -354,11 +321,8 @@ class Subcommand:
 
 def subcommand(name: str, *, help: str | None = None
                ) -> Callable[[Callable[..., Outcome]], Subcommand]:
-    """Make `fn(inv, **opts) -> Outcome`, decorated with click options, a subcommand.
-
-    `help` is the line in the command list; the docstring is the full help.
-    The command gets the common options and runs `fn` inside the error boundary.
-    """
+    """Make `fn(inv, **opts) -> Outcome` a subcommand: `help` is its line in the command
+    list, the docstring its full help."""
 
     def build(fn: Callable[..., Outcome]) -> Subcommand:
         cmd = click.command(name, short_help=help)(fn)
@@ -397,21 +361,13 @@ def warn_useless_waiver(inv: Invocation, waived: bool) -> None:
 
 def envelope_of(sub: Subcommand, options: Mapping[str, Any], *, shm_dir: Path,
                 verbosity: int = -1) -> dict[str, Any]:
-    """The `--json` envelope of one run of `sub`, built without printing it.
-
-    The same body, error boundary and warning collection as the command line,
-    so a caller (the fleet's per-node task) gets exactly what `sub --json`
-    prints on that machine; options not in `options` take their defaults. A
-    bug becomes an `internal_error` envelope and its traceback goes to stderr.
-    """
+    """What `sub --json` prints (options not given take their defaults), built without
+    printing it; a bug's traceback goes to stderr."""
     body, options = sub.body, {**sub.defaults(), **options}
     inv = Invocation(command=sub.name, shm_dir=shm_dir, json_output=True, verbosity=verbosity,
                      out_file=io.StringIO())
-    undo = _configure_logging(inv)
-    try:
+    with _logging_to(inv):
         doc, _, bug = evaluate(inv, lambda: body(inv, **options))
-    finally:
-        undo()
     if bug is not None:
         traceback.print_exception(type(bug), bug, bug.__traceback__, file=sys.stderr)
     return doc

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import os
 import signal
 from types import FrameType
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.cli.params import EnumChoice, Size
+from vllm_offload_cli.cli.params import Size
 from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     RegionBusyError,
@@ -37,26 +36,8 @@ def _release(signum: int, frame: FrameType | None) -> None:
     raise _Released(signal.Signals(signum).name)
 
 
-class NumaPolicy(str, enum.Enum):
-    bind = "bind"
-    interleave = "interleave"
-    preferred = "preferred"
-
-
-class HugePages(str, enum.Enum):
-    never = "never"
-    auto = "auto"
-    always = "always"
-
-
-class VllmLayout(str, enum.Enum):
-    auto = "auto"
-    segmented = "segmented"
-    single_file = "single-file"
-
-
-def _vllm_layout(choice: VllmLayout, size_bytes: int
-                 ) -> tuple[int, int, str, str | None, str | None]:
+def _layout(choice: str, segments: int | None, geometry: Geometry
+            ) -> tuple[int, int, str, str | None, str | None]:
     """(segment files asked for, vLLM's smallest file, basis, vLLM version, warning).
 
     `auto` reads what the CPU spec of the vLLM installed here makes (its code,
@@ -69,15 +50,18 @@ def _vllm_layout(choice: VllmLayout, size_bytes: int
         effective_segments,
     )
 
-    if choice is VllmLayout.segmented:
-        return VLLM_CPU_SEGMENTS, MIN_SEGMENT_BYTES, "requested", None, None
-    if choice is VllmLayout.single_file:
-        return 1, MIN_SEGMENT_BYTES, "requested", None, None
+    if segments is not None and choice != "auto":
+        raise InvalidInputError("give one of --segments and --vllm-layout", code="usage")
+    if segments is not None:
+        return _segments(segments, geometry), MIN_SEGMENT_BYTES, "requested", None, None
+    if choice != "auto":
+        files = VLLM_CPU_SEGMENTS if choice == "segmented" else 1
+        return files, MIN_SEGMENT_BYTES, "requested", None, None
     from vllm_offload_cli.engine.vllm_rules import UnsupportedVllm, read_rules, vllm_root
 
     root = vllm_root()
     if root is None:
-        files = effective_segments(VLLM_CPU_SEGMENTS, size_bytes)
+        files = effective_segments(VLLM_CPU_SEGMENTS, geometry.size_bytes)
         warning = None if files == 1 else (
             "no vLLM is installed here, so the region has the newest release's layout "
             f"(vLLM 0.33's CPU spec: {files} files); an engine on vLLM 0.31 or 0.32, or on "
@@ -155,20 +139,15 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
     if (num_blocks is None) == (total is None):
         raise InvalidInputError("give exactly one of --num-blocks and --size",
                                 code="invalid_geometry")
-    if world_size <= 0:
-        raise InvalidInputError(f"--world-size must be greater than 0, got {world_size}",
-                                code="invalid_geometry")
-    if page <= 0:
-        raise InvalidInputError("--cpu-page-size must be greater than 0", code="invalid_geometry")
-    if num_blocks is not None:
-        if num_blocks <= 0:
-            raise InvalidInputError(f"--num-blocks must be greater than 0, got {num_blocks}",
+    for flag, value in (("--world-size", world_size), ("--cpu-page-size", page),
+                        ("--num-blocks", num_blocks), ("--size", total)):
+        if value is not None and value <= 0:
+            raise InvalidInputError(f"{flag} must be greater than 0, got {value}",
                                     code="invalid_geometry")
+    if num_blocks is not None:
         return Geometry.for_workers(num_blocks=num_blocks, world_size=world_size,
                                     cpu_page_size=page)
     assert total is not None
-    if total <= 0:
-        raise InvalidInputError("--size must be greater than 0", code="invalid_geometry")
     geometry, rest = geometry_from_size(total, world_size=world_size, cpu_page_size=page)
     if rest:
         inv.warn("size_rounded", f"--size of {total} bytes is not a whole number of rows; using "
@@ -197,10 +176,10 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
               show_default="min(8, CPUs)", help="Pre-fault threads.")
 @click.option("--numa-node", metavar="NODES", help="Place the region's pages on this NUMA node "
               "(or list, e.g. 0-1 for interleave) before pre-fault.")
-@click.option("--numa-policy", type=EnumChoice(NumaPolicy), show_default="bind with "
-              "--numa-node", help="bind: only these nodes; interleave: round-robin over them "
-              "(default: all nodes); preferred: this node first.")
-@click.option("--huge-pages", type=EnumChoice(HugePages), default=HugePages.never.value,
+@click.option("--numa-policy", type=click.Choice(["bind", "interleave", "preferred"]),
+              show_default="bind with --numa-node", help="bind: only these nodes; interleave: "
+              "round-robin over them (default: all nodes); preferred: this node first.")
+@click.option("--huge-pages", type=click.Choice(["never", "auto", "always"]), default="never",
               help=with_statuses("Transparent huge pages: always (error, exit {NO_SPACE}, "
                                  "where the kernel refuses), auto (warn and continue), never."))
 @click.option("--segments", type=click.IntRange(min=1), metavar="N",
@@ -216,7 +195,8 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
               "bits, octal (as `install -m`): the owner must read and write them, and group or "
               "other bits are refused, because an engine refuses to join a region others can "
               "open.")
-@click.option("--vllm-layout", type=EnumChoice(VllmLayout), default=VllmLayout.auto.value,
+@click.option("--vllm-layout", type=click.Choice(["auto", "segmented", "single-file"]),
+              default="auto",
               help="Files as the joining vLLM makes them: segmented (.mmap, .mmap.1, ...: "
               "min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file (vLLM 0.31 and "
               "0.32, every tiering spec), or auto: what the CPU spec of the vLLM installed here "
@@ -225,8 +205,8 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
 def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
            dp_rank: int | None, num_blocks: int | None, size: int | None, no_populate: bool,
            hold: bool, threads: int | None, numa_node: str | None,
-           numa_policy: NumaPolicy | None, huge_pages: HugePages, segments: int | None,
-           owner: str | None, mode: str, vllm_layout: VllmLayout) -> Outcome:
+           numa_policy: str | None, huge_pages: str, segments: int | None,
+           owner: str | None, mode: str, vllm_layout: str) -> Outcome:
     """Create a region as vLLM lays it out, pre-fault it and describe it in a manifest.
 
     ENGINE_ID is the region's name (the base id when --dp-rank is given).
@@ -237,7 +217,6 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
     files and manifest become that user's, so an engine running as it joins.
     --hold ends on SIGINT (exit {INTERRUPTED}) or SIGTERM (exit {SUCCESS}), removing the region.
     """
-    from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES
     from vllm_offload_cli.core.region.shared_region import (
         SharedOffloadRegion,  # not needed by --help
     )
@@ -248,14 +227,8 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
     new_owner = None if owner is None else parse_owner(owner)
     file_mode = parse_mode(mode)
     nodes = _nodes(numa_node)
-    if segments is not None and vllm_layout is not VllmLayout.auto:
-        raise InvalidInputError("give one of --segments and --vllm-layout", code="usage")
-    if segments is not None:
-        files, min_segment_bytes, basis, version, layout_warning = (
-            _segments(segments, geometry), MIN_SEGMENT_BYTES, "requested", None, None)
-    else:
-        files, min_segment_bytes, basis, version, layout_warning = _vllm_layout(
-            vllm_layout, geometry.size_bytes)
+    files, min_segment_bytes, basis, version, layout_warning = _layout(vllm_layout, segments,
+                                                                       geometry)
     with inv.progress("pre-faulting", geometry.size_bytes) as progress:
         try:
             region = SharedOffloadRegion(
@@ -263,9 +236,8 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
                 geometry.cpu_page_size, shm_dir=shm_dir, world_size=geometry.world_size,
                 create_only=True, persistent=not hold, populate_pages=not no_populate,
                 populate_threads=threads or default_threads(), progress=progress,
-                numa_node=nodes,
-                numa_policy=None if numa_policy is None else numa_policy.value,
-                huge_pages=huge_pages.value, num_segments=files,
+                numa_node=nodes, numa_policy=numa_policy, huge_pages=huge_pages,
+                num_segments=files,
                 min_segment_bytes=min_segment_bytes, vllm_layout_basis=basis,
             )
         except RegionBusyError as exc:
@@ -275,7 +247,7 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
     if layout_warning is not None:  # said once the region exists, not before a refusal
         inv.warn("vllm_not_found", layout_warning)
     data = _created(region, geometry, hold, basis, version)
-    if huge_pages is HugePages.always and data["populated"] and not region.huge_page_bytes:
+    if huge_pages == "always" and data["populated"] and not region.huge_page_bytes:
         inv.warn("no_huge_pages", "--huge-pages always: the kernel allows huge pages here but "
                  "mapped none (fragmented memory, or the region is smaller than 2 MiB)")
     if new_owner is not None or file_mode != 0o600:
@@ -283,13 +255,11 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
         data["owner"] = {"uid": uid, "gid": gid, "mode": f"{file_mode:04o}"}
     if not hold:
         region.cleanup()  # persistent: closes without unlinking
-        if "owner" in data:  # after the last write of ours: a join then finds it theirs
-            hand_over([*region.segment_paths, region.manifest_path], region.manifest_path,
-                      data["owner"]["uid"], data["owner"]["gid"], file_mode)
-        return Outcome(data=data, render=lambda out: _render(out, data))
-    if "owner" in data:
+    if "owner" in data:  # after the last write of ours: a join then finds it theirs
         hand_over([*region.segment_paths, region.manifest_path], region.manifest_path,
                   data["owner"]["uid"], data["owner"]["gid"], file_mode)
+    if not hold:
+        return Outcome(data=data, render=lambda out: _render(out, data))
     return _held(inv, region, data)
 
 

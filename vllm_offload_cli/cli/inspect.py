@@ -20,7 +20,6 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     text_table,
     warn_useless_waiver,
-    write_text,
 )
 from vllm_offload_cli.cli.params import Duration, EnumChoice
 from vllm_offload_cli.core.base import deadline
@@ -479,7 +478,7 @@ def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
               "gc leaves it, remove it by hand after checking it"
               for e in dict_items(data.get("unsafe_entries"))
               for p in dict_items(e.get("problems"))]
-    write_text(out, "\n".join(lines))
+    out.print("\n".join(lines))
 
 
 def region_inode(r: RegionInfo) -> str:

@@ -20,7 +20,6 @@ from vllm_offload_cli.cli.common import (
     shm_dir_checked,
     subcommand,
     text_table,
-    write_text,
 )
 from vllm_offload_cli.cli.params import ParsedChoice, Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
@@ -142,7 +141,7 @@ def _render_plan(out: Out, plan: LayoutPlan) -> None:
                             rows, right=(0, 2, 4)))
     lines += _verdict([p.message for p in plan.problems],
                       "every worker has its own slot in its replica's region")
-    write_text(out, "\n".join(lines))
+    out.print("\n".join(lines))
 
 
 def _verdict(messages: list[str], good: str) -> list[str]:
@@ -200,7 +199,7 @@ def _render_live(out: Out, check: LiveCheck) -> None:
                                 right=(0,)))
     lines += _verdict([p.message for p in check.problems],
                       "sizes, ranks and slots are consistent")
-    write_text(out, "\n".join(lines))
+    out.print("\n".join(lines))
 
 
 def _joined(check: LiveCheck) -> bool | None:
