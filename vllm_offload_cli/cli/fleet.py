@@ -1,15 +1,8 @@
 """`vllm-offload fleet inspect|gc|verify-rank-layout`: the node-local command on every Ray node.
 
-Each node runs the very same subcommand body in-process, inside a Ray task
-pinned to it, and ships back the envelope that `<command> --json` would print
-there (`common.envelope_of`): same parsing of options (done here, with the
-same declarations), same core calls, same error boundary, same exit code. We
-run it in-process rather than as `python -m vllm_offload_cli` on the node: the
-Ray worker already has the package imported, so no interpreter start per
-node, and no guess at which executable is on the node's PATH.
-
-Ray is an optional extra, imported only by `fleet.ray_runner` when a fleet
-command runs.
+Each node runs the same subcommand body in-process in a Ray task pinned to it and
+ships back the envelope `<command> --json` would print there (`common.envelope_of`):
+no interpreter start per node, no guess at which executable is on its PATH.
 """
 
 from __future__ import annotations
@@ -59,11 +52,8 @@ LOCAL: dict[str, Subcommand] = {s.name: s for s in (
 
 
 def node_task(command: str, options: dict[str, Any], shm_dir: str | None) -> dict[str, Any]:
-    """Runs on one node: the node-local command's envelope, plus who answered.
-
-    Without --shm-dir each node uses its own default ($VLLM_OFFLOAD_SHM_DIR,
-    else /dev/shm), exactly as the node-local command would there.
-    """
+    """Runs on one node: the node-local command's envelope, plus who answered (without
+    --shm-dir, in the node's own default directory)."""
     where = Path(shm_dir or os.environ.get(SHM_DIR_ENV) or "/dev/shm")
     doc = envelope_of(LOCAL[command], options, shm_dir=where)
     doc["node"] = {"hostname": socket.gethostname(), "pid": os.getpid(),

@@ -1,8 +1,7 @@
 """Value types of the command line: sizes, durations and choices, as click parameter types.
 
-Each reads the text the way `core.base.units` does and turns a bad value into
-click's usage error (exit 2, `usage` in the JSON envelope), so a command body
-gets an int of bytes, float seconds or an enum member, never the raw text.
+Each reads the text as `core.base.units` does and turns a bad value into click's
+usage error (exit 2, `usage` in the JSON envelope), never the raw text.
 """
 
 from __future__ import annotations
@@ -21,36 +20,26 @@ class Size(click.ParamType):  # type: ignore[type-arg]  # generic in newer click
     """Bytes: `4096`, `64KiB`, `1G` (powers of 1024), `1GB` (of 1000)."""
 
     name = "size"
+    parse: Callable[..., float] = staticmethod(parse_size)
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
-        return "SIZE"
+        return self.name.upper()
 
     def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> int:
-        if isinstance(value, int):
+                ctx: click.Context | None) -> Any:
+        if isinstance(value, (int, float)):  # converted already
             return value
         try:
-            return parse_size(str(value), what="")
+            return self.parse(str(value), what="")
         except InvalidInputError as exc:
             self.fail(exc.message.strip(), param, ctx)
 
 
-class Duration(click.ParamType):  # type: ignore[type-arg]
+class Duration(Size):
     """Seconds: `90`, `90s`, `5m`, `2h`, `1h30m`; 0 is a time already up."""
 
     name = "duration"
-
-    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
-        return "DURATION"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> float:
-        if isinstance(value, (int, float)):
-            return float(value)
-        try:
-            return parse_duration(str(value), what="")
-        except InvalidInputError as exc:
-            self.fail(exc.message.strip(), param, ctx)
+    parse = staticmethod(parse_duration)
 
 
 class EnumChoice(click.Choice):  # type: ignore[type-arg]

@@ -1,10 +1,5 @@
-"""`vllm-offload preflight`: the engine hook's start-up checks, for launchers.
-
-Meant for systemd `ExecStartPre=` or a Kubernetes init container: before an
-engine with a pinned engine_id starts, refuse when another live process holds
-its region (exit 4), reclaim a provably stale leftover, and check that the
-bytes the engine will map fit (exit 5).
-"""
+"""`vllm-offload preflight`: the engine hook's start-up checks, for systemd `ExecStartPre=`
+or a Kubernetes init container."""
 
 from __future__ import annotations
 
@@ -62,8 +57,7 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
     from vllm_offload_cli.engine.shape import RegionShape
 
     validate_engine_id(engine_id)
-    per_replica = size
-    if per_replica <= 0:
+    if size <= 0:
         raise InvalidInputError("--size must be greater than 0", code="invalid_size")
     ids = [engine_id] if dp_size == 1 else [with_dp_rank(engine_id, k) for k in range(dp_size)]
     shm_dir = shm_dir_checked(inv)
@@ -72,9 +66,8 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
         for eid in ids:
             # capacity for all replicas together is checked below, once
             results.append(claim(eid, shm_dir=shm_dir, token=None, dry_run=dry_run,
-                                 shape=RegionShape(size_bytes=per_replica,
-                                                   num_segments=segments)))
-        needed = per_replica * sum(1 for r in results if r.action != "join")
+                                 shape=RegionShape(size_bytes=size, num_segments=segments)))
+        needed = size * sum(1 for r in results if r.action != "join")
         # a dry run has not freed the leftovers yet: count them as room
         reclaimable = sum(r.reclaimed_bytes for r in results if r.action == "would_reclaim")
         made = room.make_room(shm_dir, max(needed - reclaimable, 0), dry_run=dry_run) \
@@ -86,7 +79,7 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
     data: dict[str, Any] = {
         "engine_id": engine_id,
         "dp_size": dp_size,
-        "size_bytes": per_replica,
+        "size_bytes": size,
         "needed_bytes": needed,
         "free_bytes": cap.shm.free_bytes,
         "dry_run": dry_run,

@@ -1,10 +1,4 @@
-"""`vllm-offload verify-rank-layout`: prove that no two workers share bytes.
-
-Without ENGINE_ID it plans a layout before launch (every replica's engine_id,
-every worker's device and slot); with ENGINE_ID it checks a live region.
-Either way exit 3 means two workers would write (or did write) the same
-bytes, or the region is not what it claims.
-"""
+"""`vllm-offload verify-rank-layout`: prove that no two workers share bytes, planned or live."""
 
 from __future__ import annotations
 
@@ -86,7 +80,9 @@ def _refuse(mode: str, *given: tuple[str, bool]) -> None:
         raise InvalidInputError(f"{', '.join(wrong)} only applies with {other}", code="usage")
 
 
-def _outcome(data: dict[str, Any], problems: list[dict[str, Any]], render: Any) -> Outcome:
+def _outcome(mode: str, found: LayoutPlan | LiveCheck, render: Any, **extra: Any) -> Outcome:
+    problems = [p.to_dict() for p in found.problems]
+    data = {"mode": mode, "ok": found.ok, "problems": problems, **found.to_dict(), **extra}
     return Outcome(data=data,
                    exit_code=ExitStatus.PROBLEMS_FOUND if problems else ExitStatus.SUCCESS,
                    errors=[{"code": p["code"], "message": p["message"]} for p in problems],
@@ -109,9 +105,7 @@ def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices:
     if plan.unused_devices:
         inv.warn("unused_devices", f"{len(plan.unused_devices)} visible device(s) are not "
                  f"used by any replica: {', '.join(plan.unused_devices)}")
-    problems = [p.to_dict() for p in plan.problems]
-    data = {"mode": "plan", "ok": plan.ok, "problems": problems, **plan.to_dict()}
-    return _outcome(data, problems, lambda out: _render_plan(out, plan))
+    return _outcome("plan", plan, lambda out: _render_plan(out, plan))
 
 
 def _device_text(plan: LayoutPlan, w: WorkerPlan) -> str:
@@ -160,10 +154,7 @@ def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | N
     check = check_region(shm_dir, engine_id, world_size=world_size, cpu_page_size=page)
     for note in check.notes:
         inv.warn(note.code, note.message)
-    problems = [p.to_dict() for p in check.problems]
-    data = {"mode": "live", "ok": check.ok, "problems": problems, **check.to_dict(),
-            "joined": _joined(check)}
-    return _outcome(data, problems, lambda out: _render_live(out, check))
+    return _outcome("live", check, lambda out: _render_live(out, check), joined=_joined(check))
 
 
 def _render_live(out: Out, check: LiveCheck) -> None:
@@ -203,13 +194,10 @@ def _render_live(out: Out, check: LiveCheck) -> None:
 
 
 def _joined(check: LiveCheck) -> bool | None:
-    """Whether any worker attached; None for a region whose manifest cannot tell."""
+    """Whether any worker attached; None without a manifest to tell."""
     return None if check.manifest is None else bool(check.workers)
 
 
 def _workers_text(workers: Any) -> str:
-    parts = []
-    for w in workers:
-        device = "" if w.device_index is None else f" dev {w.device_index}"
-        parts.append(f"pid {w.pid}{device}")
-    return ", ".join(parts) or "-"
+    return ", ".join(f"pid {w.pid}" + ("" if w.device_index is None else
+                                       f" dev {w.device_index}") for w in workers) or "-"

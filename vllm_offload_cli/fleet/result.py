@@ -1,11 +1,8 @@
 """Per-node answers merged into one fleet answer and one exit code.
 
-Each node runs the node-local command and answers with its own JSON envelope;
-a node can also fail to answer (its node died, its worker crashed, the task
-could not be placed) or not answer in time. The merge never hides a missing
-node behind the others' results: it is listed with why, and the exit code says
-the answer is partial unless a node said something more important (the order
-is `exit_status.PRECEDENCE`).
+A node that failed or did not answer in time is never hidden behind the others:
+it is listed with why, and the answer is partial unless a node said something more
+important (`exit_status.PRECEDENCE`).
 """
 
 from __future__ import annotations
@@ -71,8 +68,7 @@ class NodeResult:
         return self.exit_code == ExitStatus.INTERRUPTED
 
     def _errors(self) -> list[dict[str, Any]]:
-        errors = (self.envelope or {}).get("errors") or []
-        return [e for e in errors if isinstance(e, dict)]
+        return [e for e in (self.envelope or {}).get("errors") or [] if isinstance(e, dict)]
 
     def not_found(self) -> frozenset[str] | None:
         """The named engine_ids this node lacks: empty when it said nothing of the kind,
@@ -85,15 +81,10 @@ class NodeResult:
         return None
 
     def merge_status(self) -> ExitStatus:
-        """What this node adds to the fleet's exit status.
-
-        A node that did not answer, or whose command was interrupted there,
-        makes the answer PARTIAL (the operator did not interrupt the fleet
-        run). A node that lacks named regions counts as if it had not been
-        asked for them (FleetResult decides about regions no node has): its
-        exit 2 then stands only for those, and any other error it reported
-        ranks below "not found" (a failed removal), so it counts as FAILED.
-        """
+        """What this node adds to the fleet's exit status: PARTIAL when it did not answer
+        or was interrupted there. A node that lacks named regions counts as not asked for
+        them (FleetResult judges regions no node has), so any other error it reported (a
+        failed removal) counts as FAILED."""
         if self.outcome != ANSWERED or self.interrupted:
             return ExitStatus.PARTIAL
         status = as_status(self.exit_code)
@@ -108,33 +99,24 @@ _RECORD_LISTS = ("regions", "removed", "kept", "problems", "failures")
 
 
 def malformed(doc: object) -> str | None:
-    """Why a node's answer is not an envelope this host can merge; None when it is.
-
-    The answer comes from another host: it must be JSON-clean (no NaN, no objects
-    JSON cannot say) and have the envelope's shape, or the merge, the table and
-    `--json` on this host would fail on it.
-    """
+    """Why another host's answer is not an envelope the merge, the table and `--json` can
+    take (JSON-clean, the envelope's shape); None when it is."""
     try:
         json.dumps(doc, allow_nan=False)
     except (TypeError, ValueError) as exc:
         return f"not plain JSON ({exc})"
     if not isinstance(doc, dict):
         return f"a {type(doc).__name__}, not a JSON object"
-    code = doc.get("exit_code")
-    if not is_int(code):
+    if not is_int(doc.get("exit_code")):
         return "no integer exit_code"
     if not isinstance(doc.get("data"), dict):
         return "no data object"
-    for key in ("errors", "warnings"):
-        entries = doc.get(key) or []
-        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-            return f"{key} is not a list of objects"
-    for key in _RECORD_LISTS:
-        entries = doc["data"].get(key)
-        if entries is not None and (not isinstance(entries, list)
-                                    or not all(isinstance(e, dict) for e in entries)):
-            return f"data.{key} is not a list of objects"
-    return None
+    lists = [(key, doc.get(key) or []) for key in ("errors", "warnings")]
+    lists += [(f"data.{key}", doc["data"][key]) for key in _RECORD_LISTS
+              if doc["data"].get(key) is not None]
+    return next((f"{key} is not a list of objects" for key, entries in lists
+                 if not isinstance(entries, list) or not all(isinstance(e, dict)
+                                                             for e in entries)), None)
 
 
 def answered(node_id: str, node_name: str, doc: object, seconds: float) -> NodeResult:
@@ -197,22 +179,22 @@ class FleetResult:
         same = sum(n.node_name == node.node_name for n in self.nodes)
         return node.node_name if same == 1 else f"{node.node_name}/{node.node_id[:8]}"
 
+    def _said(self, key: str, nodes: list[NodeResult]) -> list[dict[str, str]]:
+        """The `key` entries (errors or warnings) of these nodes' envelopes, naming the node."""
+        return [{"code": str(e.get("code", key[:-1])),
+                 "message": f"node {self.label(n)}: {e.get('message', '')}",
+                 "node_id": n.node_id} for n in nodes for e in (n.envelope or {}).get(key) or []]
+
     def errors(self) -> list[dict[str, str]]:
-        """Fleet errors: a named region on no node, each missing node, then each node's
-        own errors, naming the node."""
-        out = []
+        """A named region on no node, each missing node, then each node's own errors."""
         nowhere = self.on_no_node()
-        if nowhere is not None:
-            out.append({"code": NOT_FOUND, "message": no_node_has(nowhere)})
+        out = [] if nowhere is None else [{"code": NOT_FOUND, "message": no_node_has(nowhere)}]
         for n in self.nodes:
             if n.outcome != ANSWERED:
                 out.append({"code": f"node_{n.outcome}", "message":
                             f"node {self.label(n)}: {n.reason}", "node_id": n.node_id})
-            elif n.status not in (OK, ABSENT) and n.envelope is not None:
-                for e in n.envelope.get("errors") or []:
-                    out.append({"code": str(e.get("code", "error")),
-                                "message": f"node {self.label(n)}: {e.get('message', '')}",
-                                "node_id": n.node_id})
+            elif n.status not in (OK, ABSENT):
+                out += self._said("errors", [n])
         return out
 
     def warnings(self, version: str) -> list[dict[str, str]]:
@@ -224,12 +206,7 @@ class FleetResult:
                 out.append({"code": "version_mismatch", "node_id": n.node_id, "message":
                             f"node {self.label(n)} runs vllm-offload {theirs}, this host "
                             f"{version}; install the same version on every node"})
-        for n in self.nodes:
-            for w in (n.envelope or {}).get("warnings") or []:
-                out.append({"code": str(w.get("code", "warning")),
-                            "message": f"node {self.label(n)}: {w.get('message', '')}",
-                            "node_id": n.node_id})
-        return out
+        return out + self._said("warnings", list(self.nodes))
 
     def data(self) -> dict[str, Any]:
         nodes = []
