@@ -1,8 +1,5 @@
-"""`python -m vllm_offload_cli` and the console script: the CLI, interruptible at any moment.
-
-The command tree is imported inside `main`, so a SIGINT that lands while
-modules load is one line and exit 130, like one that lands later.
-"""
+"""`python -m vllm_offload_cli` and the console script: the CLI, interruptible at any moment
+(the tree is imported inside `main`: a SIGINT while modules load is one line and exit 130)."""
 
 import sys
 

@@ -1,10 +1,7 @@
 """The `vllm-offload` command tree and its entry point.
 
-Subcommands load on demand, as in click's lazy-loading group pattern:
-`vllm-offload inspect --json` imports the inspect module and nothing of
-create, benchmark or the fleet, and `--version` imports none of them.
-`--help` and the generated docs resolve them all. Subcommand modules never
-import this one, so imports run one way.
+Subcommands load on demand (click's lazy-loading group pattern): `inspect --json`
+imports nothing of create, benchmark or the fleet, `--version` none of them.
 """
 
 from __future__ import annotations

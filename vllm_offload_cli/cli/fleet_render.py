@@ -1,9 +1,7 @@
 """Human output of a fleet answer: inspect's own table with a NODE column, and lists.
 
-Works on the nodes' JSON data (what travelled back from each node), never on
-core objects, so it shows exactly what `--json` carries. Every string from a
-node is another host's data: cells and lines are escaped (`printable`) as the
-node-local command escapes its own.
+Works on the nodes' JSON data, exactly what `--json` carries; every string in it is
+another host's, escaped (`printable`) as the node-local command escapes its own.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Run one function on every alive node of a Ray cluster, one task pinned per node.
 
-The only module that imports ray, and only inside `run_on_every_node`, so no
-other command pays for it. Tasks ask for no CPU (`num_cpus=0`): on a serving
-cluster vLLM's workers hold every CPU and GPU, and a task that waits for one
-would never run. `NodeAffinitySchedulingStrategy(soft=False)` pins each task
-to its node (never "hope the scheduler spreads them"), and `max_retries=0`
-because a retry elsewhere would answer for the wrong node.
+The only module that imports ray, and only inside `run_on_every_node`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import socket
 import sys
@@ -22,28 +18,13 @@ from typing import Any
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.fleet.result import FAILED, TIMED_OUT, NodeResult, answered
 
-INSTALL_HINT = "install it with: pip install 'vllm-offload[ray]'"
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
 
-class RayMissingError(InvalidInputError):
-    """The `ray` extra is not installed."""
-
-    code = "ray_not_installed"
-
-
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise RayMissingError(f"fleet commands need Ray, which is not installed; {INSTALL_HINT}"
-                              ) from None
-    return ray
-
-
-def resolve_address(address: str | None) -> str:
-    """Ray's own convention: --address, else $RAY_ADDRESS, else `auto` (a cluster on this host)."""
-    return address or os.environ.get(RAY_ADDRESS_ENV) or "auto"
+def _cannot_connect(address: str, why: object) -> OperationFailedError:
+    return OperationFailedError(
+        f"cannot connect to the Ray cluster at {address!r}: {why}; pass --address or set "
+        f"{RAY_ADDRESS_ENV} (e.g. head:6379 or ray://head:10001)", code="ray_connect")
 
 
 def _failure(exc: BaseException, ray: Any) -> tuple[str, str]:
@@ -71,10 +52,7 @@ def _probe(address: str, timeout: float) -> None:
         wait = min(timeout, 10.0) if timeout > 0 else 10.0
         socket.create_connection((host.strip("[]"), int(port)), timeout=wait).close()
     except OSError as exc:
-        raise OperationFailedError(
-            f"cannot connect to the Ray cluster at {address!r}: {exc.strerror or exc}; pass "
-            f"--address or set {RAY_ADDRESS_ENV} (e.g. head:6379 or ray://head:10001)",
-            code="ray_connect") from None
+        raise _cannot_connect(address, exc.strerror or exc) from None
 
 
 @contextlib.contextmanager
@@ -104,28 +82,29 @@ def _mark_dead(ray: Any, results: list[NodeResult]) -> list[NodeResult]:
 def run_on_every_node(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], *,
                       address: str | None, timeout: float) -> tuple[str, list[NodeResult]]:
     """Call fn(*args) once on each alive node; (address, one NodeResult per node)."""
-    ray = _import_ray()
-    with _stdout_to_stderr():
-        return _run(ray, fn, args, address=address, timeout=timeout)
-
-
-def _run(ray: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], *,
-         address: str | None, timeout: float) -> tuple[str, list[NodeResult]]:
-    where = resolve_address(address)
-    connected_here = not ray.is_initialized()
-    if connected_here:
-        _connect(ray, where, timeout)
     try:
-        nodes = sorted((n for n in ray.nodes() if n.get("Alive")),
-                       key=lambda n: (str(n.get("NodeName", "")), str(n["NodeID"])))
-        refs = _submit(ray, fn, args, [str(n["NodeID"]) for n in nodes])
-        done_at = _wait(ray, list(refs.values()), timeout)
-        results = [_result(ray, node, refs[str(node["NodeID"])], done_at, timeout)
-                   for node in nodes]
-        return where, _mark_dead(ray, results)
-    finally:
+        ray: Any = importlib.import_module("ray")
+    except ImportError:
+        raise InvalidInputError("fleet commands need Ray, which is not installed; install it "
+                                "with: pip install 'vllm-offload[ray]'",
+                                code="ray_not_installed") from None
+    # Ray's own convention: --address, else $RAY_ADDRESS, else a cluster on this host
+    where = address or os.environ.get(RAY_ADDRESS_ENV) or "auto"
+    connected_here = not ray.is_initialized()
+    with _stdout_to_stderr():
         if connected_here:
-            ray.shutdown()
+            _connect(ray, where, timeout)
+        try:
+            nodes = sorted((n for n in ray.nodes() if n.get("Alive")),
+                           key=lambda n: (str(n.get("NodeName", "")), str(n["NodeID"])))
+            refs = _submit(ray, fn, args, [str(n["NodeID"]) for n in nodes])
+            done_at = _wait(ray, list(refs.values()), timeout)
+            results = [_result(ray, node, refs[str(node["NodeID"])], done_at, timeout)
+                       for node in nodes]
+            return where, _mark_dead(ray, results)
+        finally:
+            if connected_here:
+                ray.shutdown()
 
 
 def _connect(ray: Any, where: str, timeout: float) -> None:
@@ -134,15 +113,16 @@ def _connect(ray: Any, where: str, timeout: float) -> None:
         ray.init(address=where, logging_level="ERROR", log_to_driver=False,
                  configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise OperationFailedError(
-            f"cannot connect to the Ray cluster at {where!r}: {exc}; pass --address or "
-            f"set {RAY_ADDRESS_ENV} (e.g. ray://head:10001 or head:6379)",
-            code="ray_connect") from None
+        raise _cannot_connect(where, exc) from None
 
 
 def _submit(ray: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...],
             node_ids: list[str]) -> dict[str, Any]:
-    """One task per node, pinned there; node id -> its object ref."""
+    """One task per node, pinned there (soft=False); node id -> its object ref.
+
+    No CPU asked for: vLLM's workers hold every CPU and GPU, and a task that waits for
+    one would never run. No retry: one elsewhere would answer for the wrong node.
+    """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     remote = ray.remote(fn)
