@@ -1,17 +1,13 @@
 """`vllm-offload benchmark`: pre-fault, store and load throughput against a plain memcpy.
 
-torch (and the core modules that use it) is imported inside the command only,
-so `vllm-offload --help` stays fast.
-"""
+torch and the copy path load inside the command only, so `--help` stays fast."""
 
 from __future__ import annotations
 
-import enum
 import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import click
@@ -24,27 +20,17 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     text_table,
 )
-from vllm_offload_cli.cli.params import EnumChoice, Size
+from vllm_offload_cli.cli.params import Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.extras import COPY, require
 from vllm_offload_cli.core.base.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
-    from vllm_offload_cli.core.transfer.bench import BenchReport
+    from vllm_offload_cli.core.transfer.bench import BenchReport, Throughput
 
-DEFAULT_SIZES = "16KiB,64KiB,256KiB,1MiB,2MiB"  # mirrors core.bench.DEFAULT_BLOCK_SIZES
-
-
-class DeviceChoice(str, enum.Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class PatternChoice(str, enum.Enum):
-    contiguous = "contiguous"
-    device_scattered = "device-scattered"
-    scattered = "scattered"
+# bench.DEFAULT_BLOCK_SIZES and bench.PATTERNS, not imported: --help must not load the copy path
+DEFAULT_SIZES = "16KiB,64KiB,256KiB,1MiB,2MiB"
+PATTERNS = ("contiguous", "device-scattered", "scattered")
 
 
 def _block_sizes(values: tuple[str, ...]) -> tuple[int, ...]:
@@ -63,15 +49,11 @@ def _block_sizes(values: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 @contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl-C, so the scratch region is removed either way."""
     try:
-        previous = signal.signal(signal.SIGTERM, _terminate)
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     except ValueError:  # not the main thread: nothing to install
         yield
         return
@@ -83,7 +65,7 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 @subcommand("benchmark", help="Measure pre-fault, store and load throughput of the copy "
             "workers against a plain memcpy.")
-@click.option("--device", type=EnumChoice(DeviceChoice), default=DeviceChoice.auto.value,
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               help="Where the KV blocks live: auto picks cuda when a GPU is visible.")
 @click.option("--size", type=Size(), default="256MiB",
               help="Scratch region size per block size (e.g. 256MiB, 4GiB).")
@@ -95,28 +77,26 @@ def _sigterm_interrupts() -> Iterator[None]:
 @click.option("--blocks-per-transfer", type=click.IntRange(min=1), metavar="N",
               show_default="128 MiB per job, at most half the region",
               help="Blocks per store/load job (the batch size).")
-# 11 is bench.DEFAULT_REPEAT, not imported: --help must not load the copy path
+# 11 is bench.DEFAULT_REPEAT
 @click.option("--repeat", type=click.IntRange(min=1), default=11, metavar="N",
               help="Timed rounds per figure (each: a memcpy, 2 jobs in flight, a memcpy); the "
               "best round is shown, the median is also in --json.")
-@click.option("--pattern", type=EnumChoice(PatternChoice), multiple=True, show_default="all",
+@click.option("--pattern", type=click.Choice(PATTERNS), multiple=True, show_default="all",
               help="Block-id patterns to measure (repeatable).")
 @click.option("--threads", type=click.IntRange(min=1), metavar="N",
               show_default="CPUs, at most 8", help="Pre-fault threads.")
 @click.option("--huge-pages", is_flag=True, help="Also measure pre-fault and contiguous copies "
               "with normal and with transparent huge pages (largest block size) and report "
               "the ratio.")
-def benchmark_cmd(inv: Invocation, device: DeviceChoice, size: int,
-                  cpu_page_size: tuple[str, ...], world_size: int,
-                  blocks_per_transfer: int | None, repeat: int,
-                  pattern: tuple[PatternChoice, ...], threads: int | None,
-                  huge_pages: bool) -> Outcome:
+def benchmark_cmd(inv: Invocation, device: str, size: int, cpu_page_size: tuple[str, ...],
+                  world_size: int, blocks_per_transfer: int | None, repeat: int,
+                  pattern: tuple[str, ...], threads: int | None, huge_pages: bool) -> Outcome:
     """Create a scratch region, measure pre-fault and the copy workers' store and load
     throughput for each block size and block-id pattern, and a plain memcpy of the same
     bytes as the baseline; on CUDA both pinned and pageable. The region is removed at the
     end, also on Ctrl-C or SIGTERM.
     """
-    require(COPY, what="vllm-offload benchmark")  # exit 2 with the install line, no traceback
+    require(COPY, what="vllm-offload benchmark")
     from vllm_offload_cli.core.transfer.bench import (
         BenchConfig,
         passive_openmp,
@@ -124,28 +104,24 @@ def benchmark_cmd(inv: Invocation, device: DeviceChoice, size: int,
         run_benchmark,
     )
 
-    passive_openmp()  # before torch loads: see its docstring
-
+    passive_openmp()  # before torch loads
     shm_dir = shm_dir_checked(inv)
     blocks = _block_sizes(cpu_page_size)
-    patterns = tuple(p.value for p in pattern) if pattern else tuple(
-        p.value for p in PatternChoice)
-    resolved = resolve_device(device.value)
+    resolved = resolve_device(device)
     config = BenchConfig(
         shm_dir=shm_dir, device=resolved, size_bytes=size, block_sizes=blocks,
         world_size=world_size, blocks_per_transfer=blocks_per_transfer, repeat=repeat,
-        patterns=patterns, populate_threads=threads or max(1, min(8, os.cpu_count() or 1)),
-        huge_pages=huge_pages)
+        patterns=pattern or PATTERNS,
+        populate_threads=threads or max(1, min(8, os.cpu_count() or 1)), huge_pages=huge_pages)
     inv.info(f"benchmarking on {resolved}, block sizes "
              f"{', '.join(format_bytes(b) for b in blocks)}")
     with _sigterm_interrupts(), inv.progress("benchmark", 1) as update:
         report = run_benchmark(config, progress=update)
-    data = report.to_dict()
-    return Outcome(data=data, render=lambda out: _render(out, report))
+    return Outcome(data=report.to_dict(), render=lambda out: _render(out, report))
 
 
-def _gbps(value: float) -> str:
-    return f"{value:.2f}"
+def _figures(t: Throughput) -> list[str]:
+    return [f"{t.gbps:.2f}", f"{t.memcpy_gbps:.2f}", f"{t.ratio:.2f}x"]
 
 
 def _render(out: Out, report: BenchReport) -> None:
@@ -169,11 +145,9 @@ def _render(out: Out, report: BenchReport) -> None:
                  + "; ratio = median of the rounds' ratios")
     headers = ["BLOCK", "PATTERN", "MODE", "BLOCKS", "STORE", "MEMCPY", "RATIO", "LOAD",
                "MEMCPY", "RATIO", "STORED BY", "LOADED BY"]
-    rows = [[format_bytes(r.block_bytes), r.pattern, r.mode,
-             str(r.blocks_per_transfer),
-             _gbps(r.store.gbps), _gbps(r.store.memcpy_gbps), f"{r.store.ratio:.2f}x",
-             _gbps(r.load.gbps), _gbps(r.load.memcpy_gbps), f"{r.load.ratio:.2f}x",
-             r.store.method, r.load.method] for r in report.rows]
+    rows = [[format_bytes(r.block_bytes), r.pattern, r.mode, str(r.blocks_per_transfer),
+             *_figures(r.store), *_figures(r.load), r.store.method, r.load.method]
+            for r in report.rows]
     lines.append(text_table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9)))
     huge = report.huge_pages
     if huge is not None:
