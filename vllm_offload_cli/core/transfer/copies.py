@@ -5,19 +5,25 @@ copies alike), the same issuing code for CUDA and CPU tensors. Per KV tensor:
 * gather  - the destinations are one run of rows under GATHER_MAX_ROW_BYTES: one
             `index_select` into it;
 * scatter - the sources are one run of rows (in any order): one `index_copy_` from
-            it, over 16-byte words where rows align (transfer.views);
+            it, over the widest words the rows' alignment allows;
 * batched - anything else: one piece per run of both sides (per block where rows are
             not adjacent), every tensor's pieces in one `torch._foreach_copy_` call.
 
 Indexed kernels need both sides on one device, so a GPU tensor and host memory use
 slice or batched (one cudaMemcpyAsync per piece, as vLLM's swap_blocks). On CPU a
 batched call's pieces run one after another, so half may go to a helper thread.
+
+Rows are copied as words, never computed with, so a complex or float word carries any
+bit pattern unchanged; each process proves that once on its own torch build before it
+uses 16-byte words (`complex_copies_exact`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 
     from vllm_offload_cli.core.transfer.jobs import Ids
 
+_WORDS = {16: "complex128", 8: "int64", 4: "int32", 2: "int16"}  # bytes: dtype, widest first
 SPLIT_MIN_BYTES = 1 << 20  # a batched call smaller than this stays on one thread
 # torch spreads a copy of more elements than this (at::internal::GRAIN_SIZE) over its own
 # threads; in a call split over two threads, rows are cut to this so each stays on one
@@ -39,6 +46,47 @@ PART_MAX_ELEMENTS = 32768
 # index_select wins on small rows (one call, not one per row), the split batched call on
 # large ones
 GATHER_MAX_ROW_BYTES = 512 << 10
+
+
+@functools.cache
+def complex_copies_exact() -> bool:
+    """Do this build's copy kernels (every one the rules use) move complex128 elements bit
+    for bit? A float path that quiets a signalling NaN would corrupt KV bytes silently."""
+    torch = import_torch()
+    patterns = (0x7FF0000000000001, 0xFFF0000000000001, 0x7FF8000000000123,
+                0x7FF4000000000000, 0x0000000000000001, 0x8000000000000000,
+                0x7FF0000000000000, 0xFFFFFFFFFFFFFFFF)
+    row = b"".join(struct.pack("<Q", p) for p in patterns) * 1024  # 64 KiB per row
+    data = bytearray(b"".join(bytes([i]) + row[1:] for i in range(8)))
+    src = torch.frombuffer(data, dtype=torch.int8).clone().view(8, len(row))
+    perm = torch.tensor([3, 1, 0, 2, 7, 5, 4, 6])
+    words = src.view(torch.complex128)
+    copied = torch.empty_like(words).copy_(words)
+    scattered = torch.empty_like(words).index_copy_(0, perm, words)
+    gathered = torch.index_select(words, 0, perm)
+    return bool(torch.equal(copied.view(torch.int8), src)
+                and torch.equal(scattered.view(torch.int8)[perm], src)
+                and torch.equal(gathered.view(torch.int8), src[perm]))
+
+
+def word_width(*rows: torch.Tensor) -> int:
+    """Widest element size (bytes) every row view can be reinterpreted as."""
+    page = rows[0].shape[1]
+    for width, name in _WORDS.items():
+        if page % width or (name == "complex128" and not complex_copies_exact()):
+            continue
+        if all(r.stride(0) % width == 0 and r.storage_offset() % width == 0
+               and r.data_ptr() % width == 0 for r in rows):
+            return width
+    return 1
+
+
+def as_words(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """Reinterpret int8 rows as `width`-byte elements (a view; no copy)."""
+    if width == 1:
+        return rows
+    words: Tensor = rows.view(getattr(import_torch(), _WORDS[width]))
+    return words
 
 
 class RowViews:

@@ -18,15 +18,15 @@ from vllm_offload_cli.core.base.extras import COPY, require
 from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.transfer import pinning
-from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
+from vllm_offload_cli.core.transfer.copies import TensorPair, as_words, copy_job, word_width
 from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction, make_job
 from vllm_offload_cli.core.transfer.lanes import ResultSink, StreamLane, ThreadLane, TransferResult
-from vllm_offload_cli.core.transfer.views import as_words, byte_rows, word_width
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
 
     import torch
+    from torch import Tensor
 
     from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 
@@ -35,6 +35,34 @@ __all__ = ["CopyWorker", "Direction", "TransferResult"]
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("worker", "canonical")
+
+
+def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
+    """(num_blocks, row_bytes) int8 view of `tensor`, without copying; refuses sparse rows."""
+    torch = import_torch()
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}",
+                                code="invalid_tensor")
+    if tensor.dim() == 0 or tensor.shape[0] == 0 or tensor.numel() == 0:
+        raise InvalidInputError(f"{what} must have shape (num_blocks, ...) with at least one "
+                                f"block and one element per block, got {tuple(tensor.shape)}",
+                                code="invalid_tensor")
+    n = tensor.shape[0]
+    try:
+        rows = tensor.view(n, -1)
+        if rows.shape[1] > 1 and rows.stride(1) != 1:
+            raise RuntimeError("elements inside a block are not adjacent")
+        raw: Tensor = rows.view(torch.int8)
+    except RuntimeError as exc:
+        raise InvalidInputError(
+            f"{what}: each block (one row along dim 0) must be one contiguous range of bytes "
+            f"(shape {tuple(tensor.shape)}, strides {tensor.stride()}): {exc}",
+            code="invalid_tensor") from exc
+    if n > 1 and raw.stride(0) < raw.shape[1]:
+        raise InvalidInputError(f"{what}: blocks overlap in memory (row stride "
+                                f"{raw.stride(0)} bytes < block size {raw.shape[1]} bytes)",
+                                code="invalid_tensor")
+    return raw
 
 
 class CopyWorker:
