@@ -1,10 +1,6 @@
-"""Capacity pre-flight: will a region of N bytes fit before we commit to it?
-
-tmpfs allocates on first touch, so a region that does not fit fails late and
-obscurely (EFAULT from madvise, SIGBUS in a worker). Three limits apply at
-once: the tmpfs size, the memory cgroup (shmem pages are charged to it), and
-the host's available memory. We check all three and name the tightest.
-"""
+"""Capacity pre-flight: tmpfs allocates on first touch, so a region that does not fit
+fails late and obscurely (EFAULT, SIGBUS). Check the tmpfs size, the memory cgroup (it
+is charged for shmem) and available memory first, and name the tightest."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """A released region's manifest, carried by the processes that hold the region.
 
-When the engine hook releases a region's names (every worker mapped it), its
-manifest goes with them: nothing is left in the shm directory for a SIGKILL
-to leak. What `inspect`, `verify-rank-layout` and `gc` need (geometry, ranks,
-creator, age) stays findable by inode all the same: each engine process that
-holds a region also holds a sealed anonymous file (memfd) named after the
-region's device and inode, holding the manifest as it read it right after
-attaching (its own attachment included). The kernel frees it with the
-process, so it lives exactly as long as its holder: nothing of it outlives
-the region, even after SIGKILL.
-
-Reading it trusts nothing: only processes that hold the region are looked
-at (found by inode), only an anonymous file of that exact name, a regular
-file owned by the region's owner with no group/other bits, read bounded and
-validated as any manifest, and only if it describes that very inode.
+Once the hook releases a region's names, its manifest is gone from the shm directory,
+yet inspect, verify and gc still find it by inode: each holder keeps a sealed memfd
+named after the region's device and inode, with the manifest as read after attaching.
+The kernel frees it with its process, so nothing outlives the region, even SIGKILL.
+Reading trusts nothing: only holders of the region, only a memfd of that exact name,
+owned by the region's owner, mode 0600, bounded, validated, describing that very inode.
 """
 
 from __future__ import annotations
@@ -41,9 +33,8 @@ _SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
 
 
 def carry(m: Manifest) -> int | None:
-    """This process's sealed copy of the manifest `m` (of the region it describes); None
-    where no anonymous file can be made. The caller keeps the descriptor open while it
-    holds the region and closes it with the region."""
+    """This process's sealed copy of the manifest `m` (None where no memfd can be made),
+    to keep open while holding the region."""
     if not hasattr(os, "memfd_create"):
         return None
     data = json.dumps(m.to_json(), sort_keys=True, allow_nan=False).encode()
@@ -71,13 +62,9 @@ def carry(m: Manifest) -> int | None:
 def carried_by(pids: Iterable[int], region: FileId, owner_uid: int | None,
                memfds: dict[int, dict[tuple[int, int], int] | None] | None = None
                ) -> Manifest | None:
-    """The manifest of `region` that its holders `pids` carry, their attachments merged.
-
-    None when none of them carries a valid one (a region vLLM made, a holder
-    this user cannot inspect, an owner we could not read). `memfds` caches, per
-    pid, which descriptor carries which region's manifest: a caller that asks
-    for many regions of one holder reads its descriptors once, not once per region.
-    """
+    """The manifest of `region` that its holders `pids` carry, their attachments merged;
+    None when none carries a valid one. `memfds` caches, per pid, which descriptor carries
+    which region's manifest, so a holder's descriptors are read once per run."""
     if owner_uid is None:
         return None
     cache: dict[int, dict[tuple[int, int], int] | None] = {} if memfds is None else memfds

@@ -1,8 +1,5 @@
-"""Region geometry: rows of `row_stride` bytes, one `cpu_page_size` slot per worker.
-
-vLLM's region has no header, so the geometry is the only key to its bytes.
-Everything here is pure arithmetic and validation; no I/O.
-"""
+"""Region geometry, the only key to vLLM's headerless bytes: rows of `row_stride` bytes,
+one `cpu_page_size` slot per worker. Pure arithmetic and validation."""
 
 from __future__ import annotations
 
@@ -44,9 +41,13 @@ class Geometry:
     world_size: int | None = None
 
     def __post_init__(self) -> None:
-        problem = geometry_problem(self)
-        if problem is not None:
-            raise InvalidInputError(problem, code="invalid_geometry")
+        for name in ("num_blocks", "row_stride", "cpu_page_size"):
+            _require_positive(name, getattr(self, name))
+        if self.world_size is not None:
+            _require_positive("world_size", self.world_size)
+        problems = stride_problems(self.row_stride, self.cpu_page_size, self.world_size)
+        if problems:
+            raise InvalidInputError(problems[0].message, code="invalid_geometry")
 
     @classmethod
     def for_workers(cls, *, num_blocks: int, world_size: int, cpu_page_size: int) -> Geometry:
@@ -81,20 +82,6 @@ def _require_positive(name: str, value: int) -> None:
         raise InvalidInputError(problem, code="invalid_geometry")
 
 
-def geometry_problem(g: Geometry) -> str | None:
-    """Say what makes a geometry unusable, or None."""
-    for name in ("num_blocks", "row_stride", "cpu_page_size"):
-        problem = int_problem(name, getattr(g, name))
-        if problem is not None:
-            return problem
-    if g.world_size is not None:
-        problem = int_problem("world_size", g.world_size)
-        if problem is not None:
-            return problem
-    problems = stride_problems(g.row_stride, g.cpu_page_size, g.world_size)
-    return problems[0].message if problems else None
-
-
 def stride_problems(row_stride: int, cpu_page_size: int, world_size: int | None
                     ) -> list[Problem]:
     """The one stride check: rows are whole pages, and every worker's slot fits in a row."""
@@ -118,9 +105,8 @@ def stride_problems(row_stride: int, cpu_page_size: int, world_size: int | None
 
 def mismatches(have: Geometry, *, num_blocks: int | None = None, row_stride: int | None = None,
                cpu_page_size: int | None = None, world_size: int | None = None) -> list[str]:
-    """The one rule for "does this region's geometry fit an opener": every field both
-    sides know must be equal (None: not known, so not compared; a region made by
-    vLLM, or a rank-less or replicated opener, does not know its world size)."""
+    """The one rule for "does this region fit an opener": every field both sides know
+    (None: not known, e.g. the world size of a vLLM-made region) must be equal."""
     return [f"its {name} is {mine}, the engine's is {theirs}"
             for name, mine, theirs in (("num_blocks", have.num_blocks, num_blocks),
                                        ("row_stride", have.row_stride, row_stride),

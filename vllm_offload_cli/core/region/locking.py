@@ -1,9 +1,5 @@
-"""flock helpers: a shared lock proves a region's user is alive.
-
-A process holding LOCK_SH for its whole life makes "can anyone take LOCK_EX?"
-a definitive liveness test that needs no process scan and cannot be fooled
-by pid reuse; the kernel drops the lock when the process dies, even by SIGKILL.
-"""
+"""flock helpers: a LOCK_SH held for life makes "can anyone take LOCK_EX?" a liveness test
+that needs no process scan, cannot be fooled by pid reuse, and ends even with SIGKILL."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ def try_lock_exclusive(fd: int) -> bool:
 
 def lock_waiting(fd: int, operation: int, *, timeout: float,
                  timed_out: Callable[[], Exception]) -> None:
-    """flock(fd, operation) polled with back-off rather than blocking in the kernel,
-    so the wait can end at `timeout`: then `timed_out()` is raised."""
+    """flock(fd, operation) polled, not blocking in the kernel; `timed_out()` at `timeout`."""
     if poll_until(lambda: try_lock(fd, operation) or None, timeout) is None:
         raise timed_out()
 

@@ -42,6 +42,9 @@ LAYOUT_BASES = ("vllm", "newest", "requested")
 MAX_BYTES = 1 << 20  # a manifest is small; anything bigger is not ours
 # Two-phase creation: `creating` until the region is sized and pre-faulted.
 CREATING, READY = "creating", "ready"
+# written as they are; the rest of a manifest is grouped (region, creator) or nested
+_TOP_LEVEL = ("engine_id", "base_engine_id", "dp_rank", "layout", "rank_source", "persistent",
+              "state", "segments", "engine_token", "vllm_layout_basis")
 T = TypeVar("T")
 
 
@@ -110,28 +113,12 @@ class Manifest:
         return split_engine_id(self.engine_id).dp_rank
 
     def to_json(self) -> dict[str, Any]:
-        doc = {
-            "manifest_version": MANIFEST_VERSION,
-            "engine_id": self.engine_id,
-            "base_engine_id": self.base_engine_id,
-            "dp_rank": self.dp_rank,
-            "geometry": jsonable(self.geometry),
-            "layout": self.layout,
-            "rank_source": self.rank_source,
-            "persistent": self.persistent,
-            "state": self.state,
-            "region": {"dev": self.region_dev, "ino": self.region_ino},
-            "creator": {
-                "pid": self.creator_pid,
-                "start_ticks": self.creator_start_ticks,
-                "host": self.creator_host,
-                "created_at": self.created_at,
-            },
-            "attachments": [asdict(a) for a in self.attachments],
-            "segments": self.segments,
-            "engine_token": self.engine_token,
-            "vllm_layout_basis": self.vllm_layout_basis,
-        }
+        doc = {key: getattr(self, key) for key in _TOP_LEVEL}
+        doc.update(manifest_version=MANIFEST_VERSION, geometry=jsonable(self.geometry),
+                   region={"dev": self.region_dev, "ino": self.region_ino},
+                   creator={"pid": self.creator_pid, "start_ticks": self.creator_start_ticks,
+                            "host": self.creator_host, "created_at": self.created_at},
+                   attachments=[asdict(a) for a in self.attachments])
         if self.placement is not None:
             doc["placement"] = self.placement
         return doc

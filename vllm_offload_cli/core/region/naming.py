@@ -1,8 +1,5 @@
-"""engine_id validation and the region file naming vLLM uses.
-
-Names live in a world-writable directory, so every path is built only from a
-validated engine_id, and every name read back is parsed strictly.
-"""
+"""engine_id validation and vLLM's region file names: in a world-writable directory every
+path is built from a validated engine_id, and every name read back is parsed strictly."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ MANIFEST_SUFFIX = ".manifest.json"
 MAX_ENGINE_ID_LEN = 200
 
 _ENGINE_ID_RE = re.compile(r"[A-Za-z0-9._-]+")
-# Every name pattern is used with fullmatch(): `$` would also match before a
-# trailing newline, so `vllm_offload_pre.mmap\n` would pass for region `pre`.
+# fullmatch() only: `$` also matches before a trailing newline (`….mmap\n`).
 _DP_RE = re.compile(r"(?P<base>.+)_dp(?P<rank>0|[1-9][0-9]*)")
 # vLLM's HiSparse path: vllm_offload_hisparse_{instance_id}_dp{index}.mmap, same prefix
 _HISPARSE_RE = re.compile(r"hisparse_.+_dp(?:0|[1-9][0-9]*)")
@@ -117,8 +113,7 @@ def parse_region_filename(name: str) -> RegionFileName | None:
     match = _REGION_FILE_RE.fullmatch(name)
     if match is None or engine_id_problem(match["engine_id"]) is not None:
         return None
-    segment = match["segment"]
-    return RegionFileName(match["engine_id"], int(segment) if segment else 0)
+    return RegionFileName(match["engine_id"], int(match["segment"] or 0))
 
 
 def parse_manifest_filename(name: str) -> str | None:

@@ -1,19 +1,10 @@
-"""Where a new region's pages go: a NUMA policy and transparent huge pages, chosen.
+"""Where a new region's pages go: a NUMA policy and transparent huge pages.
 
-Both are decided before the file exists, so a request the host cannot meet
-fails with nothing created, and both are applied to the mapping before
-pre-fault, which is when tmpfs allocates the pages:
-
-* NUMA: mbind(2) on a shmem mapping sets the file's shared policy, so every
-  page of the region (whoever faults it later) follows it. Policies: bind
-  (only these nodes), interleave (round-robin over them), preferred (this
-  node first, others when it is full).
-* Huge pages: for a tmpfs file the mount option `huge=` decides (never is the
-  default; advise, always and within_size allow them), unless
-  /sys/kernel/mm/transparent_hugepage/shmem_enabled overrides every mount
-  with `deny` or `force`. MADV_HUGEPAGE on the mapping asks for them.
-  `always` where the kernel refuses is an error (exit 5, like any resource the
-  host cannot provide); `auto` only warns.
+Both are decided before the file exists (a request the host cannot meet creates
+nothing) and applied to the mapping before pre-fault, when tmpfs allocates. mbind(2)
+on a shmem mapping sets the file's shared policy, which every page follows. A tmpfs
+file gets huge pages when its mount's `huge=` allows them, unless shmem_enabled says
+`deny` or `force`; `always` where the kernel refuses is an error, `auto` only warns.
 """
 
 from __future__ import annotations
@@ -74,7 +65,6 @@ class PagePolicy:
         return self.numa_policy is None and not self.advise_huge and self.huge_pages == "never"
 
 
-
 def record_from_json(doc: Any) -> dict[str, Any] | None:
     """A manifest's optional `placement` field, validated; None when absent."""
     if doc is None:
@@ -86,8 +76,7 @@ def record_from_json(doc: Any) -> dict[str, Any] | None:
         raise ValueError(f"unknown numa_policy {policy!r}")
     nodes = doc.get("numa_nodes", [])
     if not isinstance(nodes, list) or len(nodes) > _MASK_BITS or any(
-            not is_int(n) or not 0 <= n < _MASK_BITS
-            for n in nodes):
+            not is_int(n) or not 0 <= n < _MASK_BITS for n in nodes):
         raise ValueError("numa_nodes must be a list of node numbers")
     huge = doc.get("huge_pages", "never")
     if huge not in HUGE_PAGE_CHOICES:
@@ -99,8 +88,6 @@ def record_from_json(doc: Any) -> dict[str, Any] | None:
             "huge_pages_advised": advised}
 
 
-# -- huge pages --------------------------------------------------------------------
-
 def thp_support(shm_dir: str | os.PathLike[str]) -> ThpSupport:
     """Can a file in `shm_dir` get transparent huge pages when its mapping asks?"""
     return judge_thp(shm_dir, memory.shmem_thp_setting(), mounts.mounts())
@@ -108,8 +95,7 @@ def thp_support(shm_dir: str | os.PathLike[str]) -> ThpSupport:
 
 def judge_thp(shm_dir: str | os.PathLike[str], setting: str | None,
               table: list[mounts.Mount]) -> ThpSupport:
-    """thp_support's decision from the selected word of shmem_enabled (None: the kernel
-    has none) and the mount table."""
+    """thp_support's decision from shmem_enabled's selected word (None: none) and mounts."""
     where = memory.SHMEM_ENABLED
     if setting is None:
         return ThpSupport(False, "no THP", "this kernel has no transparent huge pages for shmem "
@@ -134,8 +120,6 @@ def judge_thp(shm_dir: str | os.PathLike[str], setting: str | None,
         f"its files no huge pages; remount it with huge=advise (`mount -o remount,huge=advise "
         f"{mount.point}`) or use a tmpfs that has it"))
 
-
-# -- NUMA ----------------------------------------------------------------------------
 
 def _check_nodes(nodes: tuple[int, ...], topo: numa.Topology) -> None:
     for node in nodes:
@@ -220,8 +204,8 @@ def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:
                 logger.warning("madvise(MADV_HUGEPAGE) failed (%s); using normal pages",
                                exc.strerror, extra={"code": "huge_pages_unavailable"})
         if chosen.numa_policy is not None:
-            mask = (ctypes.c_ulong * (_MASK_BITS // (8 * ctypes.sizeof(ctypes.c_ulong))))()
             per = 8 * ctypes.sizeof(ctypes.c_ulong)
+            mask = (ctypes.c_ulong * (_MASK_BITS // per))()
             for node in chosen.numa_nodes:
                 mask[node // per] |= 1 << (node % per)
             try:
@@ -236,17 +220,10 @@ def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:
 
 def huge_bytes_of(mm: mmap.mmap) -> int | None:
     """Bytes of this mapping the kernel maps with PMD huge pages (our own smaps)."""
-    anchor = ctypes.c_char.from_buffer(mm)
-    try:
-        start = ctypes.addressof(anchor)
-    finally:
-        del anchor
-    return pmd_mapped(os.getpid(), start)
+    return pmd_mapped(os.getpid(), ctypes.addressof(ctypes.c_char.from_buffer(mm)))
 
 
 def pmd_mapped(pid: int, start: int) -> int | None:
     """Huge (PMD-mapped) bytes of the mapping of `pid` that begins at `start`; None if none."""
-    found = smaps.read_smaps(pid, start=start)
-    if not found or start not in found:
-        return None
-    return found[start].huge_bytes
+    found = (smaps.read_smaps(pid, start=start) or {}).get(start)
+    return None if found is None else found.huge_bytes

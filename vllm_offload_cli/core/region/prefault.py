@@ -1,13 +1,12 @@
 """Pre-faulting: allocate a region's tmpfs pages up front, where failure is clear.
 
-vLLM calls madvise(MADV_POPULATE_WRITE) once per row from Python. We compute
-the same page ranges, merge those that touch (a single-worker or rank-less
-region becomes one call), and can spread the calls over threads: ctypes drops
-the GIL, and the kernel faults pages of one shmem file in parallel.
+vLLM's page ranges (one MADV_POPULATE_WRITE per row), merged where they touch, and
+optionally spread over threads (ctypes drops the GIL; the kernel faults in parallel).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import threading
@@ -17,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import InsufficientSpaceError, OperationFailedError
-from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
+from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, round_up
 from vllm_offload_cli.core.system import libc
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -37,11 +36,8 @@ class PopulateStats:
 
 
 def slot_ranges(geometry: Geometry, rank: int | None) -> list[tuple[int, int]]:
-    """Page-aligned (offset, length) ranges covering one rank's slots, merged where adjacent.
-
-    A rank-less opener covers the whole file. Alignment matches vLLM's: the
-    start rounds down to a page; the end is the slot's end (the kernel rounds up).
-    """
+    """Page-aligned (offset, length) ranges covering one rank's slots (rank-less: the whole
+    file), merged where adjacent; as vLLM's, the start rounds down, the kernel rounds up."""
     if rank is None:
         return [(0, geometry.size_bytes)]
     slot = geometry.slot(rank)
@@ -53,8 +49,7 @@ def slot_ranges(geometry: Geometry, rank: int | None) -> list[tuple[int, int]]:
         if ranges:
             prev_start, prev_len = ranges[-1]
             prev_end = prev_start + prev_len
-            # merge when the previous range's last page reaches this one's first
-            if -(-prev_end // PAGESIZE) * PAGESIZE >= start:
+            if round_up(prev_end, PAGESIZE) >= start:  # its last page reaches our first
                 ranges[-1] = (prev_start, max(prev_end, end) - prev_start)
                 continue
         ranges.append((start, end - start))
@@ -110,8 +105,6 @@ def populate(
     progress: Progress | None = None,
 ) -> PopulateStats:
     """Fault in `ranges` of a writable shared mapping; keeps existing bytes."""
-    import ctypes
-
     total = sum(length for _, length in ranges)
     anchor = ctypes.c_char.from_buffer(mm)  # pins the mapping while we use its address
     try:
@@ -154,10 +147,8 @@ def populate(
 
 
 def _touch(mm: mmap.mmap, start: int, length: int) -> None:
-    """Fallback for kernels without MADV_POPULATE_WRITE: read-modify-write a byte per page.
-
-    Writing back the byte just read keeps data a peer may already have stored.
-    """
+    """Without MADV_POPULATE_WRITE: write back one byte per page as read (keeps a peer's
+    data)."""
     view = memoryview(mm)
     try:
         first = start - start % PAGESIZE

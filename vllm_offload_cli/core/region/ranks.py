@@ -1,13 +1,7 @@
-"""Rank sources: how a worker picks its slot in every row of the region.
-
-vLLM PR 47987 derives the slot from the device the worker runs on,
-`current_device_index() % world_size`; that is right only when every replica
-owns `world_size` device indices with distinct residues. vLLM 0.32 and 0.33
-use the worker's logical rank within its replica instead. Both live here as named,
-pure functions so the engine hook, the region's manifest and
-`verify-rank-layout` agree on what each name means. No torch import: the
-caller supplies the device index it read from torch.
-"""
+"""Rank sources: how a worker picks its slot in every row, as named pure functions, so
+the engine hook, the manifest and `verify-rank-layout` agree on what each name means
+(vLLM PR 47987's `current_device_index() % world_size` is right only when each replica's
+device indices have distinct residues; vLLM 0.32 and 0.33 use the logical rank)."""
 
 from __future__ import annotations
 
@@ -21,13 +15,8 @@ from vllm_offload_cli.core.base.units import is_int
 
 @dataclass(frozen=True)
 class WorkerPlace:
-    """What a worker knows about itself when it picks its slot.
-
-    `local_rank` is its logical rank within its replica (0..world_size-1);
-    `device_index` is what `torch.accelerator.current_device_index()` returns
-    in that process: a position in the devices *that process* sees, not a
-    physical GPU id.
-    """
+    """What a worker knows when it picks its slot: its logical rank in its replica, and
+    `current_device_index()` (a position among the devices *it* sees, not a GPU id)."""
 
     local_rank: int
     device_index: int
@@ -53,8 +42,7 @@ def device_modulo(place: WorkerPlace) -> int:
 
 
 def logical(place: WorkerPlace) -> int:
-    """vLLM 0.32 and 0.33: the worker's logical rank within its replica, whatever its
-    device."""
+    """vLLM 0.32 and 0.33: the worker's logical rank within its replica."""
     return place.local_rank
 
 
@@ -108,4 +96,3 @@ def parse_rank_source(value: str | RankSource) -> RankSource:
         raise InvalidInputError(f"unknown rank source {value!r}; use one of: {known}",
                                 code="invalid_rank_source")
     return source
-

@@ -1,13 +1,8 @@
-"""vLLM's segmented region: one region split into files `.mmap`, `.mmap.1`, ...
+"""vLLM 0.33's segmented region: files `.mmap`, `.mmap.1`, ... pre-faulted in parallel.
 
-vLLM 0.33's CPU spec splits a big region so workers pre-fault several files in
-parallel (tmpfs serialises page-cache inserts per file). The split is part of
-the on-disk format, so it is reproduced here exactly: at most 32 files, none
-smaller than 1 GiB, `cdiv(num_blocks, n)` consecutive rows per file, the files
-mapped back to back into one address range. vLLM 0.31 and 0.32, and every
-release's tiering spec, make one file: a region of one file is joined by all of
-them (and by 0.33's CPU spec below 2 GiB, where it makes one file too); a
-region of several files only by 0.33's CPU spec.
+Part of the on-disk format, reproduced exactly: at most 32 files, none under 1 GiB,
+`cdiv(num_blocks, n)` consecutive rows each, mapped back to back. Every other vLLM
+release and spec makes one file, which all of them join.
 """
 
 from __future__ import annotations
@@ -55,11 +50,8 @@ def effective_segments(requested: int, size_bytes: int, *,
 
 
 def split(num_blocks: int, row_stride: int, segments: int) -> tuple[Segment, ...]:
-    """The files of a region of `segments` (already effective) parts, as vLLM lays them out.
-
-    Rows go `cdiv(num_blocks, segments)` to a file, so fewer files than asked
-    for can result (vLLM's arithmetic, kept exactly).
-    """
+    """The files of a region of `segments` (already effective) parts, as vLLM lays them
+    out: `cdiv(num_blocks, segments)` rows a file, so there may be fewer files."""
     if segments < 1:
         raise InvalidInputError(f"segments must be >= 1, got {segments}",
                                 code="invalid_segments")

@@ -1,12 +1,6 @@
-"""Reading JSON that anyone could have written: bounded, shallow, finite, typed.
-
-A manifest lives in a world-writable directory and steers what root deletes,
-so its bytes are hostile input. `loads` refuses, before parsing, anything
-longer than a limit or nested deeper than a limit (checked by a scan that does
-not recurse), and while parsing any NaN/Infinity, any number too long to be
-real. The field readers then check the type and range of every value. Every
-refusal is one exception type, `UntrustedJsonError` (a ValueError).
-"""
+"""Reading JSON that anyone could have written (a manifest steers what root deletes):
+bounded in size and depth (checked before parsing, without recursion), finite, short
+numbers, and every value's type and range checked; any refusal is UntrustedJsonError."""
 
 from __future__ import annotations
 
@@ -48,10 +42,8 @@ def loads(data: bytes, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
 
 
 def nesting_depth(data: bytes, *, stop_above: int | None = None) -> int:
-    """Deepest bracket nesting outside strings, found without recursion.
-
-    Stops early once the depth passes `stop_above`, so `[` x 10**6 costs little.
-    """
+    """Deepest bracket nesting outside strings, without recursion; stops once past
+    `stop_above`, so `[` x 10**6 costs little."""
     depth = deepest = 0
     in_string = False
     skip = -1  # position of a character escaped by a backslash
@@ -97,9 +89,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
-# -- field readers: each names the field it refuses ----------------------------------
-
-
+# field readers: each names the field it refuses
 def obj(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise UntrustedJsonError(f"{where} must be an object")
