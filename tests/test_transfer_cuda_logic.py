@@ -69,7 +69,7 @@ class Lanes:
             assert helper is None  # a stream lane issues on the caller's thread only
             return copy_job(pairs, job, non_blocking=True)
 
-        self.lanes = {d: StreamLane(d, copy, self.sink, lambda job: job.num_blocks * 64,
+        self.lanes = {d: StreamLane(d, copy, self.sink, 64,
                                     torch.device("cpu")) for d in Direction}
 
     def submit(self, job: int, src: list[int], dst: list[int],

@@ -32,8 +32,8 @@ class Direction(str, enum.Enum):
     LOAD = "load"  # region -> device
 
 
-def _refuse(what: str, detail: str) -> InvalidInputError:
-    return InvalidInputError(f"{what} must be integer block ids{detail}", code="invalid_blocks")
+def _refuse(what: str, must: str) -> InvalidInputError:
+    return InvalidInputError(f"{what} must be {must}", code="invalid_blocks")
 
 
 def as_block_ids(values: Any, *, what: str) -> Ids:
@@ -45,11 +45,6 @@ def as_block_ids(values: Any, *, what: str) -> Ids:
     return _sequence_ids(values, what)
 
 
-def _not_1d(what: str, shape: tuple[int, ...]) -> InvalidInputError:
-    return InvalidInputError(f"{what} must be one-dimensional, got shape {shape}",
-                             code="invalid_blocks")
-
-
 def _tensor_ids(torch: Any, values: Any, what: str) -> Ids:
     import numpy as np
 
@@ -59,9 +54,9 @@ def _tensor_ids(torch: Any, values: Any, what: str) -> Ids:
         return fresh
     t = values.detach()
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise _refuse(what, f", got dtype {t.dtype}")
+        raise _refuse(what, f"integer block ids, got dtype {t.dtype}")
     if t.dim() != 1:
-        raise _not_1d(what, tuple(t.shape))
+        raise _refuse(what, f"one-dimensional, got shape {tuple(t.shape)}")
     if t.dtype != torch.int64 or t.device.type != "cpu":
         t = t.to(device="cpu", dtype=torch.int64)
     return np.array(t.numpy(), dtype=np.int64)
@@ -72,21 +67,20 @@ def _sequence_ids(values: Any, what: str) -> Ids:
 
     ids: Any
     if isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__len__"):
-        raise InvalidInputError(f"{what} must be a sequence of integer block ids, "
-                                f"got {type(values).__name__}", code="invalid_blocks")
+        raise _refuse(what, f"a sequence of integer block ids, got {type(values).__name__}")
     if len(values) == 0:
         return np.empty(0, dtype=np.int64)
     try:
         ids = np.asarray(values if isinstance(values, (list, tuple, np.ndarray))
                          else list(values))
     except (TypeError, ValueError, OverflowError) as exc:
-        raise _refuse(what, f": {exc}") from exc
+        raise _refuse(what, f"integer block ids: {exc}") from exc
     if ids.dtype.kind not in "iu":  # bool, float, object (mixed), strings...
-        raise _refuse(what, f", got {ids.dtype.name} values")
+        raise _refuse(what, f"integer block ids, got {ids.dtype.name} values")
     if ids.ndim != 1:
-        raise _not_1d(what, tuple(ids.shape))
+        raise _refuse(what, f"one-dimensional, got shape {tuple(ids.shape)}")
     if ids.dtype.kind == "u" and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
-        raise _refuse(what, ": an id does not fit in 64 bits")
+        raise _refuse(what, "integer block ids: an id does not fit in 64 bits")
     return np.array(ids, dtype=np.int64)
 
 
@@ -210,13 +204,9 @@ class CopyJob:
     @property
     def src_one_run(self) -> bool:
         """Are the sources, in some order, one run of distinct consecutive blocks?"""
-        n = self.num_blocks
-        if n < 2:
-            return True
-        ids = self.src_ids
-        if int(ids.max()) - int(ids.min()) != n - 1:
-            return False
-        return bool((_diff(ids[self._by_source]) == 1).all())
+        n, ids = self.num_blocks, self.src_ids
+        return n < 2 or (int(ids.max()) - int(ids.min()) == n - 1
+                         and bool((_diff(ids[self._by_source]) == 1).all()))
 
     @cached_property
     def dst_by_source(self) -> torch.Tensor:

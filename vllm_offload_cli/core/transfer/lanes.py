@@ -110,10 +110,10 @@ class ThreadLane:
     thread for half of a batched call."""
 
     def __init__(self, direction: Direction, copy: Copier, sink: ResultSink,
-                 job_bytes: Callable[[CopyJob], int]) -> None:
+                 block_bytes: int) -> None:
         self._copy = copy
         self._sink = sink
-        self._job_bytes = job_bytes
+        self._block_bytes = block_bytes
         self._cancel = False
         name = f"vllm-offload-{direction.value}"
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
@@ -136,7 +136,7 @@ class ThreadLane:
         self._helper.shutdown()
 
     def _run(self, job: CopyJob) -> None:
-        nbytes = self._job_bytes(job)
+        nbytes = job.num_blocks * self._block_bytes
         if self._cancel:
             self._sink.add(_result(job, nbytes, 0.0, "", CANCELLED))
             return
@@ -162,11 +162,11 @@ class StreamLane:
     """One direction of CUDA copies: queued on the lane's stream, completed by events."""
 
     def __init__(self, direction: Direction, copy: Copier, sink: ResultSink,
-                 job_bytes: Callable[[CopyJob], int], device: torch.device) -> None:
+                 block_bytes: int, device: torch.device) -> None:
         torch = import_torch()
         self._copy = copy
         self._sink = sink
-        self._job_bytes = job_bytes
+        self._block_bytes = block_bytes
         self._device = device
         self._lock = threading.Lock()
         self.stream = torch.cuda.Stream(device=device)
@@ -174,7 +174,7 @@ class StreamLane:
 
     def submit(self, job: CopyJob) -> None:
         torch = import_torch()
-        entry = _Queued(job=job, nbytes=self._job_bytes(job))
+        entry = _Queued(job=job, nbytes=job.num_blocks * self._block_bytes)
         stream = self.stream
         with torch.cuda.device(self._device):
             try:

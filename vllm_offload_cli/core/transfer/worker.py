@@ -37,16 +37,18 @@ logger = logging.getLogger(__name__)
 LAYOUTS = ("worker", "canonical")
 
 
+def _refused(message: str) -> InvalidInputError:
+    return InvalidInputError(message, code="invalid_tensor")
+
+
 def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
     """(num_blocks, row_bytes) int8 view of `tensor`, without copying; refuses sparse rows."""
     torch = import_torch()
     if not isinstance(tensor, torch.Tensor):
-        raise InvalidInputError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}",
-                                code="invalid_tensor")
+        raise _refused(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() == 0 or tensor.shape[0] == 0 or tensor.numel() == 0:
-        raise InvalidInputError(f"{what} must have shape (num_blocks, ...) with at least one "
-                                f"block and one element per block, got {tuple(tensor.shape)}",
-                                code="invalid_tensor")
+        raise _refused(f"{what} must have shape (num_blocks, ...) with at least one block and "
+                       f"one element per block, got {tuple(tensor.shape)}")
     n = tensor.shape[0]
     try:
         rows = tensor.view(n, -1)
@@ -54,14 +56,12 @@ def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
             raise RuntimeError("elements inside a block are not adjacent")
         raw: Tensor = rows.view(torch.int8)
     except RuntimeError as exc:
-        raise InvalidInputError(
-            f"{what}: each block (one row along dim 0) must be one contiguous range of bytes "
-            f"(shape {tuple(tensor.shape)}, strides {tensor.stride()}): {exc}",
-            code="invalid_tensor") from exc
+        raise _refused(f"{what}: each block (one row along dim 0) must be one contiguous range "
+                       f"of bytes (shape {tuple(tensor.shape)}, strides {tensor.stride()}): "
+                       f"{exc}") from exc
     if n > 1 and raw.stride(0) < raw.shape[1]:
-        raise InvalidInputError(f"{what}: blocks overlap in memory (row stride "
-                                f"{raw.stride(0)} bytes < block size {raw.shape[1]} bytes)",
-                                code="invalid_tensor")
+        raise _refused(f"{what}: blocks overlap in memory (row stride {raw.stride(0)} bytes < "
+                       f"block size {raw.shape[1]} bytes)")
     return raw
 
 
@@ -82,24 +82,22 @@ class CopyWorker:
         require(COPY, what="CopyWorker")  # torch and numpy: the `copy` extra
         tensors = list(device_tensors)
         if not tensors:
-            raise InvalidInputError("a copy worker needs at least one device tensor",
-                                    code="invalid_tensor")
+            raise _refused("a copy worker needs at least one device tensor")
         if layout not in LAYOUTS:
             raise InvalidInputError(f"layout must be one of {', '.join(LAYOUTS)}, "
                                     f"got {layout!r}", code="invalid_layout")
         rows = [byte_rows(t, what=f"device tensor {i}") for i, t in enumerate(tensors)]
         devices = {t.device for t in tensors}
         if len(devices) > 1:
-            raise InvalidInputError("all device tensors must live on one device, got "
-                                    f"{sorted(str(d) for d in devices)}", code="invalid_tensor")
+            raise _refused("all device tensors must live on one device, got "
+                           f"{sorted(str(d) for d in devices)}")
         self.device: torch.device = tensors[0].device
         if self.device.type not in ("cpu", "cuda"):
-            raise InvalidInputError(f"device tensors on {self.device} are not supported "
-                                    "(cpu or cuda)", code="invalid_tensor")
+            raise _refused(f"device tensors on {self.device} are not supported (cpu or cuda)")
         counts = {r.shape[0] for r in rows}
         if len(counts) > 1:
-            raise InvalidInputError("all device tensors must have the same number of blocks "
-                                    f"(dim 0), got {sorted(counts)}", code="invalid_tensor")
+            raise _refused("all device tensors must have the same number of blocks (dim 0), "
+                           f"got {sorted(counts)}")
         self.num_device_blocks = rows[0].shape[0]
         self.num_region_blocks = region.num_chunks
         self.region_views = self._views(region, rows, layout, region_views)
@@ -117,9 +115,9 @@ class CopyWorker:
         if self.device.type == "cuda" and pin:
             self._pin(region)
         self._lanes: dict[Direction, ThreadLane | StreamLane] = {
-            d: ThreadLane(d, self._copy, self._sink, self._job_bytes)
+            d: ThreadLane(d, self._copy, self._sink, self.bytes_per_block)
             if self.device.type == "cpu"
-            else StreamLane(d, self._copy, self._sink, self._job_bytes, self.device)
+            else StreamLane(d, self._copy, self._sink, self.bytes_per_block, self.device)
             for d in Direction
         }
         # cleanup() calls this before unmapping: no copy may outlive the mapping
@@ -135,42 +133,34 @@ class CopyWorker:
             return [carve(r.shape[1]) for r in rows]
         views = list(given)
         if len(views) != len(rows):
-            raise InvalidInputError(f"{len(views)} region views for {len(rows)} device tensors",
-                                    code="invalid_tensor")
+            raise _refused(f"{len(views)} region views for {len(rows)} device tensors")
         for i, (view, r) in enumerate(zip(views, rows, strict=True)):
             if view.dtype != torch.int8 or tuple(view.shape) != (region.num_chunks, r.shape[1]):
-                raise InvalidInputError(
-                    f"region view {i} must be int8 of shape ({region.num_chunks}, {r.shape[1]}), "
-                    f"got {view.dtype} {tuple(view.shape)}", code="invalid_tensor")
+                raise _refused(f"region view {i} must be int8 of shape ({region.num_chunks}, "
+                               f"{r.shape[1]}), got {view.dtype} {tuple(view.shape)}")
         return views
 
     def _pair(self, dev: torch.Tensor, reg: torch.Tensor) -> TensorPair:
         width = word_width(dev, reg)
         return TensorPair(device=as_words(dev, width), region=as_words(reg, width),
-                          row_bytes=dev.shape[1],
-                          one_device=dev.device == reg.device)
+                          row_bytes=dev.shape[1], one_device=dev.device == reg.device)
 
     def _copy(self, job: CopyJob, helper: Executor | None) -> str:
         return copy_job(self._pairs, job, non_blocking=self.device.type == "cuda",
                         helper=helper)
 
     def _pin(self, region: SharedOffloadRegion) -> None:
-        if region.is_pinned:  # pinned by another worker of this process: once is enough
-            self.pinned = True
-            return
-        storage = self.region_views[0].untyped_storage()
-        state = pinning.pin(storage.data_ptr(), storage.nbytes(), region.geometry.row_stride,
-                            device_index=self.device.index)
-        if state.pinned:
+        if not region.is_pinned:  # else another worker of this process pinned it: enough
+            storage = self.region_views[0].untyped_storage()
+            state = pinning.pin(storage.data_ptr(), storage.nbytes(),
+                                region.geometry.row_stride, device_index=self.device.index)
+            if not state.pinned:
+                self.pin_warning = state.warning
+                logger.warning("%s: %s", region.mmap_path, state.warning)
+                return
             self._pin_state = state
-            self.pinned = True
             region.is_pinned = True
-        else:
-            self.pin_warning = state.warning
-            logger.warning("%s: %s", region.mmap_path, state.warning)
-
-    def _job_bytes(self, job: CopyJob) -> int:
-        return job.num_blocks * self.bytes_per_block
+        self.pinned = True
 
     def submit_store(self, job_id: int, src_blocks: Any, dst_blocks: Any) -> None:
         """Copy device blocks `src_blocks[i]` into region blocks `dst_blocks[i]`."""
