@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import run_cli_subprocess, wait_until
 
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.transfer.bench import PATTERNS, BenchConfig, run_benchmark
 
 TINY = ("--size", "1MiB", "--cpu-page-size", "16KiB,64KiB", "--repeat", "1",

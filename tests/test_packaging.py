@@ -30,8 +30,7 @@ from vllm_offload_cli import __version__
 from vllm_offload_cli.cli.app import app
 from vllm_offload_cli.core.base.errors import MissingExtraError
 from vllm_offload_cli.core.base.exit_status import ExitStatus
-from vllm_offload_cli.core.base.extras import COPY, install_line, require
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import COPY, import_torch, install_line, require
 
 REPO = Path(__file__).resolve().parent.parent
 CONTAINERFILE = REPO / "contrib" / "kubernetes" / "Containerfile"

@@ -19,8 +19,8 @@ from vllm_offload_cli.core.base.errors import (
     RegionTimeoutError,
     UnsafeRegionError,
 )
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
-from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.region import SharedOffloadRegion, locking
 from vllm_offload_cli.core.region import manifest as manifest_io

@@ -21,7 +21,7 @@ import pytest
 from conftest import wait_until
 
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.region.geometry import default_row_stride
 from vllm_offload_cli.core.transfer import CopyWorker, Direction, TransferResult, copies

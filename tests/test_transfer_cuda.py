@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from vllm_offload_cli.core.base.errors import OperationFailedError
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.region.geometry import default_row_stride
 from vllm_offload_cli.core.transfer import CopyWorker, Direction

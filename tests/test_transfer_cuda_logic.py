@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
 from vllm_offload_cli.core.transfer.jobs import Direction, make_job
 from vllm_offload_cli.core.transfer.lanes import ResultSink, StreamLane

@@ -31,9 +31,6 @@ class OffloadError(Exception):
         if code is not None:
             self.code = code
 
-    def __str__(self) -> str:
-        return self.message
-
 
 class InvalidInputError(OffloadError, ValueError):
     """An argument is malformed: engine_id, size, geometry, device list."""

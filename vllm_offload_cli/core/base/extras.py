@@ -1,10 +1,14 @@
 """Optional dependencies (extras) and the one refusal: an entry point that needs one
 calls `require()` before any work, so a missing module is a MissingExtraError naming
-the `pip install` line, never an ImportError from deep inside a copy."""
+the `pip install` line, never an ImportError from deep inside a copy. torch itself is
+imported in one place, lazily: `import_torch`."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+import warnings
+from types import ModuleType
 
 from vllm_offload_cli.core.base.errors import MissingExtraError
 
@@ -34,3 +38,21 @@ def require(extra: str, *, what: str) -> None:
     missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
     if missing:
         raise missing_extra(extra, missing, what=what)
+
+
+def import_torch() -> ModuleType:
+    """torch, without the warning it prints when NumPy is absent (tensor views need none)."""
+    # only the first import changes the process-wide warning filters (the copy threads
+    # call this on every job)
+    loaded = sys.modules.get("torch")
+    if loaded is not None and hasattr(loaded, "Tensor"):  # fully imported, not mid-import
+        return loaded
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        try:
+            import torch
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch":
+                raise  # torch is there but broken: a bug to see in full
+            raise missing_extra(COPY, ["torch"], what="a tensor view or copy") from None
+    return torch

@@ -1,9 +1,6 @@
-"""Does each worker run near its slot's memory? NUMA affinity against page placement.
-
-A worker whose CPUs (its Cpus_allowed_list) are all on one node while its
-slot's pages sit on another copies every block across the socket link, at a
-fraction of local bandwidth. That is a warning, not a layout error: the bytes
-are still right, only slow. On a one-node host nothing can be remote.
+"""Does each worker run near its slot's memory? A worker whose CPUs are on one NUMA node
+and whose slot's pages are on another copies every block across the socket link: a
+warning (the bytes are right, only slow), never on a one-node host.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ class WorkerPlacement:
 
 
 def _own_columns(g: Geometry, rank: int) -> list[int]:
-    """Pages of a row that hold only `rank`'s bytes (a page shared with a neighbour says
-    nothing about whose bytes are where)."""
+    """Pages of a row that hold only `rank`'s bytes."""
     slot = g.slot(rank)
     return [j for j in range(g.row_stride // PAGESIZE)
             if j * PAGESIZE >= slot.start and (j + 1) * PAGESIZE <= slot.end]

@@ -33,9 +33,9 @@ from vllm_offload_cli.core.base.errors import (
     SlotOverflowError,
     UnsafeRegionError,
 )
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
-from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region import capacity, fsguard, locking, page_policy
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import (

@@ -28,8 +28,8 @@ from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OperationFailedError,
 )
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
-from vllm_offload_cli.core.base.torch_import import import_torch
 from vllm_offload_cli.core.region.geometry import default_row_stride
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 from vllm_offload_cli.core.transfer.worker import CopyWorker

@@ -27,7 +27,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction
 
 if TYPE_CHECKING:

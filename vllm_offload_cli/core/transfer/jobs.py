@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import import_torch
 
 if TYPE_CHECKING:
     import numpy as np

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base.deadline import poll_until
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import import_torch
 
 MAX_PIN_CHUNK = 64 * 1024**3  # bytes per cudaHostRegister call, as vLLM
 CUDA_HOST_REGISTER_DEFAULT = 0

@@ -14,8 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
-from vllm_offload_cli.core.base.extras import COPY, require
-from vllm_offload_cli.core.base.torch_import import import_torch
+from vllm_offload_cli.core.base.extras import COPY, import_torch, require
 from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.transfer import pinning
 from vllm_offload_cli.core.transfer.copies import TensorPair, as_words, copy_job, word_width
