@@ -108,7 +108,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--prometheus --no-residency --wide -w --shm-private-to-namespace --state -s --check --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--prometheus --no-residency --wide -w --all -a --shm-private-to-namespace --state -s --check --address --timeout --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;
@@ -162,7 +162,7 @@ _vllm_offload() {
             --shm-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         esac
         if [[ "$cur" == -* ]]; then
-            COMPREPLY=($(compgen -W "--format -f --output -o --prometheus --no-residency --wide -w --shm-private-to-namespace --timeout --state -s --check --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
+            COMPREPLY=($(compgen -W "--format -f --output -o --prometheus --no-residency --wide -w --all -a --shm-private-to-namespace --timeout --state -s --check --shm-dir --json --verbose -v --quiet -q" -- "$cur"))
         else
             COMPREPLY=($(compgen -W "$(_vllm_offload_engine_ids)" -- "$cur"))
         fi ;;

@@ -37,7 +37,11 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "inspect": (
         ("shm_dir", "the directory listed"),
-        ("regions[]", "one per region, named or only mapped (deleted), segments grouped"),
+        ("regions[]", "one per region, named or only mapped (deleted), segments grouped: "
+         "yours all, of every other owner the first 32 (all with --all)"),
+        ("aggregated[]", "{uid, regions, size_bytes, allocated_bytes, resident_bytes, "
+         "states {STATE: n}, problems {code: n}, holders}: per other owner, its regions past "
+         "the first 32, summed (empty with --all)"),
         ("regions[].engine_id, base_engine_id, dp_rank, kind",
          "identity; dp_rank null without a _dpN suffix"),
         ("regions[].paths, linked", "its files; false when only a deleted mapping is left"),
@@ -64,7 +68,7 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("gc_would_free_bytes", "tmpfs memory of the stale regions shown (st_blocks, as gc "
          "counts what it frees)"),
         ("check", f"with --check: {{flagged: engine_ids stale or with a problem}} (exit "
-         f"{S.PROBLEMS_FOUND:d} when any)"),
+         f"{S.PROBLEMS_FOUND:d} when any, or when an aggregated[] entry counts one)"),
         ("unsafe_entries[]", "{engine_id, paths, problems}: names like a region's that are "
          "no regular file (a symlink, a FIFO): not regions, never stale, left by gc; --check "
          "flags them"),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,22 +62,40 @@ class Format(str, enum.Enum):
     prometheus = "prometheus"
 
 
-def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None
-                   ) -> dict[str, Any]:
+def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None,
+                   rest: dict[int | None, list[RegionInfo]] | None = None) -> dict[str, Any]:
+    """inspect's JSON data: `inv.regions` listed, the regions in `rest` summed per owner."""
     now = time.time()
     return {
         "shm_dir": inv.shm_dir,
         "regions": [_region_dict(r, placed, now) for r in inv.regions],
+        "aggregated": owner_totals(rest or {}),
         "orphan_manifests": [o.path for o in inv.orphan_manifests],
         "shm": {"total_bytes": inv.shm.total_bytes, "free_bytes": inv.shm.free_bytes},
         "uninspectable_processes": inv.uninspectable_processes,
         "visibility": inv.visibility.to_dict(),
-        "gc_would_free_bytes": gc_would_free(inv),
+        "gc_would_free_bytes": gc_would_free(inv, rest),
         # what this run counted instead of listing: its cost is bounded by what exists
         "not_judged": [t.to_dict() for t in inv.not_judged],
         "others_counted": [t.to_dict() for t in inv.counted],
         "held_unlisted": [{"pid": pid, "files": n} for pid, n in inv.unnamed_held],
     }
+
+
+def owner_totals(rest: dict[int | None, list[RegionInfo]]) -> list[dict[str, Any]]:
+    """Per owner, what its regions past the first LISTED_PER_OWNER add up to."""
+    out = []
+    for uid, regions in sorted(rest.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        measured = [r.resident_bytes for r in regions if r.resident_bytes is not None]
+        states = Counter(r.state for r in regions)
+        out.append({"uid": uid, "regions": len(regions),
+                    "size_bytes": sum(r.size_bytes for r in regions),
+                    "allocated_bytes": sum(r.allocated_bytes for r in regions),
+                    "resident_bytes": sum(measured) if measured else None,
+                    "states": {s: states[s] for s in STATES},
+                    "problems": dict(Counter(p.code for r in regions for p in r.problems)),
+                    "holders": len({h.pid for r in regions for h in r.holders})})
+    return out
 
 
 MEASUREMENTS = ("residency", "numa")
@@ -145,6 +164,10 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
               "NUMA and their JSON fields are then null).")
 @click.option("--wide", "-w", is_flag=True, help="Table: every holder (pid, name, rank) "
               "instead of the count and the first pid.")
+@click.option("--all", "-a", "everything", is_flag=True, help=f"List every region one by "
+              f"one: by default, of each owner but you, the regions past the first "
+              f"{metrics.LISTED_PER_OWNER} are summed in one row, one JSON `aggregated` entry "
+              "and per-owner series.")
 @click.option("--shm-private-to-namespace", is_flag=True, help="The shm directory is used "
               "only inside this PID namespace: trust this namespace's /proc (regions are not "
               "shown `unknown` for it).")
@@ -160,8 +183,8 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 @statuses_in_doc
 def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                 output: Path | None, prometheus: Path | None, no_residency: bool, wide: bool,
-                shm_private_to_namespace: bool, timeout: float, states: tuple[State, ...],
-                check: bool) -> Outcome:
+                everything: bool, shm_private_to_namespace: bool, timeout: float,
+                states: tuple[State, ...], check: bool) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
     A region is `live` when any process maps it, holds it open or holds its lock;
@@ -172,9 +195,11 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     Names, process names and manifest fields are shown with control characters
     escaped (\\xNN); --json keeps them raw (JSON escapes them). A named ENGINE_ID
     that matches no region is an error (exit {USAGE}), the others are still shown.
-    With -v the table says why each stale or unknown region is so: its creator's
-    pid and whether it lives, the recorded holders and whether they exited, and
-    when anything last happened to it; the footer says what gc would free.
+    Your own regions are always listed; of every other owner the first 32 (the
+    largest judged first) are, and the rest summed in one row per owner (--all
+    lists them all). With -v the table says why each stale or unknown region is so:
+    its creator's pid and whether it lives, the recorded holders and whether they
+    exited, and when anything last happened to it; the footer says what gc would free.
     Exit status {FAILED} when --timeout passes first; with --check, {PROBLEMS_FOUND}
     when a region shown is stale or has a problem (for scripts and health checks).
     """
@@ -185,50 +210,47 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
         found = discover(shm_dir, engine_ids=engine_ids or None,
                          measure_residency=not no_residency,
                          shm_private_to_namespace=shm_private_to_namespace)
-        placed = None if no_residency else observe_all(found.regions)
-    missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
-    found, unsafe = split_unsafe(found)
-    if states:
-        wanted = {s.value for s in states}
-        found = dataclasses.replace(found, regions=tuple(
-            r for r in found.regions if r.state in wanted))
+        missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
+        found, unsafe = split_unsafe(found, {s.value for s in states})
+        listed, rest = metrics.per_owner(found.regions, lambda r: r.uid, everything)
+        placed = None if no_residency else observe_all(listed)
+    warn_useless_waiver(inv, shm_private_to_namespace)
+    refusals = _warn_unseen(inv, found, placed)
+    shown = dataclasses.replace(found, regions=tuple(listed))
+    data = {**inventory_data(shown, placed, rest), "measurement_errors": refusals,
+            "not_found": missing, "unsafe_entries": [
+                {"engine_id": r.engine_id, "paths": r.paths,
+                 "problems": [jsonable(p) for p in r.problems]} for r in unsafe]}
+    flagged = [r.engine_id for r in listed if r.state == "stale" or r.problems]
+    flagged += [r.engine_id for r in unsafe]
+    # the aggregated say theirs in their states and problems
+    unlisted = any(r.state == "stale" or r.problems for rs in rest.values() for r in rs)
+    if check:
+        data["check"] = {"flagged": flagged}
+    if fmt is Format.prometheus:
+        metrics.emit(_registry(shown, rest, placed, refusals, len(unsafe)), output)
+        if output is not None:
+            data["output"] = str(output)
+    elif fmt is Format.json:
+        inv.json_output = True
+    code = most_important([ExitStatus.USAGE if missing else ExitStatus.SUCCESS,
+                           ExitStatus.PROBLEMS_FOUND if check and (flagged or unlisted)
+                           else ExitStatus.SUCCESS])
+    table = fmt is not Format.prometheus and bool(found.regions or not missing) and not (
+        check and inv.verbosity < 0)
+    wrote = output if prometheus is None else None  # --prometheus is quiet, as gc's is
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
                   f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
                  for engine_id in missing]
-    warn_useless_waiver(inv, shm_private_to_namespace)
-    refusals = _warn_unseen(inv, found, placed)
-    data = inventory_data(found, placed)
-    data["measurement_errors"] = refusals
-    data["not_found"] = missing
-    data["unsafe_entries"] = [{"engine_id": r.engine_id, "paths": r.paths,
-                               "problems": [jsonable(p) for p in r.problems]} for r in unsafe]
-    flagged = [r.engine_id for r in found.regions if r.state == "stale" or r.problems]
-    flagged += [r.engine_id for r in unsafe]
-    if check:
-        data["check"] = {"flagged": flagged}
-    shown: Callable[[Out], None] | None = None
-    if fmt is Format.prometheus:
-        metrics.emit(_registry(found, placed, refusals, len(unsafe)), output)
-        if output is not None:
-            data["output"] = str(output)
-            if prometheus is None:  # --prometheus is quiet, as gc's is
-                shown = lambda out: out.print(f"Wrote {output}")  # noqa: E731
-    else:
-        if fmt is Format.json:
-            inv.json_output = True
-        if (found.regions or not missing) and not (check and inv.verbosity < 0):
-            shown = lambda out: render_table(out, data, wide=wide,  # noqa: E731
-                                             why=inv.verbosity > 0)
 
     def render(out: Out) -> None:
-        if shown is not None:
-            shown(out)
+        if table:
+            render_table(out, data, wide=wide, why=inv.verbosity > 0)
+        elif wrote is not None:
+            out.print(f"Wrote {wrote}")
         for e in not_found:
             inv.err.print(f"Error: {e['message']}")
 
-    code = most_important([ExitStatus.USAGE if missing else ExitStatus.SUCCESS,
-                           ExitStatus.PROBLEMS_FOUND if check and flagged
-                           else ExitStatus.SUCCESS])
     return Outcome(data=data, exit_code=code, errors=not_found, render=render)
 
 
@@ -281,20 +303,26 @@ def _warn_unseen(inv: Invocation, found: Inventory, placed: dict[str, Placement]
     return refusals
 
 
-def split_unsafe(found: Inventory) -> tuple[Inventory, list[RegionInfo]]:
+def _unsafe(r: RegionInfo) -> bool:
+    return r.linked and all(s.file_id is None for s in r.segments)
+
+
+def split_unsafe(found: Inventory, states: Collection[str] = ()
+                 ) -> tuple[Inventory, list[RegionInfo]]:
     """Names like a region's whose files are none regular (a symlink, a FIFO): no region,
-    never stale (gc never removes them), but a problem to show: (regions, those)."""
-    unsafe = [r for r in found.regions if r.linked and all(s.file_id is None
-                                                            for s in r.segments)]
-    if not unsafe:
-        return found, []
+    never stale (gc never removes them), but a problem to show: (regions, those). With
+    `states`, only regions in those states are kept."""
     return dataclasses.replace(found, regions=tuple(
-        r for r in found.regions if r not in unsafe)), unsafe
+        r for r in found.regions if not _unsafe(r) and (not states or r.state in states))), [
+        r for r in found.regions if _unsafe(r)]
 
 
-def gc_would_free(found: Inventory) -> int:
+def gc_would_free(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None = None
+                  ) -> int:
     """tmpfs memory of the stale regions (st_blocks, as gc counts what it frees)."""
-    return sum(r.allocated_bytes for r in found.regions if r.state == "stale")
+    return sum(r.allocated_bytes for r in (*found.regions, *(r for rs in (rest or {}).values()
+                                                              for r in rs))
+               if r.state == "stale")
 
 
 def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
@@ -308,28 +336,33 @@ def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
     if m is not None:
         times += [m.created_at, *(a.attached_at for a in m.attachments if a.attached_at)]
     last = max(times, default=None)
-    parts = []
-    if r.holders:
-        parts.append(f"held by pid {', '.join(str(h.pid) for h in r.holders[:5])}")
-    else:
-        parts.append("no process maps it, has it open or holds its lock")
-    if m is None:
-        parts.append("no manifest (made by vLLM itself?): its creator is not recorded")
-    else:
-        alive = m.creator_alive()
-        parts.append(f"creator pid {m.creator_pid} {'is alive' if alive else 'exited'}")
-        gone = [a for a in attached if not a["alive"]]
-        if attached:
-            parts.append(f"{len(gone)} of {len(attached)} recorded holder(s) exited"
-                         + (f" (pid {', '.join(str(a['pid']) for a in gone[:5])})"
-                            if gone else ""))
+    alive = None if m is None else m.creator_alive()
+    parts = [_holders_said(r), *_creator_said(r, alive, attached)]
     if last is not None:
         parts.append(f"last activity {format_age(now - last)} ago")
-    return {"creator_pid": None if m is None else m.creator_pid,
-            "creator_alive": None if m is None else m.creator_alive(),
+    return {"creator_pid": None if m is None else m.creator_pid, "creator_alive": alive,
             "recorded_holders": attached,
             "last_activity_at": None if last is None else round(last, 3),
             "summary": "; ".join(parts)}
+
+
+def _holders_said(r: RegionInfo) -> str:
+    if r.holders:
+        return f"held by pid {', '.join(str(h.pid) for h in r.holders[:5])}"
+    return "no process maps it, has it open or holds its lock"
+
+
+def _creator_said(r: RegionInfo, alive: bool | None, attached: list[dict[str, Any]]
+                  ) -> list[str]:
+    """Its creator and whether it lives; how many recorded holders exited."""
+    if r.manifest is None:
+        return ["no manifest (made by vLLM itself?): its creator is not recorded"]
+    said = [f"creator pid {r.manifest.creator_pid} {'is alive' if alive else 'exited'}"]
+    gone = [a for a in attached if not a["alive"]]
+    if attached:
+        said.append(f"{len(gone)} of {len(attached)} recorded holder(s) exited" + (
+            f" (pid {', '.join(str(a['pid']) for a in gone[:5])})" if gone else ""))
+    return said
 
 
 def owner_name(uid: int | None) -> str:
@@ -428,6 +461,22 @@ def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
             ",".join(cell_text(p.get("code")) for p in dict_items(r.get("problems"))) or "-"]
 
 
+def _counts_text(value: object) -> str:
+    """{'live': 38, 'stale': 2, 'creating': 0} as 'live:38,stale:2'."""
+    counts = value if isinstance(value, dict) else {}
+    return ",".join(f"{cell_text(k)}:{cell_text(n)}" for k, n in counts.items() if n) or "-"
+
+
+def owner_row(a: dict[str, Any], *, owner: Callable[[int | None], str] | None = None
+              ) -> list[str]:
+    """One table row of an owner's regions summed (a JSON `aggregated` entry)."""
+    uid = a.get("uid")
+    return [f"({cell_text(a.get('regions'))} more)", "-", _counts_text(a.get("states")),
+            (owner or owner_name)(uid if is_int(uid) else None), _bytes_text(a.get("size_bytes")),
+            _bytes_text(a.get("resident_bytes")), "-", "-", "-",
+            cell_text(a.get("holders") or "-"), _counts_text(a.get("problems"))]
+
+
 def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: str = ""
                  ) -> list[str]:
     """The sentences under the table: each problem, and with `why` what made a region
@@ -447,13 +496,21 @@ def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: st
 def footer(data: dict[str, Any]) -> str:
     """'/dev/shm: 55.0 GiB free of 64.0 GiB; 3 region(s), 1 stale; gc would free 1.0 GiB'."""
     regions = dict_items(data.get("regions"))
+    summed = dict_items(data.get("aggregated"))  # owners' regions past those listed
+    states: list[dict[str, Any]] = [a["states"] for a in summed
+                                    if isinstance(a.get("states"), dict)]
+
+    def count(state: str) -> int | float:
+        return sum(1 for r in regions if r.get("state") == state) + sum(
+            _number(c.get(state)) or 0 for c in states)
+
+    total = len(regions) + sum(_number(a.get("regions")) or 0 for a in summed)
+    stale, unknown = count("stale"), count("unknown")
     shm = data.get("shm")
     shm = shm if isinstance(shm, dict) else {}
-    unknown = sum(r.get("state") == "unknown" for r in regions)
-    stale = sum(r.get("state") == "stale" for r in regions)
     free = _number(data.get("gc_would_free_bytes"))
     return (f"{cell_text(data.get('shm_dir'))}: {format_bytes(_number(shm.get('free_bytes')))} "
-            f"free of {format_bytes(_number(shm.get('total_bytes')))}; {len(regions)} "
+            f"free of {format_bytes(_number(shm.get('total_bytes')))}; {total} "
             f"region(s), {stale} stale"
             f"{f', {unknown} unknown (a holder could be hidden)' if unknown else ''}"
             f"{f'; gc would free {format_bytes(free)}' if stale and free is not None else ''}")
@@ -461,17 +518,23 @@ def footer(data: dict[str, Any]) -> str:
 
 def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
                  why: bool = False) -> None:
-    """inspect's table, from its JSON data: one line per region at any width, problem
-    codes in the row, sentences below, the shm directory's footer."""
+    """inspect's table, from its JSON data: one line per region at any width (and per
+    owner whose regions are summed), problem codes in the row, sentences below, the shm
+    directory's footer."""
     regions = dict_items(data.get("regions"))
+    summed = dict_items(data.get("aggregated"))
     lines = []
     if not regions:
         lines.append(f"No offload regions in {cell_text(data.get('shm_dir'))}.")
     else:
         refused = "residency" in (data.get("measurement_errors") or {})
-        lines.append(text_table(TABLE_HEADERS, [region_row(r, wide=wide, refused=refused)
-                                                for r in regions], right=TABLE_RIGHT))
+        lines.append(text_table(TABLE_HEADERS, [
+            *(region_row(r, wide=wide, refused=refused) for r in regions),
+            *(owner_row(a) for a in summed)], right=TABLE_RIGHT))
         lines += region_notes(regions, why=why)
+    if summed:
+        lines.append(f"  (N more): other owners' regions past the first "
+                     f"{metrics.LISTED_PER_OWNER} each, summed per owner; --all lists them")
     lines.append(footer(data))
     lines += [f"  orphaned manifest: {cell_text(o)}" for o in data.get("orphan_manifests") or ()]
     lines += [f"  not a region ({cell_text(p.get('code'))}): {cell_text(p.get('message'))}; "
@@ -495,22 +558,51 @@ def _created_at(r: RegionInfo) -> float | None:
     return min(mtimes) if mtimes else None
 
 
-def _registry(found: Inventory, placed: dict[str, Placement] | None = None,
+def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None = None,
+              placed: dict[str, Placement] | None = None,
               refusals: dict[str, dict[str, Any]] | None = None, unsafe: int = 0) -> Any:
     """Gauges by region; a textfile written once a minute stays true (no ages, no empty
     labels: a region without a DP rank has no `vllm_offload_region_dp_rank` sample).
 
-    Every region is its own series: `inode` (of its first file) tells apart two regions
-    of one engine_id (a restarted replica's named file beside its unlinked ghost), so
-    the per-state counts are the sums of the per-region state series."""
+    Every listed region is its own series: `inode` (of its first file) tells apart two
+    regions of one engine_id (a restarted replica's named file beside its unlinked
+    ghost); the regions in `rest` are summed per owner (`vllm_offload_owner_*`), so
+    the per-state counts are the sums of the region and owner state series."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
-    labels = ["engine_id", "base_engine_id", "inode"]
 
-    def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
-        return Gauge(name, doc, [*labels, *extra], registry=registry)
+    def gauge(name: str, doc: str, labels: tuple[str, ...] = ("engine_id", "base_engine_id",
+                                                               "inode")) -> Any:
+        return Gauge(name, doc, labels, registry=registry)
 
+    _region_series(found.regions, placed, gauge)
+    _owner_series(owner_totals(rest or {}), gauge)
+    count = gauge("vllm_offload_regions", "Regions by state.", ("state",))
+    summed = [r for rs in (rest or {}).values() for r in rs]
+    for s in STATES:
+        count.labels(s).set(sum(r.state == s for r in (*found.regions, *summed)))
+    gauge("vllm_offload_shm_total_bytes", "Size of the shm filesystem.", ()).set(
+        found.shm.total_bytes)
+    gauge("vllm_offload_shm_free_bytes", "Free bytes of the shm filesystem.", ()).set(
+        found.shm.free_bytes)
+    gauge("vllm_offload_uninspectable_processes", "Processes whose /proc could not be read.",
+          ()).set(found.uninspectable_processes)
+    errors = gauge("vllm_offload_measurement_errors", "Regions whose measurement (residency: "
+                   "mincore; numa: move_pages) a refused system call left unmade: a seccomp "
+                   "filter or policy.", ("what",))
+    for what in MEASUREMENTS:
+        errors.labels(what).set((refusals or {}).get(what, {}).get("regions", 0))
+    gauge("vllm_offload_unsafe_entries", "Names like a region's that are no regular file "
+          "(a symlink, a FIFO): never removed by gc, to be checked by hand.", ()).set(unsafe)
+    gauge("vllm_offload_orphan_manifests", "Manifests whose region is gone.", ()).set(
+        len(found.orphan_manifests))
+    return registry
+
+
+def _region_series(regions: Sequence[RegionInfo], placed: dict[str, Placement] | None,
+                   gauge: Callable[..., Any]) -> None:
+    """The series of each listed region, labelled engine_id, base_engine_id, inode."""
     size = gauge("vllm_offload_region_size_bytes", "Bytes of the region's files.")
     resident = gauge("vllm_offload_region_resident_bytes", "Resident bytes (mincore).")
     holders = gauge("vllm_offload_region_holders", "Processes mapping or holding the region.")
@@ -519,13 +611,15 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None,
                     "file modification time).")
     dp_rank = gauge("vllm_offload_region_dp_rank", "The region's data-parallel rank (the "
                     "_dpN suffix of its engine_id); absent for a region without one.")
-    state = gauge("vllm_offload_region_state", "1 for the region's current state.", ("state",))
+    key_labels = ("engine_id", "base_engine_id", "inode")
+    state = gauge("vllm_offload_region_state", "1 for the region's current state.",
+                  (*key_labels, "state"))
     problems = gauge("vllm_offload_region_problems", "Problems found in the region.")
     linked = gauge("vllm_offload_region_linked", "1 if the region still has a name.")
     numa_bytes = gauge("vllm_offload_region_numa_bytes", "Resident bytes on each NUMA node.",
-                       ("node",))
+                       (*key_labels, "node"))
     huge = gauge("vllm_offload_region_huge_page_bytes", "Bytes mapped with huge pages.")
-    for r in found.regions:
+    for r in regions:
         key = (r.engine_id, r.base_engine_id, region_inode(r))
         size.labels(*key).set(r.size_bytes)
         if r.resident_bytes is not None:
@@ -546,23 +640,23 @@ def _registry(found: Inventory, placed: dict[str, Placement] | None = None,
                 numa_bytes.labels(*key, str(node)).set(b)
             if p.huge_page_bytes is not None:
                 huge.labels(*key).set(p.huge_page_bytes)
-    count = Gauge("vllm_offload_regions", "Regions by state.", ["state"], registry=registry)
-    for s in STATES:
-        count.labels(s).set(sum(r.state == s for r in found.regions))
-    Gauge("vllm_offload_shm_total_bytes", "Size of the shm filesystem.",
-          registry=registry).set(found.shm.total_bytes)
-    Gauge("vllm_offload_shm_free_bytes", "Free bytes of the shm filesystem.",
-          registry=registry).set(found.shm.free_bytes)
-    Gauge("vllm_offload_uninspectable_processes", "Processes whose /proc could not be read.",
-          registry=registry).set(found.uninspectable_processes)
-    errors = Gauge("vllm_offload_measurement_errors", "Regions whose measurement (residency: "
-                   "mincore; numa: move_pages) a refused system call left unmade: a seccomp "
-                   "filter or policy.", ["what"], registry=registry)
-    for what in MEASUREMENTS:
-        errors.labels(what).set((refusals or {}).get(what, {}).get("regions", 0))
-    Gauge("vllm_offload_unsafe_entries", "Names like a region's that are no regular file "
-          "(a symlink, a FIFO): never removed by gc, to be checked by hand.",
-          registry=registry).set(unsafe)
-    Gauge("vllm_offload_orphan_manifests", "Manifests whose region is gone.",
-          registry=registry).set(len(found.orphan_manifests))
-    return registry
+
+
+def _owner_series(totals: list[dict[str, Any]], gauge: Callable[..., Any]) -> None:
+    """Per owner (uid, `unknown` when unreadable), its regions past the listed ones."""
+    past = f"of this owner past the first {metrics.LISTED_PER_OWNER}, not listed as regions"
+    regions = gauge("vllm_offload_owner_regions", f"Regions {past}, by state.",
+                    ("uid", "state"))
+    size = gauge("vllm_offload_owner_size_bytes", f"Bytes of the regions {past}.", ("uid",))
+    resident = gauge("vllm_offload_owner_resident_bytes", f"Resident bytes of the regions "
+                     f"{past}.", ("uid",))
+    problems = gauge("vllm_offload_owner_problems", f"Problems of the regions {past}.",
+                     ("uid",))
+    for t in totals:
+        uid = "unknown" if t["uid"] is None else str(t["uid"])
+        for s, n in t["states"].items():
+            regions.labels(uid, s).set(n)
+        size.labels(uid).set(t["size_bytes"])
+        if t["resident_bytes"] is not None:
+            resident.labels(uid).set(t["resident_bytes"])
+        problems.labels(uid).set(sum(t["problems"].values()))

@@ -1,12 +1,9 @@
-"""node_exporter textfile output, shared by `inspect` and `gc`.
+"""node_exporter textfile output, and what bounds it, shared by `inspect` and `gc`.
 
 prometheus_client does the exposition format (imported only when asked for);
-the write is ours, because its `write_to_textfile` opens a predictable
-`PATH.PID.TID` with plain open(), which follows a symlink planted there: a
-temporary file with an unguessable name is created `O_EXCL|O_NOFOLLOW` beside
-the target, then renamed over it, so node_exporter never reads half a file.
-`check_writable` proves the directory takes a new file before a command
-changes anything (gc removes nothing it could not then report).
+the write is ours: its `write_to_textfile` opens a predictable `PATH.PID.TID`
+that follows a planted symlink, so an unguessable temporary file is created
+`O_EXCL|O_NOFOLLOW` beside the target, then renamed over it.
 """
 
 from __future__ import annotations
@@ -17,9 +14,9 @@ import math
 import os
 import stat
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from vllm_offload_cli.core.base.errors import (
     InsufficientSpaceError,
@@ -31,6 +28,31 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+# Of each owner but the caller, the first LISTED_PER_OWNER regions are shown one by one
+# and the rest summed per owner: what inspect and gc print and write is bounded by the
+# number of owners, never by how many files one of them makes (issue 30).
+LISTED_PER_OWNER = 32
+
+_T = TypeVar("_T")
+
+
+def per_owner(items: Iterable[_T], uid: Callable[[_T], int | None], everything: bool = False
+              ) -> tuple[list[_T], dict[int | None, list[_T]]]:
+    """(listed, the rest by owner): the caller's own items and the first LISTED_PER_OWNER
+    of every other owner (in the given order) are listed; `everything` lists all."""
+    me = os.geteuid()
+    listed: list[_T] = []
+    rest: dict[int | None, list[_T]] = {}
+    seen: dict[int | None, int] = {}
+    for item in items:
+        owner = uid(item)
+        seen[owner] = seen.get(owner, 0) + 1
+        if everything or owner == me or seen[owner] <= LISTED_PER_OWNER:
+            listed.append(item)
+        else:
+            rest.setdefault(owner, []).append(item)
+    return listed, rest
 
 
 # a textfile of ours is a few KiB; a bigger one is not ours to parse
