@@ -104,7 +104,10 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
         ("shm_dir, dry_run, min_age_seconds, include_persistent, all_users", "the run's "
          "options"),
         ("removed[]", "{engine_id, paths, bytes, ...}: removed (would be, with --dry-run)"),
-        ("kept[]", "{engine_id, code, reason, ...}: kept, and why"),
+        ("kept[]", "{engine_id, code, reason, uid, ...}: kept, and why: yours all, of every "
+         "other owner the first 32"),
+        ("kept_aggregated[]", "{uid, regions, codes {code: n}}: per other owner, its kept "
+         "regions past the first 32, summed"),
         ("freed_bytes", "tmpfs memory given back"),
         ("orphan_manifests_removed[], temp_files_removed[]", "paths removed"),
         ("vanished[], not_found[], failures[]", "gone meanwhile; named but absent; removals "

@@ -15,6 +15,7 @@ from vllm_offload_cli.cli.inspect import (
     cell_text,
     dict_items,
     footer,
+    owner_row,
     region_notes,
     region_row,
 )
@@ -83,6 +84,8 @@ def render_inspect(out: Out, result: FleetResult, *, wide: bool = False) -> None
         refused = "residency" in (data.get("measurement_errors") or {})
         rows += [[cell_text(label), *region_row(r, wide=wide, refused=refused, owner=_uid)]
                  for r in regions]
+        rows += [[cell_text(label), *owner_row(a, owner=_uid)]
+                 for a in dict_items(data.get("aggregated"))]
         notes += region_notes(regions, prefix=f"{label} ")
     if rows:
         out.print(text_table(["NODE", *TABLE_HEADERS], rows,

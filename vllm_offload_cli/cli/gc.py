@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ JUDGE_SHARE = 0.6
 
 def report_data(report: GcReport) -> dict[str, Any]:
     o = report.options
+    kept, summed = kept_listed(report)
     return {
         "shm_dir": report.shm_dir,
         "dry_run": o.dry_run,
@@ -49,7 +51,8 @@ def report_data(report: GcReport) -> dict[str, Any]:
         "include_persistent": o.include_persistent,
         "all_users": o.all_users,
         "removed": [r.to_dict() for r in report.removed],
-        "kept": [_kept_dict(k) for k in report.kept],
+        "kept": [_kept_dict(k) for k in kept],
+        "kept_aggregated": summed,
         "freed_bytes": report.freed_bytes,
         "orphan_manifests_removed": list(report.orphan_manifests_removed),
         "temp_files_removed": list(report.temp_files_removed),
@@ -71,6 +74,14 @@ def report_data(report: GcReport) -> dict[str, Any]:
         "started_at": round(report.started_at, 3),
         "duration_seconds": round(report.duration_seconds, 6),
     }
+
+
+def kept_listed(report: GcReport) -> tuple[list[Problem], list[dict[str, Any]]]:
+    """The kept regions to list, and other owners' past metrics.LISTED_PER_OWNER summed:
+    {uid, regions, codes: {reason code: regions}}."""
+    kept, rest = metrics.per_owner(report.kept, lambda k: k.uid)
+    return kept, [{"uid": uid, "regions": len(ks), "codes": dict(Counter(k.code for k in ks))}
+                  for uid, ks in rest.items()]
 
 
 def _kept_dict(k: Problem) -> dict[str, object]:
@@ -283,8 +294,12 @@ def _kept_lines(report: GcReport, verb: str) -> list[str]:
     for a later run."""
     from vllm_offload_cli.core.region.fsguard import user_text
 
+    kept, summed = kept_listed(report)
     return [
-        *(f"Kept {k.engine_id}: {k.message}" for k in report.kept),
+        *(f"Kept {k.engine_id}: {k.message}" for k in kept),
+        *(f"Kept {a['regions']} more region(s) of "
+          f"{'an unknown owner' if a['uid'] is None else user_text(a['uid'])}: "
+          + ", ".join(f"{n} {code}" for code, n in a["codes"].items()) for a in summed),
         *(f"Kept {t.files} more region file(s) of {user_text(t.uid)}: not this user's to "
           f"remove ({format_bytes(t.allocated_bytes)} of memory), counted, not listed"
           for t in report.counted),

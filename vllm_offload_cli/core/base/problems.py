@@ -34,6 +34,7 @@ class Problem:
     pid: int | None = None
     linked: bool | None = None  # a kept region: is its name still there
     blind_spot: str | None = None  # a region kept as "unknown": what may hide a holder
+    uid: int | None = None  # a kept region's owner: gc sums other owners' past a bound
 
     def to_dict(self, *always: str) -> dict[str, Any]:
         """code, message and the details it has, plus those in `always` even when empty."""

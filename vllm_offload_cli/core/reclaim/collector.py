@@ -693,7 +693,7 @@ class _Run:
     def _kept(self, r: RegionInfo, code: str, reason: str, pid: int | None = None, *,
               blind_spot: str | None = None) -> Problem:
         return Problem(code, reason, engine_id=r.engine_id, paths=tuple(r.paths), pid=pid,
-                       linked=r.linked, blind_spot=blind_spot)
+                       linked=r.linked, blind_spot=blind_spot, uid=r.uid)
 
     def _keep(self, kept: Problem) -> None:
         logger.debug("keeping %s: %s", kept.engine_id, kept.message)
