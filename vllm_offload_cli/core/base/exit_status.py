@@ -69,11 +69,8 @@ PRECEDENCE: tuple[ExitStatus, ...] = (
 
 def as_status(code: object) -> ExitStatus:
     """`code` as an ExitStatus; anything else (none, or a newer node's) is FAILED."""
-    if isinstance(code, int) and not isinstance(code, bool):
-        try:
-            return ExitStatus(code)
-        except ValueError:
-            pass
+    if isinstance(code, int) and not isinstance(code, bool) and code in set(ExitStatus):
+        return ExitStatus(code)
     return ExitStatus.FAILED
 
 

@@ -86,11 +86,9 @@ def format_bytes(n: int | float | None) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(value)}B"
-            return f"{f'{value:.1f}'.removesuffix('.0')}{unit}"
+            break
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{int(value)}B" if unit == "B" else f"{f'{value:.1f}'.removesuffix('.0')}{unit}"
 
 
 def is_int(value: object) -> TypeGuard[int]:

@@ -156,7 +156,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
         manifest_io.read_matching(mpath, FileId.of(st), allowed_uids=allowed_uids,
                                   owner_uid=st.st_uid))
     problems += [] if mproblem is None else [mproblem]
-    geometry, rows, source, gproblems = _geometry_for(
+    geometry, rows, gproblems, source = _geometry_for(
         manifest, mproblem, st.st_size, world_size, cpu_page_size, path, mpath, engine_id)
     problems += gproblems
     live = () if manifest is None else manifest.live_attachments()
@@ -188,24 +188,20 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
 
 def _geometry_for(manifest: manifest_io.Manifest | None, mproblem: Problem | None, size: int,
                   world_size: int | None, cpu_page_size: int | None, path: str, mpath: str,
-                  engine_id: str) -> tuple[Geometry | None, int, str | None, list[Problem]]:
-    """The geometry the checks use, the rows the file holds, where the geometry came from
-    (the manifest, or the operator's arguments for a region without one) and its problems."""
+                  engine_id: str) -> tuple[Geometry | None, int, list[Problem], str | None]:
+    """The geometry the checks use, the rows the file holds, its problems and its source."""
     if manifest is not None:
-        geometry, rows, problems = _geometry_from_manifest(manifest, size, world_size,
-                                                           cpu_page_size, mpath)
-        return geometry, rows, "manifest", problems
+        found = _geometry_from_manifest(manifest, size, world_size, cpu_page_size, mpath)
+        return *found, "manifest"
     if world_size is None or cpu_page_size is None:
         if mproblem is None:
             raise InvalidInputError(
                 f"{path} has no manifest (made by vLLM?), so its geometry is unknown; pass "
                 "--world-size and --cpu-page-size", path=path, engine_id=engine_id,
                 code="geometry_unknown")
-        return None, 0, None, [Problem("geometry_unknown", "without a usable manifest the "
-                                       "geometry is unknown; pass --world-size and "
-                                       "--cpu-page-size")]
-    geometry, rows, problems = _geometry_from_arguments(size, world_size, cpu_page_size, path)
-    return geometry, rows, "arguments", problems
+        return None, 0, [Problem("geometry_unknown", "without a usable manifest the geometry "
+                                 "is unknown; pass --world-size and --cpu-page-size")], None
+    return *_geometry_from_arguments(size, world_size, cpu_page_size, path), "arguments"
 
 
 def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int | None,
@@ -340,22 +336,15 @@ def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedW
     try:
         slots, problems, notes = _slot_reports(fd, geometry, rows, workers)
     except OSError as exc:
-        if not residency.refused(exc):
-            raise
-        return [], [], [], [Problem(
-            "measurement_refused", "slots not checked: their residency was not measured: "
-            f"{exc.strerror} ({residency.REFUSED_HINT})")]
+        return [], [], [], [_refused(exc, "slots not checked: their residency was not measured")]
     slots = [_with_status(s, [*worker_problems, *problems]) for s in slots]
     world = geometry.world_size or 0
     try:
         placed = affinity.check_workers(fd, geometry, rows, [
             (w.pid, w.rank) for w in workers if 0 <= w.rank < world])
     except OSError as exc:
-        if not residency.refused(exc):
-            raise
         placed = []
-        notes.append(Problem("measurement_refused", "NUMA placement not checked: "
-                             f"{exc.strerror} ({residency.REFUSED_HINT})"))
+        notes.append(_refused(exc, "NUMA placement not checked"))
     notes += [Problem("numa_remote", affinity.remote_message(w), ranks=(w.rank,),
                       pids=(w.pid,)) for w in placed if w.remote]
     return slots, placed, problems, notes
@@ -404,6 +393,13 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
                 f"{report.pages} page(s) is resident; {who}", slot=slot,
                 pids=tuple(w.pid for w in claim)))
     return reports, problems, notes
+
+
+def _refused(exc: OSError, what: str) -> Problem:
+    """A measurement a seccomp filter or policy refused is a note; any other error a bug."""
+    if not residency.refused(exc):
+        raise exc
+    return Problem("measurement_refused", f"{what}: {exc.strerror} ({residency.REFUSED_HINT})")
 
 
 def _with_status(s: SlotReport, problems: Iterable[Problem]) -> SlotReport:
