@@ -20,8 +20,7 @@ from region_files import region_file
 
 from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.common import Out
-from vllm_offload_cli.cli.fleet import node_task
-from vllm_offload_cli.cli.fleet_render import render_gc, render_inspect, render_verify
+from vllm_offload_cli.cli.fleet import node_task, render_gc, render_inspect, render_verify
 from vllm_offload_cli.core.base.exit_status import PRECEDENCE, ExitStatus
 from vllm_offload_cli.fleet.result import (
     ANSWERED,

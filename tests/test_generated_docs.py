@@ -43,11 +43,11 @@ def test_man_page_exit_status_is_the_enum() -> None:
 def test_every_command_is_documented() -> None:
     import click
 
-    from vllm_offload_cli.cli.app import root_command
+    from vllm_offload_cli.cli.app import app
 
     man = (ROOT / "man" / "vllm-offload.1").read_text().replace("\\-", "-")
     bash = (ROOT / "completions" / "vllm-offload.bash").read_text()
-    root = root_command()
+    root = app
     ctx = click.Context(root)
     for name in root.list_commands(ctx):
         command = root.get_command(ctx, name)

@@ -120,11 +120,6 @@ app = CommandLine(
 )
 
 
-def root_command() -> click.Group:
-    """The click command tree (subcommands still resolved on demand)."""
-    return app
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
     app.main(args=argv, prog_name="vllm-offload")

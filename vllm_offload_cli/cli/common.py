@@ -35,12 +35,8 @@ SHM_DIR_ENV = "VLLM_OFFLOAD_SHM_DIR"
 
 def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *,
                right: Iterable[int] = ()) -> str:
-    """A table as `ps` prints one: one line per row whatever the width, never cut.
-
-    Columns are separated by two spaces, the last one is not padded, no line
-    ends in a space. `right` lists the columns aligned right (numbers). Cells
-    must already be printable (see `printable`): they are written as given.
-    """
+    """A table as `ps` prints one: one line per row whatever the width, never cut; `right`
+    lists the columns aligned right. Cells must already be printable (`printable`)."""
     lines = [list(headers), *(list(r) for r in rows)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
     aligned = set(right)
@@ -136,15 +132,11 @@ class Invocation:
         if self.verbosity >= 1:
             sys.stderr.write(f"{printable(message)}\n")
 
-    @property
-    def show_progress(self) -> bool:
-        # --json promises one document and nothing else: no bar either
-        return self.verbosity >= 0 and not self.json_output and sys.stderr.isatty()
-
     @contextmanager
     def progress(self, description: str, total: int) -> Iterator[Callable[[int, int], None]]:
-        """A transient progress bar on stderr; yields an update(done, total) callback."""
-        if not self.show_progress:
+        """A transient progress bar on stderr (none with --json: one document, nothing
+        else); yields an update(done, total) callback."""
+        if self.verbosity < 0 or self.json_output or not sys.stderr.isatty():
             yield lambda done, total: None
             return
         from rich.progress import (

@@ -130,10 +130,6 @@ def _busy_with_holders(exc: RegionBusyError, shm_dir: str, engine_id: str) -> Re
         path=exc.path, engine_id=engine_id, pid=first.pid, code=exc.code)
 
 
-def default_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
-
-
 def _geometry(world_size: int, page: int, num_blocks: int | None,
               total: int | None, inv: Invocation) -> Geometry:
     if (num_blocks is None) == (total is None):
@@ -235,7 +231,7 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
                 full_id, geometry.num_blocks, None, geometry.row_stride,
                 geometry.cpu_page_size, shm_dir=shm_dir, world_size=geometry.world_size,
                 create_only=True, persistent=not hold, populate_pages=not no_populate,
-                populate_threads=threads or default_threads(), progress=progress,
+                populate_threads=threads or max(1, min(8, os.cpu_count() or 1)), progress=progress,
                 numa_node=nodes, numa_policy=numa_policy, huge_pages=huge_pages,
                 num_segments=files,
                 min_segment_bytes=min_segment_bytes, vllm_layout_basis=basis,

@@ -37,20 +37,16 @@ from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
 @statuses_in_doc
 def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run: bool,
               segments: int | None, reclaim_for_room: bool) -> Outcome:
-    """Refuse an engine_id held by a live process (exit {BUSY}), reclaim a provably stale
-    leftover region of it, and check that the regions fit in the shm directory, the
-    memory cgroup and available memory (exit {NO_SPACE}). Run it before `vllm serve`, with
+    """Refuse an engine_id held by a live process, reclaim a provably stale leftover
+    region of it, and check that the regions (all replicas at once) fit in the shm
+    directory, the memory cgroup and available memory. Run it before `vllm serve`, with
     the ENGINE_ID the engine will be given (the base id when --dp-size > 1).
 
     An existing region is "ready" only with the size (and, with --segments, the
-    segment count) the engine will map: a stale one of another shape is reclaimed,
-    a pre-provisioned one is exit {UNSAFE} with the command that removes it.
-    With --dp-size N the replicas' ids ENGINE_ID_dp0 .. _dp{{N-1}} are checked and the
-    room for all of them at once. Without room, this user's stale leftovers of other
-    engine_ids (a crashed engine's) are removed first, oldest first, as gc would.
+    segment count) the engine will map: a stale one of another shape is reclaimed.
     Exit status: {SUCCESS} ready; {USAGE} bad input; {BUSY} in use; {NO_SPACE} too
     little room; {UNSAFE} a leftover that is not safe to touch, or a pre-provisioned
-    region of another shape.
+    region of another shape (the message gives the command that removes it).
     """
     from vllm_offload_cli.engine import room  # not needed by --help
     from vllm_offload_cli.engine.claim import claim, startup_lock
