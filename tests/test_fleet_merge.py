@@ -49,7 +49,7 @@ def _missing(node: str, outcome: str, reason: str) -> NodeResult:
 
 
 def _fleet(command: str, *nodes: NodeResult) -> FleetResult:
-    return FleetResult(command=f"fleet {command}", address="auto", nodes=nodes, timeout=60)
+    return FleetResult(address="auto", nodes=nodes, timeout=60)
 
 
 def _show(render: Any, result: FleetResult, **kw: Any) -> str:
@@ -95,7 +95,7 @@ def test_node_task_reports_errors_as_the_cli_does(cli: Any, shm_dir: Path) -> No
 def test_partial_answer_exits_7_and_keeps_the_others(two_dirs: tuple[Path, Path]) -> None:
     a, b = two_dirs
     region_file(a, "leak_dp1")
-    result = FleetResult(command="fleet inspect", address="head:6379", nodes=(
+    result = FleetResult(address="head:6379", nodes=(
         _answer("a", "inspect", INSPECT, a), _answer("b", "inspect", INSPECT, b),
         _missing("c", FAILED, "node died: raylet gone"),
         _missing("d", TIMED_OUT, "no answer within 5 s")), timeout=5)

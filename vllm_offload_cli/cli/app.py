@@ -14,14 +14,7 @@ from typing import Any
 import click
 
 from vllm_offload_cli import __version__
-from vllm_offload_cli.cli.common import (
-    ALIASES,
-    Group,
-    Subcommand,
-    common_params,
-    envelope,
-    print_json,
-)
+from vllm_offload_cli.cli.common import ALIASES, Subcommand, common_params, envelope, print_json
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 
@@ -38,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class CommandLine(Group):
+class CommandLine(click.Group):
     """Lazy subcommands; usage errors honour `--json` and print one `Error:` line otherwise."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:

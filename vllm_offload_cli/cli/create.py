@@ -11,11 +11,7 @@ import click
 
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.cli.params import Size
-from vllm_offload_cli.core.base.errors import (
-    InvalidInputError,
-    RegionBusyError,
-    UnsafeRegionError,
-)
+from vllm_offload_cli.core.base.errors import InvalidInputError, RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc, with_statuses
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import shortened
@@ -208,9 +204,8 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
     ENGINE_ID is the region's name (the base id when --dp-rank is given).
 
     Without --hold the region stays and is marked persistent, pre-provisioned for
-    an engine to join; `gc` keeps it unless given --include-persistent. Root
-    provisions for a service user with --owner (like a tmpfiles.d `f` line): the
-    files and manifest become that user's, so an engine running as it joins.
+    an engine to join (with --owner, one running as another user, like a tmpfiles.d
+    `f` line); `gc` keeps it unless given --include-persistent.
     --hold ends on SIGINT (exit {INTERRUPTED}) or SIGTERM (exit {SUCCESS}), removing the region.
     """
     from vllm_offload_cli.core.region.shared_region import (
@@ -233,8 +228,7 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
                 create_only=True, persistent=not hold, populate_pages=not no_populate,
                 populate_threads=threads or max(1, min(8, os.cpu_count() or 1)), progress=progress,
                 numa_node=nodes, numa_policy=numa_policy, huge_pages=huge_pages,
-                num_segments=files,
-                min_segment_bytes=min_segment_bytes, vllm_layout_basis=basis,
+                num_segments=files, min_segment_bytes=min_segment_bytes, vllm_layout_basis=basis,
             )
         except RegionBusyError as exc:
             if exc.code != "name_taken":

@@ -63,6 +63,8 @@ from vllm_offload_cli.fleet.result import (
 Render = Callable[[Out, FleetResult, Invocation, dict[str, Any]], None]
 
 DEFAULT_TIMEOUT = 60.0
+_EXIT = ("Exit status: the most important node status (see EXIT STATUS); {PARTIAL} when a "
+         "node failed, was interrupted or did not answer and no node reported worse.")
 
 # The node-local subcommands a fleet command may run, by name.
 LOCAL: dict[str, Subcommand] = {s.name: s for s in (
@@ -108,12 +110,11 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
     if not nodes:
         raise OperationFailedError(f"the Ray cluster at {where!r} has no alive node",
                                    code="no_nodes")
-    return FleetResult(command=f"fleet {command}", address=where, nodes=tuple(nodes),
-                       timeout=timeout)
+    return FleetResult(address=where, nodes=tuple(nodes), timeout=timeout)
 
 
-def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, short_help: str,
-                   render: Render) -> click.Command:
+def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: Render
+                   ) -> click.Command:
     """A fleet command with the node-local command's own options (less `fixed` ones)."""
     own = [p for p in local.command.params if p.name not in fixed and p.name not in COMMON]
     name = f"fleet {local.name}"
@@ -139,8 +140,9 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, short_hel
 
         ctx.exit(run_boundary(inv, body))
 
+    doc = inspect.cleandoc(doc) + "\n\n" + _EXIT
     return click.Command(local.name, callback=run, params=[*own, *_fleet_params()],
-                         help=with_statuses(inspect.cleandoc(doc)), short_help=short_help)
+                         help=with_statuses(doc), short_help=doc.split("\n")[0])
 
 
 # -- output for people: over the nodes' JSON data, exactly what --json carries; every
@@ -264,25 +266,19 @@ fleet_app.add_command(_fleet_command(
 
     Runs `vllm-offload inspect --json` on each alive node of the Ray cluster
     (one task pinned per node) and merges the answers. A node that fails or
-    does not answer within --timeout is listed as such. Exit status: the most
-    important node status (see EXIT STATUS), {PARTIAL} (partial) when a node did not
-    answer and no node reported worse; nodes without a named region are
-    skipped (exit {USAGE} only when no node has it).
-    """, "inspect on every node: one table with a NODE column.",
-    lambda out, result, _, values: render_inspect(out, result, wide=values["wide"])))
+    does not answer within --timeout is listed as such; nodes without a named
+    region are skipped (exit {USAGE} only when no node has it).
+    """, lambda out, result, _, values: render_inspect(out, result, wide=values["wide"])))
 
 fleet_app.add_command(_fleet_command(
     gc.garbage_collect, {"prometheus": None, "timeout": NODE_TIMEOUT},
-    """garbage-collect on every node.
+    """garbage-collect on every node; --dry-run shows the plan (alias: gc).
 
     It is node-local garbage-collect, run on each node: every safety rule
     holds there, and a node that refuses (exit {UNSAFE}, e.g. it cannot see all of
     its host's processes) is reported as refused. Use --dry-run first: it shows
-    the whole plan, node by node, and changes nothing. Exit status: the most
-    important node status (see EXIT STATUS), {PARTIAL} (partial) when a node failed or
-    did not answer and no node reported worse.
-    """, "garbage-collect on every node; --dry-run shows the plan (alias: gc).",
-    lambda out, result, inv, _: render_gc(out, result, quiet=inv.verbosity < 0)))
+    the whole plan, node by node, and changes nothing.
+    """, lambda out, result, inv, _: render_gc(out, result, quiet=inv.verbosity < 0)))
 
 fleet_app.add_command(_fleet_command(
     verify.verify_rank_layout, {}, """verify-rank-layout on every node.
@@ -290,7 +286,5 @@ fleet_app.add_command(_fleet_command(
     Live mode (ENGINE_ID) checks the region on the node(s) that have it; nodes
     without it are skipped (exit {USAGE} only when no node has it). Plan mode runs
     the plan on every node (useful with --devices env, which reads each node's
-    CUDA_VISIBLE_DEVICES). Exit {PROBLEMS_FOUND} when a node found problems, {PARTIAL} when a node
-    failed or did not answer (and no node reported worse; see EXIT STATUS).
-    """, "verify-rank-layout on every node.",
-    lambda out, result, *_: render_verify(out, result)))
+    CUDA_VISIBLE_DEVICES).
+    """, lambda out, result, *_: render_verify(out, result)))

@@ -42,9 +42,7 @@ class NodeResult:
 
     @property
     def exit_code(self) -> int | None:
-        if self.envelope is None:
-            return None
-        code = self.envelope.get("exit_code")
+        code = (self.envelope or {}).get("exit_code")
         return code if isinstance(code, int) else None
 
     @property
@@ -76,9 +74,7 @@ class NodeResult:
         if not any(e.get("code") == NOT_FOUND for e in self._errors()):
             return frozenset()
         listed = ((self.envelope or {}).get("data") or {}).get("not_found")
-        if isinstance(listed, list):
-            return frozenset(str(e) for e in listed)
-        return None
+        return frozenset(map(str, listed)) if isinstance(listed, list) else None
 
     def merge_status(self) -> ExitStatus:
         """What this node adds to the fleet's exit status: PARTIAL when it did not answer
@@ -133,7 +129,6 @@ def answered(node_id: str, node_name: str, doc: object, seconds: float) -> NodeR
 
 @dataclass(frozen=True, kw_only=True)
 class FleetResult:
-    command: str
     address: str
     nodes: tuple[NodeResult, ...]
     timeout: float
