@@ -1,17 +1,10 @@
 """Identity, reclaim and pre-flight: what an engine process does before it maps a region.
 
-Run by every rank of an engine (and by `vllm-offload preflight`) under one
-startup lock, so exactly one process reclaims a leftover and the others then
-see the name gone or freshly made by their own engine:
-
-* identity: a region held by a live process of another engine (same
-  engine_id, another token) is refused, naming the pid; it is never joined;
-* reclaim: a region whose discovery state is exactly `stale` is removed by the
-  garbage collector's own rules (minus the minimum age: every holder is proven
-  absent by /proc and flock, and the startup lock keeps our own ranks out);
-  any other state (a future `unknown`, `creating`, ...) is never reclaimed;
-* pre-flight: the bytes a new region will take are checked against the
-  tmpfs, the memory cgroup and available memory before anything is created.
+Every rank (and `vllm-offload preflight`) runs it under one start-up lock, so
+exactly one process reclaims a leftover. A region held by another engine (same
+engine_id, another token) is refused naming the pid, never joined; one exactly
+`stale` is removed by gc's own rules (no minimum age: the lock keeps our ranks
+out), any other state never; the new bytes are checked against the limits first.
 """
 
 from __future__ import annotations
@@ -22,10 +15,9 @@ import fcntl
 import os
 import stat
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from vllm_offload_cli.core.base.errors import (
     OperationFailedError,
@@ -36,6 +28,7 @@ from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host.discovery import (
     PERSISTENT,
     STALE,
+    Holder,
     Inventory,
     RegionInfo,
     discover_engine,
@@ -56,7 +49,7 @@ from vllm_offload_cli.engine.identity import (
     read_token,
 )
 from vllm_offload_cli.engine.room import enabled as room_enabled
-from vllm_offload_cli.engine.room import make_room
+from vllm_offload_cli.engine.room import make_room, tightest
 from vllm_offload_cli.engine.shape import (
     RegionShape,
     mismatch,
@@ -79,14 +72,14 @@ class ClaimResult:
 
     engine_id: str
     path: str
-    action: str  # CREATE, RECLAIMED, JOIN or WOULD_RECLAIM
-    state_seen: str | None  # discovery state of the region found first, None if none
-    engine_holders: tuple[int, ...]  # pids of this engine already holding it
-    reclaimed_paths: tuple[str, ...]
-    reclaimed_bytes: int  # tmpfs memory given back
-    needed_bytes: int  # new bytes the engine will map (0 when joining)
+    action: str = CREATE  # CREATE, RECLAIMED, JOIN or WOULD_RECLAIM
+    state_seen: str | None = None  # discovery state of the region found first, None if none
+    engine_holders: tuple[int, ...] = ()  # pids of this engine already holding it
+    reclaimed_paths: tuple[str, ...] = ()
+    reclaimed_bytes: int = 0  # tmpfs memory given back
+    needed_bytes: int = 0  # new bytes the engine will map (0 when joining)
     free_bytes: int | None = None  # tightest limit after the reclaim (None: not checked)
-    notes: tuple[str, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = ()
     # other engine_ids' stale leftovers removed (or, dry, to be) to make room (engine.room)
     reclaimed_for_room: tuple[RemovedRegion, ...] = ()
 
@@ -98,14 +91,11 @@ STARTUP_LOCK_NAME = "startup.lock"
 def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> Iterator[None]:
     """Serialise this user's engine start-ups on this shm directory.
 
-    The lock is a file in this user's private directory
-    (`{shm_dir}/.vllm-offload-{uid}/`, mode 0700, judged on its descriptor),
-    so nobody but this user and root can open it, let alone hold it: another
-    user can neither stall nor time out our start-up. Another user's engines
-    need no serialising against ours: they can neither join nor remove our
-    files. The kernel drops the lock when its holder dies, even by SIGKILL.
-    Not had within `timeout`: RegionBusyError (a refusal) naming the holder.
+    The lock lives in this user's private directory (mode 0700, judged on its
+    descriptor), so no other user can hold it to stall or time out our start-up.
+    Not had within `timeout`: RegionBusyError naming the holder.
     """
+    path = os.path.join(os.fspath(shm_dir), fsguard.private_dir_name(), STARTUP_LOCK_NAME)
     for attempt in range(3):
         dfd = fsguard.private_dir(shm_dir)
         try:
@@ -117,13 +107,10 @@ def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> 
                 raise
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise fsguard.no_space(os.path.join(os.fspath(shm_dir),
-                                                    fsguard.private_dir_name(),
-                                                    STARTUP_LOCK_NAME), exc) from None
+                raise fsguard.no_space(path, exc) from None
             raise
         finally:
             os.close(dfd)
-    path = os.path.join(os.fspath(shm_dir), fsguard.private_dir_name(), STARTUP_LOCK_NAME)
     try:
         lock_waiting(fd, fcntl.LOCK_EX, timeout=timeout,
                      timed_out=lambda: _lock_busy(path, fd, timeout))
@@ -150,19 +137,18 @@ class _Holders:
     readers: tuple[int, ...] = ()  # hold it only in ways that cannot write it
 
 
-def classify_holders(r: RegionInfo, token: str | None) -> _Holders:
+_Tokens = dict[int, tuple[str | None, bool]]  # pid -> read_token(pid), one read per look
+
+
+def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens | None = None
+                     ) -> _Holders:
     """Split a region's holders into this engine's, another engine's, readers and undecided.
 
     Proof of "ours", in order: this process; a live attachment in the manifest
-    with our token; the manifest's live creator with our token; our token in
-    the holder's environment. Without a token (a launcher) no holder is ours.
-    A holder that is not ours and holds the region only read-only (every
-    descriptor opened O_RDONLY, no mapping that may write; `procfs.may_write`)
-    is a reader: our own probes (inspect measuring residency, gc judging) are,
-    and no engine is, since an engine maps its region writable. That is the
-    kernel's record, not a name or a marker the process chose, so nothing can
-    pose as a reader and still write the bytes; and another user can hold our
-    0600 files at all only through a descriptor one of ours handed it.
+    with our token; the manifest's live creator with our token; our token in the
+    holder's environment (no token: nothing is ours). A holder not ours whose every
+    hold is read-only in the kernel's record (`procfs.may_write`) is a reader: our
+    own probes are, no engine is (it maps its region writable).
     """
     m = r.manifest
     fids = {s.file_id for s in r.segments if s.file_id is not None}
@@ -172,26 +158,29 @@ def classify_holders(r: RegionInfo, token: str | None) -> _Holders:
         if (token is not None and m.engine_token == token and m.creator_pid not in known
                 and m.creator_alive()):
             known[m.creator_pid] = token
-    buckets: dict[str, list[int]] = {"ours": [], "unknown": [], "reader": []}
-    foreign: list[tuple[int, str]] = []
-    for h in r.holders:
-        kind = _holder_kind(h.pid, token, known, fids)
-        if kind in buckets:
-            buckets[kind].append(h.pid)
-        else:
-            foreign.append((h.pid, kind))
-    return _Holders(tuple(buckets["ours"]), tuple(foreign), tuple(buckets["unknown"]),
-                    tuple(buckets["reader"]))
+    tokens = {} if tokens is None else tokens
+    kinds = [(h.pid, _holder_kind(h.pid, token, known, fids, tokens)) for h in r.holders]
+
+    def having(kind: str) -> tuple[int, ...]:
+        return tuple(pid for pid, k in kinds if k == kind)
+
+    return _Holders(having("ours"), tuple(x for x in kinds if x[1] not in _UNDECIDED),
+                    having("unknown"), having("reader"))
+
+
+_UNDECIDED = ("ours", "unknown", "reader")  # every other kind says why it is foreign
 
 
 def _holder_kind(pid: int, token: str | None, known: dict[int, str | None],
-                 fids: set[FileId]) -> str:
+                 fids: set[FileId], tokens: _Tokens) -> str:
     """One holder: "ours", "reader", "unknown", or why it is another engine's."""
     if token is not None and (pid == os.getpid() or known.get(pid) == token):
         return "ours"
     if token is not None and pid in known:
         return "is attached to it for another engine"
-    theirs, readable = read_token(pid) if token is not None else (None, True)
+    if token is not None and pid not in tokens:
+        tokens[pid] = read_token(pid)
+    theirs, readable = tokens[pid] if token is not None else (None, True)
     if token is not None and theirs == token:
         return "ours"
     writes = procfs.may_write(pid, fids)
@@ -221,34 +210,6 @@ def _collision(engine_id: str, path: str, pid: int, why: str,
     )
 
 
-@dataclass
-class _Progress:
-    """What one claim has seen and done so far, for its result."""
-
-    engine_id: str
-    path: str
-    state_seen: str | None = None
-    reclaimed_paths: list[str] = field(default_factory=list)
-    reclaimed_bytes: int = 0
-
-    def result(self, action: str, **rest: Any) -> ClaimResult:
-        fields: dict[str, Any] = {
-            "engine_holders": (), "needed_bytes": 0, "state_seen": self.state_seen,
-            "reclaimed_paths": tuple(self.reclaimed_paths),
-            "reclaimed_bytes": self.reclaimed_bytes}
-        return ClaimResult(engine_id=self.engine_id, path=self.path, action=action,
-                           **(fields | rest))
-
-
-@dataclass(frozen=True)
-class _Verdict:
-    """What to do with the region under the name: JOIN, WAIT (undecided) or RECLAIM."""
-
-    action: str
-    holders: tuple[int, ...] = ()
-    note: str | None = None
-
-
 _WAIT, _RECLAIM = "wait", "reclaim"
 
 
@@ -274,190 +235,184 @@ def claim(
     validate_engine_id(engine_id)
     want = shape if shape is not None or size_bytes is None else RegionShape(
         size_bytes=size_bytes)
-    done = _Progress(engine_id, str(region_path(shm_dir, engine_id)))
+    done = ClaimResult(engine_id=engine_id, path=str(region_path(shm_dir, engine_id)))
     deadline = time.monotonic() + grace
     for _ in range(100):
         inv = discover_engine(shm_dir, engine_id)
         _refuse_squatters(inv.regions, str(manifest_path(shm_dir, engine_id)), engine_id)
+        tokens: _Tokens = {}
         if identity:
-            _refuse_released_by_another_engine(_own(inv.regions), token, engine_id)
+            _refuse_released_by_another_engine(_own(inv.regions), token, engine_id, tokens)
         r = next((r for r in inv.regions if r.linked), None)
         if r is None:
-            return _fits(done, CREATE if not done.reclaimed_paths else RECLAIMED,
-                         size_bytes, shm_dir)
-        done.state_seen = done.state_seen or r.state
-        verdict = _classify(r, want, done.path, shm_dir, token, identity=identity,
+            return _fits(done, size_bytes, shm_dir)
+        done = replace(done, state_seen=done.state_seen or r.state)
+        verdict = _classify(r, want, done, shm_dir, token, tokens if identity else None,
                             patient=time.monotonic() < deadline)
-        if verdict.action == _WAIT:
+        if isinstance(verdict, ClaimResult):
+            return verdict
+        if verdict == _WAIT:
             time.sleep(0.05)
             continue
-        if verdict.action == JOIN:
-            return done.result(JOIN, engine_holders=verdict.holders,
-                               notes=() if verdict.note is None else (verdict.note,))
         if dry_run:
             return _would_reclaim(done, r, want)
-        if _reclaim_once(inv, done):
-            # the name is free again: no second /proc pass (the next creator's O_EXCL
-            # settles any race, as it would after a second look)
-            return _fits(done, RECLAIMED, size_bytes, shm_dir)
+        done, free = _reclaim_once(inv, done)
+        if free:
+            # no second /proc pass: the next creator's O_EXCL settles any race
+            return _fits(done, size_bytes, shm_dir)
     raise OperationFailedError(f"{done.path} kept changing while starting; is something "
                                "recreating it?", path=done.path, engine_id=engine_id)
 
 
-def _classify(r: RegionInfo, want: RegionShape | None, path: str,
-              shm_dir: str | os.PathLike[str], token: str | None, *, identity: bool,
-              patient: bool) -> _Verdict:
-    """Join, wait or reclaim the named region `r`; refuse (raise) what is neither.
+def _classify(r: RegionInfo, want: RegionShape | None, done: ClaimResult,
+              shm_dir: str | os.PathLike[str], token: str | None, tokens: _Tokens | None, *,
+              patient: bool) -> ClaimResult | str:
+    """Join (the result), wait or reclaim the named region `r`; refuse (raise) the rest.
 
-    Held: joined when every holder is this engine's and the shape fits; a
-    holder not yet told apart is waited for while `patient`. Persistent: joined
-    when the shape fits. Stale: reclaimed. Anything else is never touched.
+    Held: joined when every holder is this engine's and the shape fits; a holder
+    not yet told apart is waited for while `patient`. Persistent: joined when the
+    shape fits. Stale: reclaimed. `tokens` None: identity is not checked.
     """
-    engine_id = r.engine_id
+    path = done.path
     if r.holders or r.locked:
-        who = classify_holders(r, token) if identity else _Holders(
+        who = classify_holders(r, token, tokens) if tokens is not None else _Holders(
             tuple(h.pid for h in r.holders), (), ())
         if who.foreign:
-            raise _collision(engine_id, path, *who.foreign[0])
+            raise _collision(r.engine_id, path, *who.foreign[0])
         if who.unknown or not who.ours:  # undecided, readers only, or a lock we cannot place
             if patient:
-                return _Verdict(_WAIT)
-            if who.unknown:
-                raise _collision(engine_id, path, who.unknown[0],
-                                 "holds it and cannot be told apart from another engine")
-            if who.readers:
-                raise RegionBusyError(
-                    f"{path} is held only by {pids_text(who.readers, 3, comm)}, which "
-                    "only read it (an inspect or gc of this tool?), and still was after "
-                    f"the wait: it is neither joined nor removed while held; retry",
-                    path=path, engine_id=engine_id, pid=who.readers[0], code="region_busy")
-            raise EngineIdCollisionError(
-                f"{path} stays locked by a process this user cannot see (another pid "
-                "namespace?); refusing to share it", path=path, engine_id=engine_id)
+                return _WAIT
+            raise _undecided(who, path, r.engine_id)
         refuse_held_other_shape(r, want, path, who.ours)
-        return _Verdict(JOIN, who.ours)
+        return replace(done, action=JOIN, engine_holders=who.ours)
     if r.state == PERSISTENT:
         refuse_persistent_other_shape(r, want, path, shm_dir)
-        return _Verdict(JOIN, note="pre-provisioned by `vllm-offload create`")
+        return replace(done, action=JOIN, notes=("pre-provisioned by `vllm-offload create`",))
     if r.state != STALE:
         why = f" ({r.problems[-1].message})" if r.problems else ""
         raise UnsafeRegionError(
             f"{path} is {r.state}: nothing proves it unused{why}, so it is neither joined "
             "nor removed; `vllm-offload inspect` shows why", path=path,
-            engine_id=engine_id, code="region_not_stale")
-    return _Verdict(_RECLAIM)
+            engine_id=r.engine_id, code="region_not_stale")
+    return _RECLAIM
 
 
-def _would_reclaim(done: _Progress, r: RegionInfo, want: RegionShape | None) -> ClaimResult:
+def _undecided(who: _Holders, path: str, engine_id: str) -> RegionBusyError:
+    """Why a held region is still neither joined nor removed after the wait."""
+    if who.unknown:
+        return _collision(engine_id, path, who.unknown[0],
+                          "holds it and cannot be told apart from another engine")
+    if who.readers:
+        return RegionBusyError(
+            f"{path} is held only by {pids_text(who.readers, 3, comm)}, which "
+            "only read it (an inspect or gc of this tool?), and still was after "
+            f"the wait: it is neither joined nor removed while held; retry",
+            path=path, engine_id=engine_id, pid=who.readers[0], code="region_busy")
+    return EngineIdCollisionError(
+        f"{path} stays locked by a process this user cannot see (another pid "
+        "namespace?); refusing to share it", path=path, engine_id=engine_id)
+
+
+def _would_reclaim(done: ClaimResult, r: RegionInfo, want: RegionShape | None
+                   ) -> ClaimResult:
     """A dry run's answer for a stale region: what the reclaim would free."""
     other = None if want is None else mismatch(r, want)
-    return done.result(WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
-                       # what the real run reports: tmpfs memory freed (st_blocks), not
-                       # the apparent size of a partly written (sparse) leftover
-                       reclaimed_bytes=r.allocated_bytes,
-                       notes=() if other is None else (f"another shape: {other}",))
+    return replace(done, action=WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
+                   # what the real run reports: tmpfs memory freed (st_blocks), not
+                   # the apparent size of a partly written (sparse) leftover
+                   reclaimed_bytes=r.allocated_bytes,
+                   notes=() if other is None else (f"another shape: {other}",))
 
 
-def _reclaim_once(inv: Inventory, done: _Progress) -> bool:
-    """Remove the stale region by gc's own rules, audit-logged; True when its name is free.
-
-    A leftover gc keeps for a reason no retry changes is refused here.
-    """
-    engine_id, path = done.engine_id, done.path
+def _reclaim_once(inv: Inventory, done: ClaimResult) -> tuple[ClaimResult, bool]:
+    """Remove the stale region by gc's own rules, audit-logged: (the claim so far,
+    whether its name is free). A leftover gc keeps for good is refused here."""
     report = reclaim(inv, gc_report.GcOptions(dry_run=False, min_age=0.0),
-                     engine_ids=[engine_id])
+                     engine_ids=[done.engine_id])
     audit.record_removals(report.removed)  # "what deleted my region?": this start-up
-    for removed in report.removed:
-        done.reclaimed_paths += removed.paths
-        done.reclaimed_bytes += removed.freed_bytes
+    done = replace(done, reclaimed_paths=done.reclaimed_paths + tuple(
+        p for removed in report.removed for p in removed.paths),
+        reclaimed_bytes=done.reclaimed_bytes + sum(x.freed_bytes for x in report.removed))
     for kept in report.kept:
         if kept.code in _UNSAFE_KEPT:
-            raise UnsafeRegionError(f"cannot reclaim the leftover {path}: {kept.message}",
-                                    path=path, engine_id=engine_id, code=kept.code)
+            raise UnsafeRegionError(f"cannot reclaim the leftover {done.path}: {kept.message}",
+                                    path=done.path, engine_id=done.engine_id, code=kept.code)
     if report.errors:
-        raise OperationFailedError(report.errors[0].message, path=path, engine_id=engine_id)
-    return bool(report.removed) and not report.kept and not os.path.lexists(path)
+        raise OperationFailedError(report.errors[0].message, path=done.path,
+                                   engine_id=done.engine_id)
+    return done, bool(report.removed) and not report.kept and not os.path.lexists(done.path)
 
 
 def _own(regions: Iterable[RegionInfo]) -> list[RegionInfo]:
-    """Regions that are this user's: another user's file, linked or not, never makes a
-    name in use for us, and neither does one whose owner could not be read (a mapping
-    without a descriptor, seen without CAP_SYS_ADMIN): an unknown owner is never ours.
-    An engine started through the hook keeps a descriptor, so its owner reads."""
+    """Regions that are this user's: another user's file never makes a name in use for
+    us, and neither does an unknown owner (a mapping without a descriptor, seen
+    without CAP_SYS_ADMIN). An engine started through the hook keeps a descriptor."""
     me = os.geteuid()
     return [r for r in regions if r.uid == me]
 
 
+# What a squatted name is: (in words, error code).
+_SYMLINK = ("a symbolic link", "symlink")
+_NOT_REGULAR = ("not a regular file", "not_regular_file")
+_FOREIGN = ("a regular file", "foreign_owner")
+
+
 def _refuse_squatters(regions: Iterable[RegionInfo], mpath: str, engine_id: str) -> None:
     """A name of this engine_id taken by another user, or by anything but a regular
-    file (segments, manifest), is refused naming the squatter: it can be neither
-    created, nor joined, nor removed by us."""
+    file (segments, manifest), is refused naming the squatter: we can neither
+    create, join nor remove it."""
     me = os.geteuid()
-    for r in regions:
-        if not r.linked:
-            continue
+    for r in (r for r in regions if r.linked):
         for seg in r.segments:
-            if seg.file_id is not None and seg.uid == me:
-                continue
-            codes = {p.code for p in seg.problems}
-            what, code = (("a symbolic link", "symlink") if "symlink" in codes else
-                          ("not a regular file", "not_regular_file") if seg.file_id is None
-                          else ("a regular file", "foreign_owner"))
-            holders = ", ".join(f"pid {h.pid} ({h.name or '?'})" for h in r.holders[:3])
-            raise _squat_error(seg.path, engine_id, seg.uid, what, code, holders,
-                               r.holders[0].pid if r.holders else None)
+            if seg.file_id is None or seg.uid != me:
+                kind = (_SYMLINK if any(p.code == "symlink" for p in seg.problems) else
+                        _NOT_REGULAR if seg.file_id is None else _FOREIGN)
+                raise _squat_error(seg.path, engine_id, seg.uid, kind, r.holders)
     try:
         st = os.stat(mpath, follow_symlinks=False)
     except FileNotFoundError:
         return
-    if stat.S_ISREG(st.st_mode) and st.st_uid == me:
-        return
-    what, code = (("a symbolic link", "symlink") if stat.S_ISLNK(st.st_mode) else
-                  ("a directory", "not_regular_file") if stat.S_ISDIR(st.st_mode) else
-                  ("a regular file", "foreign_owner") if stat.S_ISREG(st.st_mode) else
-                  ("not a regular file", "not_regular_file"))
-    raise _squat_error(mpath, engine_id, st.st_uid, what, code, "", None)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != me:
+        kind = (_SYMLINK if stat.S_ISLNK(st.st_mode) else
+                ("a directory", "not_regular_file") if stat.S_ISDIR(st.st_mode) else
+                _FOREIGN if stat.S_ISREG(st.st_mode) else _NOT_REGULAR)
+        raise _squat_error(mpath, engine_id, st.st_uid, kind, ())
 
 
-def _squat_error(path: str, engine_id: str, uid: int | None, what: str, code: str,
-                 holders: str, pid: int | None) -> UnsafeRegionError:
+def _squat_error(path: str, engine_id: str, uid: int | None, kind: tuple[str, str],
+                 holders: Sequence[Holder]) -> UnsafeRegionError:
     owner = "an unknown user" if uid is None else fsguard.user_text(uid)
-    held = f", held by {holders}" if holders else ""
+    shown = ", ".join(f"pid {h.pid} ({h.name or '?'})" for h in holders[:3])
+    held = f", held by {shown}" if shown else ""
     return UnsafeRegionError(
-        f"{path} is {what} owned by {owner}{held}: the name engine_id {engine_id!r} needs is "
-        "squatted, so the engine can neither create nor join it; remove it as root after "
-        "checking, or pick another engine_id", path=path, engine_id=engine_id, pid=pid,
-        code=code)
+        f"{path} is {kind[0]} owned by {owner}{held}: the name engine_id {engine_id!r} needs "
+        "is squatted, so the engine can neither create nor join it; remove it as root after "
+        "checking, or pick another engine_id", path=path, engine_id=engine_id,
+        pid=holders[0].pid if holders else None, code=kind[1])
 
 
 def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str | None,
-                                       engine_id: str) -> None:
-    """A region whose name was released still belongs to a live engine with this id.
-
-    It blocks no name, and a new region would share no bytes with it, but two engines
-    under one engine_id is the collision this step exists to catch. Only a holder
-    proven to be another engine's refuses; one we cannot read does not.
-    """
+                                       engine_id: str, tokens: _Tokens) -> None:
+    """A released region of a live engine with this id blocks no name and shares no bytes,
+    but two engines under one engine_id is the collision this step exists to catch.
+    Only a holder proven to be another engine's refuses; one we cannot read does not."""
     for r in regions:
         if r.linked:
             continue
-        who = classify_holders(r, token)
+        who = classify_holders(r, token, tokens)
         if who.foreign:
             pid, why = who.foreign[0]
             raise _collision(engine_id, r.paths[0] + " (deleted)", pid, why, _RELEASED)
 
 
-def _fits(done: _Progress, action: str, size_bytes: int | None,
+def _fits(done: ClaimResult, size_bytes: int | None,
           shm_dir: str | os.PathLike[str]) -> ClaimResult:
     """The name is free: check that `size_bytes` fit (exit 5 when not)."""
-    free: int | None = None
-    room: tuple[RemovedRegion, ...] = ()
-    if size_bytes is not None:
-        if room_enabled():
-            room = make_room(shm_dir, size_bytes)
-        cap = capacity.measure(Path(shm_dir))
-        capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=done.engine_id)
-        free = min(x for x in (cap.shm.free_bytes, cap.cgroup_free_bytes,
-                               cap.mem_available_bytes) if x is not None)
-    return done.result(action, needed_bytes=size_bytes or 0, free_bytes=free,
-                       reclaimed_for_room=room)
+    done = replace(done, action=RECLAIMED if done.reclaimed_paths else CREATE,
+                   needed_bytes=size_bytes or 0)
+    if size_bytes is None:
+        return done
+    room = make_room(shm_dir, size_bytes) if room_enabled() else ()
+    cap = capacity.measure(Path(shm_dir))
+    capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=done.engine_id)
+    return replace(done, free_bytes=tightest(cap), reclaimed_for_room=room)

@@ -1,19 +1,11 @@
 """Room for a new region: a crashed engine's leftovers give way, a live one's never do.
 
-In a pod-sized tmpfs (a Kubernetes emptyDir with `medium: Memory`, which
-outlives container restarts) an engine that crashed leaves its region behind,
-and the restarted engine gets a fresh engine_id (vLLM's are UUIDs): the
-leftover is not under its name, so the claim never reclaims it, the capacity
-check refuses (exit 5), and the pod restarts into the same refusal for ever.
-So before that refusal the start-up (the hook and `preflight`) removes this
-user's leftovers that gc itself would remove: state `stale` (every holder
-proven gone: /proc, locks and the kernel's lease), never persistent, never
-`creating` or `unknown`, never another user's; oldest first, and only as many
-as the new region lacks. Each goes through the collector's own removal (it
-re-checks everything under its lock) and is audit-logged. A live or unknown
-region is never touched: then the refusal stands.
-`VLLM_OFFLOAD_RECLAIM_FOR_ROOM=0` (or `preflight --no-reclaim-for-room`)
-turns it off.
+A restarted engine gets a fresh engine_id (vLLM's are UUIDs), so its crashed
+predecessor's region in a pod-sized tmpfs is not under its name, and the
+capacity check would refuse for ever. So the start-up removes this user's
+leftovers that gc would (`stale`, linked, not persistent), oldest first and only
+as many as needed, through the collector's own audited removal.
+`VLLM_OFFLOAD_RECLAIM_FOR_ROOM=0` (or `preflight --no-reclaim-for-room`) turns it off.
 """
 
 from __future__ import annotations
@@ -39,23 +31,22 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(RECLAIM_FOR_ROOM_ENV, "1").strip().lower() not in _OFF
 
 
-def shortfall(size_bytes: int, cap: capacity.Capacity) -> int:
-    """Bytes the tightest limit lacks for `size_bytes` (0 when it fits)."""
-    free = [x for x in (cap.shm.free_bytes, cap.cgroup_free_bytes, cap.mem_available_bytes)
-            if x is not None]
-    return max(0, size_bytes - min(free)) if free else 0
+def tightest(cap: capacity.Capacity) -> int:
+    """The free bytes of the tightest limit: tmpfs, memory cgroup or available memory."""
+    return min(x for x in (cap.shm.free_bytes, cap.cgroup_free_bytes, cap.mem_available_bytes)
+               if x is not None)
 
 
 def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
               dry_run: bool = False) -> tuple[RemovedRegion, ...]:
     """Remove (or, dry, name) the oldest stale leftovers of this user until `size_bytes`
     fit; what was removed. Nothing when it fits already or nothing may give way."""
-    short = shortfall(size_bytes, capacity.measure(os.fspath(shm_dir)))
+    short = size_bytes - tightest(capacity.measure(os.fspath(shm_dir)))
     if short <= 0:
         return ()
     me = os.geteuid()
-    # this user's files only, and the processes that could have opened them: the
-    # collector re-checks each removal against every process and the kernel's lease
+    # this user's files, and the processes that could open them: the collector
+    # re-checks each removal against every process and the kernel's lease
     inv = discover(shm_dir, measure_residency=False, judge_uids=[me],
                    only=visibility.MayOpen(me, 0o600))
     picked: list[RegionInfo] = []
