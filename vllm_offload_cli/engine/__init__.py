@@ -1,9 +1,5 @@
-"""The engine startup hook: identity, reclaim, pre-flight and liveness for vLLM's region.
-
-Plain core calls, importable without vLLM and without torch; the vLLM
-adapter (`vllm_spec`) and the `vllm.general_plugins` entry point (`plugin`)
-are separate modules that only vLLM loads.
-"""
+"""The engine start-up hook, importable without vLLM or torch (`vllm_spec` and `plugin`
+are the modules only vLLM loads)."""
 
 from vllm_offload_cli.engine.claim import ClaimResult, claim, startup_lock
 from vllm_offload_cli.engine.identity import (

@@ -1,20 +1,11 @@
 """The `vllm.general_plugins` entry point: make the hardened specs known to vLLM.
 
-vLLM calls it with no arguments in every process (API server, engine core,
-each worker, short-lived inspection subprocesses) before devices exist; an
-exception here would abort the engine's start-up. So it is idempotent, never
-raises (it logs) unless `VLLM_OFFLOAD_STRICT=1`, and imports vLLM only here,
-inside the call. It also gives the engine its identity token in the first
-process, so every worker spawned later inherits it.
-
-Inside vLLM the hook is a good citizen: vLLM validates every `VLLM_*`
-variable (a warning at each start; `--fail-on-environ-validation` refuses the
-engine), so our names are registered as known before vLLM checks them; and
-the hook's records go where vLLM's own go, in vLLM's format, at vLLM's level.
-
-A vLLM whose region code is not understood (`vllm_rules`) gets nothing
-registered and one warning; the engine then runs as plain vLLM (specs named by
-`spec_module_path` stand aside the same way). Strict mode refuses instead.
+vLLM calls it in every process before devices exist, and an exception would
+abort the engine: so it is idempotent, imports vLLM only inside the call and
+never raises (it logs) unless `VLLM_OFFLOAD_STRICT=1`. It gives the engine its
+token in the first process, registers our `VLLM_*` names before vLLM validates
+them, and sends our records to vLLM's logger. A vLLM not understood
+(`vllm_rules`) gets one warning and runs as plain vLLM.
 """
 
 from __future__ import annotations
@@ -52,7 +43,7 @@ def register() -> None:
         rules = rules_or_none(strict=strict)
         if rules is None:
             return  # warned: nothing registered, the engine runs as plain vLLM
-        logger.debug("vllm-offload: %s", rules.summary())
+        logger.debug("vllm-offload: %s", rules)
         for name in SPEC_NAMES:
             with contextlib.suppress(ValueError):  # registered already: a second call
                 OffloadingSpecFactory.register_spec(name, SPEC_MODULE, name)
@@ -70,15 +61,9 @@ def _no_value() -> None:
 
 
 def register_environment() -> None:
-    """Make our variables known to vLLM's `envs.environment_variables` table.
-
-    vLLM checks every `VLLM_*` name in the environment against that table
-    (`Platform.validate_environ`, after plugins are loaded). Its values also
-    feed torch.compile's cache key (`envs.compile_factors`): the engine token
-    is random per engine, so each getter returns None and the key stays the
-    same across restarts. Names already known are left alone; a vLLM without
-    that table validates nothing to register with.
-    """
+    """Make our variables known to vLLM's `envs.environment_variables` table, which
+    vLLM checks every `VLLM_*` name against. Its values feed torch.compile's cache
+    key, so each getter returns None: a random token must not change the key."""
     try:
         from vllm import envs
     except ImportError:
@@ -100,12 +85,8 @@ class _ToVllm(logging.Handler):
 
 
 def join_vllm_logging() -> None:
-    """Our package's records appear in the engine's log, as vLLM's own do.
-
-    In vLLM's processes nothing configures our loggers: without this, INFO is
-    dropped and warnings reach stderr bare. vLLM's "vllm" logger does not
-    propagate to the root, so neither do ours once joined (no record twice).
-    """
+    """Our package's records appear in the engine's log, as vLLM's own do (nothing
+    else configures our loggers there); not propagated, so no record shows twice."""
     package = logging.getLogger(PACKAGE_LOGGER)
     if any(isinstance(h, _ToVllm) for h in package.handlers):
         return

@@ -1,12 +1,8 @@
 """One engine process's hold on its region: claim, open through the core, check the slot.
 
-The hook opens the region through the hardened core *before* vLLM does, so
-vLLM always takes its joiner path onto a file of exactly the right size that
-this engine made (or was pre-provisioned for it). The open happens under the
-start-up lock, right after the claim, so no other process can slip a region
-in between. Pre-faulting is left to vLLM. For the process's life the hold
-holds a shared flock on every file and an attachment (with the engine token)
-in the manifest, so `inspect` and `gc` can prove the region alive.
+Opened before vLLM, under the start-up lock right after the claim, so vLLM only
+ever joins a file this engine made or was pre-provisioned for. The hold keeps a
+shared flock and a manifest attachment (with the token) for `inspect` and `gc`.
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ class RegionHold:
     def __init__(self, region: SharedOffloadRegion, claimed: ClaimResult) -> None:
         self.region = region
         self.claimed = claimed
-        self._creator = region.creator
+        self.creator = region.creator  # this process made the file
         m = _own_manifest(region)
         self.pre_provisioned = m is not None and m.persistent and m.complete
         # what inspect, verify and gc need once the names are released: carried by
@@ -81,20 +77,9 @@ class RegionHold:
         self._pid = os.getpid()
         atexit.register(self._close_at_exit)  # a process that never shuts vLLM down
 
-    @property
-    def creator(self) -> bool:
-        """Whether this process made the file (before any release of its name)."""
-        return self._creator
-
-
     def release_name(self) -> bool:
-        """Unlink the names once every process that needs them has mapped the region.
-
-        From then on a SIGKILL leaks nothing: the kernel frees the bytes when
-        the last mapping goes. Our flock and mapping stay. True when unlinked.
-        A region pre-provisioned with `vllm-offload create` keeps its name: it
-        is kept until `gc --include-persistent` removes it, whichever spec joins.
-        """
+        """Unlink the names once every process that needs them mapped the region (then a
+        SIGKILL leaks nothing); True when unlinked. A pre-provisioned region keeps them."""
         if self.pre_provisioned:
             return False
         gone = self.region.release_names()

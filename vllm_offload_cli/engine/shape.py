@@ -1,10 +1,8 @@
 """Does the region under a name have the shape an engine is about to ask for?
 
-A joiner of another size waits for bytes that never come (vLLM: 30 s, then a
-failure far from the cause), a joiner of another geometry reads its neighbours'
-KV bytes, and one of another segment count looks for files that are not there.
-So the claim compares before it says "join": size always, segment count and
-geometry where both sides know them (a region vLLM made has no manifest).
+A joiner of another size hangs, of another geometry reads its neighbours' KV
+bytes, of another segment count finds no files: so the claim compares size
+always, segments and geometry where both sides know them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """How the vLLM in use makes its region: a table per release, confirmed by signatures.
 
-vLLM 0.31, 0.32 and 0.33 name the region alike and lay out its rows alike, but
-make it differently: how many files (0.33's CPU spec splits a region into
-segment files), which slot each worker takes (0.31 folds the device index,
-later releases use the logical rank), and whether the creator unlinks the
-names after a barrier. The hook must make exactly the files vLLM then joins and
-give each worker the slot vLLM will use. Those facts are in RELEASES, one row
-per release of the support matrix; CI checks every row against that release's
-code (tests/test_vllm_rules.py, run once per release by .ci/run). Nothing of
-vLLM is imported (its sources are read with `ast`), so `create` can ask too.
-
-A vLLM is understood (else `UnsupportedVllm`, and the hook stands aside
-instead of guessing) when:
-
-* its version's release (major.minor) has a row in RELEASES;
-* the region class's constructor takes vLLM's five positional parameters and
-  exactly that row's keyword parameters (an unknown one may change what lands
-  on disk), and the specs have the methods the hardened specs override;
-* the constants the row names (files asked for, smallest file) are integers:
-  the value in vLLM's module where it is loaded in this process (what vLLM
-  will use), else the source's.
+Releases differ in how many files a region has (0.33's CPU spec splits it),
+which slot each worker takes (0.31 folds the device index) and whether the
+names are unlinked after a barrier. RELEASES has one row per release of the
+support matrix; CI checks each row against that release's code. A vLLM is
+understood (else `UnsupportedVllm`: the hook stands aside, never guesses) when
+its release has a row, the region constructor takes vLLM's five positional
+parameters and exactly the row's keywords, the specs have the methods we
+override, and the row's constants are integers (the loaded module's, else the
+source's). vLLM is read with `ast`, never imported, so `create` can ask too.
 """
 
 from __future__ import annotations
@@ -110,20 +99,6 @@ class VllmRules:
         """How many files vLLM asks for at `call` for a region of `size_bytes` (its rule)."""
         return effective_segments(call.segments, size_bytes, min_bytes=self.min_segment_bytes)
 
-    @property
-    def name(self) -> str:
-        return f"vLLM {self.version or '(version unknown)'} at {self.root}"
-
-    def summary(self) -> str:
-        """One line: the facts read, as the README's support matrix states them."""
-        cpu = self.cpu_worker
-        files = (f"segment files (up to {cpu.segments}, none under "
-                 f"{self.min_segment_bytes} bytes)" if cpu.segments > 1 else "one file")
-        return (f"{self.name}: CPU spec {files}, slots by {cpu.rank_source} rank, names "
-                f"{'released after its barrier' if cpu.barrier else 'kept'}; tiering spec "
-                f"{'one file' if self.tiering_worker.segments == 1 else 'segment files'}, "
-                f"slots by {self.tiering_worker.rank_source} rank")
-
 
 def vllm_root() -> Path | None:
     """The directory holding the `vllm` package in use, without importing it."""
@@ -141,11 +116,8 @@ def vllm_root() -> Path | None:
 
 
 def read_rules(root: Path | None = None) -> VllmRules:
-    """Read vLLM's rules at `root` (default: the vLLM in use).
-
-    Raises UnsupportedVllm (one line saying what was not understood), also when
-    no vLLM is found.
-    """
+    """Read vLLM's rules at `root` (default: the vLLM in use); UnsupportedVllm (one line
+    saying what was not understood) also when no vLLM is found."""
     root = root if root is not None else vllm_root()
     if root is None:
         raise UnsupportedVllm("vLLM is not installed here")
@@ -212,9 +184,6 @@ class _Source:
             raise UnsupportedVllm(f"{self.path} cannot be read ({exc.strerror})") from None
         self.tree = _parsed(str(self.path), st.st_mtime_ns, st.st_size)
 
-    def where(self, what: str) -> str:
-        return f"{self.module}.{what}"
-
     def cls(self, name: str) -> ast.ClassDef:
         for node in self.tree.body:
             if isinstance(node, ast.ClassDef) and node.name == name:
@@ -225,7 +194,7 @@ class _Source:
         for node in cls.body:
             if isinstance(node, ast.FunctionDef) and node.name == name:
                 return node
-        raise UnsupportedVllm(f"{self.where(cls.name)} has no method {name}")
+        raise UnsupportedVllm(f"{self.module}.{cls.name} has no method {name}")
 
     def integer(self, name: str) -> int:
         """A module-level integer constant: the loaded module's value, else the source's."""
@@ -236,7 +205,7 @@ class _Source:
                         and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name):
                     value = _int_expr(node.value)
         if not is_int(value) or value < 1:
-            raise UnsupportedVllm(f"{self.where(name)} is not a positive integer constant")
+            raise UnsupportedVllm(f"{self.module}.{name} is not a positive integer constant")
         return value
 
     def _loaded_value(self, name: str) -> object | None:
@@ -252,8 +221,7 @@ class _Source:
 
 @functools.lru_cache(maxsize=16)
 def _parsed(path: str, mtime_ns: int, size: int) -> ast.Module:
-    """A vLLM module's syntax tree, read and parsed once per process and file version:
-    the plugin and every spec's create_worker/get_manager ask for the same three."""
+    """A vLLM module's syntax tree, parsed once per process and file version."""
     try:
         with open(path, "rb") as f:
             text = f.read(_MAX_SOURCE_BYTES + 1)
@@ -285,7 +253,7 @@ def _int_expr(node: ast.expr) -> int | None:
 
 def _check_region_signature(region: _Source, release: Release) -> None:
     """The constructor takes vLLM's five positional parameters, then exactly the row's."""
-    where = region.where(REGION_CLASS)
+    where = f"{region.module}.{REGION_CLASS}"
     a = region.method(region.cls(REGION_CLASS), "__init__").args
     positional = tuple(p.arg for p in a.posonlyargs + a.args)[1:]  # without self
     if positional[:len(POSITIONAL)] != POSITIONAL:

@@ -1,29 +1,12 @@
-"""vLLM's offloading specs, started through the engine hook.
+"""vLLM's offloading specs, started through the engine hook (this module imports vLLM).
 
-Selected by `kv_connector_extra_config` `spec_name` (`HardenedCPUOffloadingSpec`
-or `HardenedTieringOffloadingSpec`), with `spec_module_path` set to this module
-or by name alone once the plugin has registered them. Each subclasses vLLM's
-own spec and only runs the start-up steps around `super()`: vLLM still
-builds and owns its region object (its worker reads private fields of it),
-but always joins a file the hook made under the start-up lock: exact size,
-no stale bytes, no other engine on it.
-
-What the hook makes follows the vLLM in use, read from its code
-(`vllm_rules`): as many files as vLLM will join, each worker on the slot
-vLLM will give it, the name released only where vLLM's own barrier proved
-every worker mapped it. A vLLM whose code is not understood gets no hook at
-all: one warning, and vLLM runs exactly as it would without this package.
-
-Every region hold is closed when vLLM shuts down the worker or manager built on it
-(`shutdown()`), and at the latest at interpreter exit: a program that builds
-engines in turn (vLLM's own test suite does) finds the name free again.
-
-Known refusals (another engine holds the engine_id, no room, an unsafe
-leftover, two workers on one slot) stop the engine: that is the protection.
-Anything unexpected in the hook is logged and vLLM starts as it would without
-it, unless `kv_connector_extra_config["vllm_offload_strict"]` is true.
-
-This module imports vLLM; `vllm_offload_cli.engine` itself does not.
+Each subclasses vLLM's spec and runs the start-up steps around `super()`: vLLM
+still builds its region object, but joins a file the hook made under the
+start-up lock (exact size, no stale bytes, no other engine), with the files and
+slots the vLLM in use will ask for (`vllm_rules`). Holds close when vLLM shuts
+the worker or manager down, else at exit. Known refusals stop the engine;
+anything unexpected is logged and vLLM starts plain, unless
+`kv_connector_extra_config["vllm_offload_strict"]` is true.
 """
 
 from __future__ import annotations
@@ -117,11 +100,8 @@ def _open(spec: Any, rules: VllmRules, call: RegionCall) -> RegionHold | None:
 
 def _held(spec: Any, which: str, build: Callable[[], Any]
             ) -> tuple[Any, RegionHold | None, RegionCall | None]:
-    """Take our hold first, then let vLLM build on it; never keep a hold vLLM failed on.
-
-    `which` names the RegionCall of VllmRules this build makes. Where vLLM's code
-    is not understood, vLLM builds alone (no hold, no call).
-    """
+    """Take our hold first (for the RegionCall `which`), then let vLLM build on it;
+    never keep a hold vLLM failed on. vLLM not understood: it builds alone."""
     rules = _rules(spec)
     call: RegionCall | None = None if rules is None else getattr(rules, which)
     hold = None if rules is None or call is None else _open(spec, rules, call)
@@ -137,11 +117,8 @@ def _held(spec: Any, which: str, build: Callable[[], Any]
 
 
 def close_on_shutdown(owner: Any, hold: RegionHold) -> None:
-    """Close `hold` right after vLLM's `owner.shutdown()` (its worker or manager) ran.
-
-    vLLM's own region is released inside that call; ours (flock, attachment,
-    mapping, and the name where this process made it) goes straight after.
-    """
+    """Close `hold` right after vLLM's `owner.shutdown()` (its worker or manager) ran,
+    which releases vLLM's own region."""
     shutdown = getattr(owner, "shutdown", None)
     if not callable(shutdown):
         return  # closed at interpreter exit (RegionHold)
@@ -172,12 +149,8 @@ class HardenedCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
 
 
 class HardenedTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
-    """vLLM's tiering spec (one file, never unlinked by vLLM), hardened.
-
-    Its scheduler joins the region rank-less after every worker mapped it (the
-    engine core builds the scheduler after the KV caches), so that join is
-    where the name is released: from then on a SIGKILL leaks nothing.
-    """
+    """vLLM's tiering spec (one file, never unlinked by vLLM), hardened: its scheduler
+    joins after every worker mapped the region, so that is where the name is released."""
 
     def create_worker(self, kv_caches: Any) -> Any:
         worker, hold, _ = _held(self, "tiering_worker", lambda: super(
