@@ -84,14 +84,8 @@ class ResultSink:
     def wait(self, job_ids: Iterable[int], timeout: float | None) -> bool:
         """Block until none of `job_ids` is in flight; False on timeout."""
         wanted = set(job_ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while wanted & self._in_flight:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
+            return self._cond.wait_for(lambda: not wanted & self._in_flight, timeout)
 
 
 def _result(job: CopyJob, nbytes: int, seconds: float, method: str,
