@@ -290,11 +290,6 @@ class _Bench:
             total += 2 * jobs * self.shape(block)[2] * block
         return total
 
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-
     def ids(self, pattern: str, n: int, num_blocks: int) -> tuple[Tensor, Tensor]:
         """(device block ids, region block ids) of one job."""
         torch = self.torch
@@ -322,7 +317,9 @@ class _Bench:
         if failed or len(results) != count:
             detail = failed[0].error if failed else f"{len(results)} results for {count} jobs"
             raise OperationFailedError(f"benchmark job failed: {detail}")
-        self.advance(sum(r.bytes for r in results))
+        self.done += sum(r.bytes for r in results)
+        if self.progress is not None:
+            self.progress(self.done, self.total)
         return wall, [r.seconds for r in results], results[-1].method
 
     def direction(self, worker: CopyWorker, baseline: _Baseline, store: bool, src: Tensor,
@@ -401,7 +398,7 @@ class _Bench:
             for mode in modes:
                 worker = CopyWorker(region, [device_rows], region_views=[view],
                                     pin=mode == "pinned")
-                if mode == "pinned":
+                if mode == "pinned" and huge_pages is None:
                     self.pinned, self.pin_warning = worker.pinned, worker.pin_warning
                 for pattern in patterns:
                     dev_ids, reg_ids = self.ids(pattern, n, num_blocks)

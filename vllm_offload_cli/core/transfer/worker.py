@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
     from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 
-__all__ = ["CopyWorker", "Direction", "TransferResult"]
-
 logger = logging.getLogger(__name__)
 
 LAYOUTS = ("worker", "canonical")
