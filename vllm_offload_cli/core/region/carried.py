@@ -10,19 +10,17 @@ owned by the region's owner, mode 0600, bounded, validated, describing that very
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
 import re
-import stat
 from collections.abc import Iterable
 from dataclasses import replace
 
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.errors import OffloadError
+from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import FileId, open_proc_link
@@ -104,21 +102,11 @@ def _carried(pid: int, memfds: dict[tuple[int, int], int] | None, region: FileId
     fd = open_proc_link(f"{procfs.PROC}/{pid}/fd/{fd_number}")
     if fd is None:
         return None
-    try:
-        m = _parse(fd, owner_uid)
+    try:  # validated as any manifest (a memfd has no link)
+        m = manifest_io.read_fd(fd, f"memfd of pid {pid}", allowed_uids=fsguard.EVERY_UID,
+                                owner_uid=owner_uid, linked=False)
+    except (OSError, OffloadError):
+        return None
     finally:
         os.close(fd)
-    if m is not None and (m.region_dev, m.region_ino) == (region.dev, region.ino):
-        return m
-    return None
-
-
-def _parse(fd: int, owner_uid: int) -> Manifest | None:
-    st = os.fstat(fd)
-    if (not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid or st.st_mode & 0o077
-            or st.st_size > manifest_io.MAX_BYTES):
-        return None
-    with contextlib.suppress(OSError, ValueError, TypeError, OffloadError):
-        data = os.pread(fd, manifest_io.MAX_BYTES + 1, 0)
-        return Manifest.from_json(uj.loads(data, max_bytes=manifest_io.MAX_BYTES))
-    return None
+    return m if (m.region_dev, m.region_ino) == (region.dev, region.ino) else None

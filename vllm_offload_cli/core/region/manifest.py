@@ -220,7 +220,7 @@ def _attachment(a: dict[str, Any]) -> Attachment:
 
 
 def read_fd(fd: int, path: str, *, allowed_uids: fsguard.AllowedUids = None,
-            owner_uid: int | None = None) -> Manifest:
+            owner_uid: int | None = None, linked: bool = True) -> Manifest:
     """Parse a manifest open as `fd` (a caller may lock or unlink that very inode); with
     `owner_uid` (the region's owner) anyone else's is refused: it proves nothing."""
     st = os.fstat(fd)
@@ -229,7 +229,7 @@ def read_fd(fd: int, path: str, *, allowed_uids: fsguard.AllowedUids = None,
             f"manifest {path} is owned by uid {st.st_uid}, not by the region's owner uid "
             f"{owner_uid}; it is ignored (another user may have planted it)", path=path,
             code="manifest_foreign")
-    problems = fsguard.stat_problems(st, allowed_uids=allowed_uids)
+    problems = fsguard.stat_problems(st, allowed_uids=allowed_uids, expect_linked=linked)
     if problems:
         raise ManifestError(f"manifest {path} {problems[0].message}", path=path,
                             code=f"manifest_{problems[0].code}")

@@ -274,8 +274,6 @@ class SharedOffloadRegion:
                 logger.warning("failed to release the peers waiting at the barrier of %s",
                                getattr(self, "mmap_path", self.engine_id), exc_info=True)
 
-    # -- opening ---------------------------------------------------------------
-
     def _map(self, fd: int) -> mmap.mmap:
         """One mapping of the whole region; segment files are laid over it back to back."""
         if len(self.segments) == 1:
@@ -478,12 +476,9 @@ class SharedOffloadRegion:
     def _taken_hint(self, st: os.stat_result | None) -> str:
         """What to do about a taken name, as a command that works on what is there."""
         m = None
-        if st is not None:
-            with contextlib.suppress(OffloadError, OSError):
-                m = manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids,
-                                     owner_uid=st.st_uid)
-            if m is not None and (m.region_dev, m.region_ino) != (st.st_dev, st.st_ino):
-                m = None  # describes an earlier file of this name
+        if st is not None:  # only a manifest of this very file counts
+            m, _ = manifest_io.read_matching(self.manifest_path, FileId.of(st),
+                                             allowed_uids=self._allowed_uids, owner_uid=st.st_uid)
         gc = gc_command(self.shm_dir, self.engine_id,
                         include_persistent=m is not None and m.persistent and m.complete)
         if m is not None and not m.complete:
@@ -533,8 +528,6 @@ class SharedOffloadRegion:
         if manifest:
             manifest_io.remove(self.manifest_path)
         return True
-
-    # -- views (vLLM's API) ----------------------------------------------------
 
     def _mapping(self) -> mmap.mmap:
         if self.mmap_obj is None or self._closed:
@@ -604,8 +597,6 @@ class SharedOffloadRegion:
         """Zero-copy (num_chunks, row_stride) byte view; chunk c is view[c]."""
         return memoryview(self._mapping()).cast("B", (self.num_chunks, self._row_stride))
 
-    # -- lifetime --------------------------------------------------------------
-
     @property
     def creator(self) -> bool:
         return self._creator
@@ -665,9 +656,8 @@ class SharedOffloadRegion:
                 self.mmap_obj.close()
                 self.mmap_obj = None
             except BufferError:
-                # a native user (a NIC, a C extension) still holds the buffer: unmapping
-                # would let it write into reused address space. Keep the mapping (as
-                # vLLM does); the descriptor and the names still go.
+                # a native user (a NIC, a C extension) still holds the buffer: unmapping would
+                # let it write into reused address space. Keep the mapping, as vLLM does.
                 logger.warning("keeping %s mapped: buffers are still exported to native "
                                "users", self.mmap_path)
         for fd in self._segment_fds:
@@ -696,11 +686,10 @@ class SharedOffloadRegion:
         addresses = list(self.pinned_addresses)
         if not addresses and self.mmap_obj is not None:
             addresses = [ctypes.addressof(ctypes.c_char.from_buffer(self.mmap_obj))]
-        unregister = _host_unregister()
+        unregister = _host_unregister() or (lambda address: None)
         for address in reversed(addresses):
             try:
-                if unregister is not None:
-                    unregister(address)
+                unregister(address)
             except Exception:  # the mapping must still be released
                 logger.warning("%s: unregistering pinned memory at %#x failed", self.mmap_path,
                                address, exc_info=True)
