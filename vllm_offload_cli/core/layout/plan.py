@@ -50,11 +50,6 @@ class DeviceLayout:
     groups: tuple[tuple[Device, ...], ...] = ()
     spec: str | None = None
 
-    @property
-    def replicas(self) -> int | None:
-        """How many replicas the layout itself fixes (explicit lists only)."""
-        return len(self.groups) if self.kind == EXPLICIT else None
-
     def assign(self, world_size: int, dp_size: int) -> tuple[tuple[Device, ...], ...]:
         """Every replica's devices, in worker order: replica k takes positions k*W .. k*W+W-1
         of the visible list, as vLLM slices it."""
@@ -83,11 +78,6 @@ class DeviceLayout:
             visible = self.groups[0]
         return tuple(visible[k * world_size:(k + 1) * world_size] for k in range(dp_size))
 
-    def unused(self, world_size: int, dp_size: int) -> tuple[str, ...]:
-        """Visible devices no replica takes (environment layout only)."""
-        if self.kind != ENV:
-            return ()
-        return tuple(d.label or str(d.index) for d in self.groups[0][world_size * dp_size:])
 
 
 def parse_devices(spec: str | None, *, environ: Mapping[str, str] | None = None
@@ -106,10 +96,8 @@ def parse_devices(spec: str | None, *, environ: Mapping[str, str] | None = None
 
 
 def _explicit_groups(spec: str) -> tuple[tuple[Device, ...], ...]:
-    keywords = ", ".join(sorted(set(_KEYWORDS) - {"cuda-visible-devices",
-                                                  "one-device-per-process"}))
     hint = (f"; expected device indices like '0,1;2,3' (';' between replicas, ',' between "
-            f"workers) or one of: {keywords}")
+            f"workers) or one of: {', '.join(sorted({CONTIGUOUS, ENV, PER_PROCESS}))}")
     if not spec.strip():
         raise InvalidInputError(f"--devices is empty{hint}", code="invalid_devices")
     groups = []
@@ -118,14 +106,12 @@ def _explicit_groups(spec: str) -> tuple[tuple[Device, ...], ...]:
         if items == [""]:
             raise InvalidInputError(f"--devices {spec!r}: replica {k} has no devices{hint}",
                                     code="invalid_devices")
-        group = []
         for item in items:
             if not item.isdigit() or not item.isascii():
                 raise InvalidInputError(
                     f"--devices {spec!r}: {item!r} is not a device index (an integer >= 0)"
                     f"{hint}", code="invalid_devices")
-            group.append(Device(int(item), str(int(item))))
-        groups.append(tuple(group))
+        groups.append(tuple(Device(int(item), str(int(item))) for item in items))
     return tuple(groups)
 
 
@@ -217,13 +203,14 @@ def plan_layout(
     layout = devices or DeviceLayout(CONTIGUOUS)
     _require_count("--world-size", world_size)
     if dp_size is None:
-        dp_size = layout.replicas or 1
+        dp_size = len(layout.groups) if layout.kind == EXPLICIT else 1
     _require_count("--dp-size", dp_size)
     if world_size * dp_size > MAX_WORKERS:
         raise InvalidInputError(
             f"{dp_size} replica(s) of {world_size} worker(s) is more than {MAX_WORKERS} "
             "workers; check --world-size and --dp-size", code="invalid_layout")
     assigned = layout.assign(world_size, dp_size)
+    unused = layout.groups[0][world_size * dp_size:] if layout.kind == ENV else ()
     device_of = {WorkerRef(k, w): d for k, g in enumerate(assigned) for w, d in enumerate(g)}
     slots = {ref: rank_source.slot(WorkerPlace(ref.worker, device.index, world_size))
              for ref, device in device_of.items()}
@@ -249,7 +236,8 @@ def plan_layout(
     )
     return LayoutPlan(world_size=world_size, dp_size=dp_size, rank_source=rank_source,
                       devices=layout, dp_suffix=dp_suffix, replicas=replicas,
-                      problems=tuple(problems), unused_devices=layout.unused(world_size, dp_size))
+                      problems=tuple(problems),
+                      unused_devices=tuple(d.label or str(d.index) for d in unused))
 
 
 def _require_count(option: str, value: int) -> None:
