@@ -1,38 +1,27 @@
 """Where a region's pages really are: NUMA node per byte and huge pages, observed.
 
-Two sources, in order:
-
-* a holder's /proc/PID/smaps and numa_maps: the kernel's own account of the
-  pages that process maps (ShmemPmdMapped/FilePmdMapped for huge pages,
-  N<node>= per node). Mappings are matched by (dev, ino), so an unlinked
-  region's `(deleted)` mapping counts. Of several holders the one mapping the
-  most is used (a rank-less opener maps every slot, a worker only its own);
-* for a region nobody maps: our own read-only mapping of the pages mincore
-  says are resident, faulted in for reading (which allocates nothing: the
-  pages exist) and asked with move_pages(2) which node holds them. Large
-  regions are sampled (at most SAMPLE_PAGES pages, spread evenly).
-
-On a one-node host the answer needs no system call: every resident byte is
-on that node. Nothing here writes to a region or imports torch.
+First from the holder that maps the most (its smaps and numa_maps, matched by (dev, ino)
+so an unlinked region counts); for a region nobody maps, through our own read-only
+mapping of the resident pages (sampled) and move_pages(2). A one-node host needs no
+system call. Nothing here writes to a region or imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections import defaultdict
-from collections.abc import Iterable
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.host import residency
-from vllm_offload_cli.core.host.discovery import RegionInfo
+from vllm_offload_cli.core.host.discovery import RegionInfo, SegmentFile
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 from vllm_offload_cli.core.region.page_policy import ThpSupport, pmd_mapped, thp_support
 from vllm_offload_cli.core.system import libc, numa, smaps
 from vllm_offload_cli.core.system.files import FileId, open_regular
 
 SAMPLE_PAGES = 4096
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,18 +46,21 @@ class Placement:
     error: str | None = None  # why it is unknown when a system call was refused
 
 
+def _summed(pid: int, parts: Iterable[HolderPages]) -> HolderPages:
+    nodes: Counter[int] = Counter()
+    mapped = huge = 0
+    for part in parts:
+        nodes.update(part.nodes)
+        mapped += part.mapped_bytes
+        huge += part.huge_bytes
+    return HolderPages(pid=pid, mapped_bytes=mapped, huge_bytes=huge, nodes=dict(nodes))
+
+
 def merge(pid: int, found: dict[FileId, HolderPages] | None,
           ids: Iterable[FileId]) -> HolderPages | None:
     """One region's share of a scan_holder() result (its segments added up)."""
     parts = [found[i] for i in ids if found and i in found]
-    if not parts:
-        return None
-    nodes: dict[int, int] = defaultdict(int)
-    for part in parts:
-        for n, b in part.nodes.items():
-            nodes[n] += b
-    return HolderPages(pid=pid, mapped_bytes=sum(p.mapped_bytes for p in parts),
-                       huge_bytes=sum(p.huge_bytes for p in parts), nodes=dict(nodes))
+    return _summed(pid, parts) if parts else None
 
 
 def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | None:
@@ -76,19 +68,13 @@ def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | No
     found = smaps.read_smaps(pid, wanted=wanted)
     if found is None:
         return None
-    if not found:
-        return {}
-    smaps.add_numa_nodes(pid, found, PAGESIZE)
-    rss: dict[FileId, int] = defaultdict(int)
-    huge: dict[FileId, int] = defaultdict(int)
-    nodes: dict[FileId, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    if found:
+        smaps.add_numa_nodes(pid, found, PAGESIZE)
+    by_file: dict[FileId, list[HolderPages]] = defaultdict(list)
     for m in found.values():
-        rss[m.file_id] += m.rss_bytes
-        huge[m.file_id] += m.huge_bytes
-        for n, b in m.nodes.items():
-            nodes[m.file_id][n] += b
-    return {fid: HolderPages(pid=pid, mapped_bytes=rss[fid], huge_bytes=huge[fid],
-                             nodes=dict(nodes[fid])) for fid in rss}
+        by_file[m.file_id].append(HolderPages(pid=pid, mapped_bytes=m.rss_bytes,
+                                              huge_bytes=m.huge_bytes, nodes=m.nodes))
+    return {fid: _summed(pid, parts) for fid, parts in by_file.items()}
 
 
 @dataclass(frozen=True)
@@ -107,11 +93,9 @@ def sample_resident(fd: int, length: int, *, sample: int = SAMPLE_PAGES,
                     pages: bytes | None = None) -> Sampled:
     """Nodes (and huge pages) of the resident pages of the first `length` bytes of `fd`.
 
-    Pages are faulted into our own read-only mapping first (move_pages only
-    sees mapped pages); only pages mincore calls resident are touched, so
-    nothing is allocated. The mapping asks for huge pages, so a sample that
-    lies in a huge page is mapped by one PMD: the share of sampled 2 MiB
-    windows that smaps reports PMD-mapped estimates the huge bytes.
+    Only resident pages are faulted into our read-only mapping (move_pages sees mapped
+    pages only), so nothing is allocated. The mapping asks for huge pages: the share of
+    sampled 2 MiB windows smaps calls PMD-mapped estimates the huge bytes.
     """
     if pages is None:
         pages = residency.page_map(fd, 0, length)
@@ -139,10 +123,7 @@ def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAM
     total = min(len(resident) * PAGESIZE, length)
     windows = {(addr + i * PAGESIZE) // _PMD for i in picked}
     huge = None if pmd is None else min(total, total * (pmd // _PMD) // len(windows))
-    counts: dict[int, int] = defaultdict(int)
-    for node in status:
-        if node >= 0:
-            counts[node] += 1
+    counts = Counter(node for node in status if node >= 0)
     known = sum(counts.values())
     if not known:
         return Sampled({}, huge, len(picked))
@@ -156,24 +137,32 @@ def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAM
 HolderScans = dict[int, "dict[FileId, HolderPages] | None"]
 
 
-def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[int],
-            resident_bytes: int | None, *, topo: numa.Topology | None = None,
-            thp: ThpSupport | None = None, measure: bool = True,
-            scans: HolderScans | None = None) -> Placement:
-    """Placement of one region: `files` are its (path, identity, size) segments.
+def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
+                ) -> dict[str, Placement]:
+    """Placement of each region, keyed by its first path (unique per region)."""
+    regions = list(regions)
+    topo = numa.topology()
+    thp = {d: thp_support(d) for d in {os.path.dirname(r.segments[0].path) for r in regions}}
+    scans: HolderScans = {}
+    if not topo.single_node or any(t.allowed for t in thp.values()):
+        # each holder's smaps and numa_maps once, for every region it maps
+        wanted = {s.file_id for r in regions for s in r.segments if s.file_id is not None}
+        scans = {pid: scan_holder(pid, wanted) for pid in {h.pid for r in regions
+                                                           for h in r.holders}}
+    return {r.segments[0].path: _observe(r, topo, thp[os.path.dirname(r.segments[0].path)],
+                                         measure and r.linked, scans) for r in regions}
 
-    `topo`, `thp` and `scans` (scan_holder() results by pid) may be passed in by
-    a caller observing many regions. On a one-node host whose mount gives no
-    huge pages the answer is known without reading any holder.
-    """
-    topo = topo or numa.topology()
-    if thp is None and files:
-        thp = thp_support(os.path.dirname(files[0][0]))
-    no_huge = thp is not None and not thp.allowed
-    if resident_bytes is not None and topo.single_node and no_huge:
-        nodes = {topo.nodes[0]: resident_bytes} if resident_bytes else {}
+
+def _observe(r: RegionInfo, topo: numa.Topology, thp: ThpSupport, measure: bool,
+             scans: HolderScans) -> Placement:
+    """Placement of one region; on a one-node host whose mount gives no huge pages it is
+    known without reading any holder."""
+    no_huge = not thp.allowed
+    if r.resident_bytes is not None and topo.single_node and no_huge:
+        nodes = {topo.nodes[0]: r.resident_bytes} if r.resident_bytes else {}
         return Placement(numa_nodes=nodes, huge_page_bytes=0, source="single_node")
-    best = _widest_holder(holder_pids, {fid for _, fid, _ in files if fid is not None}, scans)
+    best = _widest_holder([h.pid for h in r.holders],
+                          {s.file_id for s in r.segments if s.file_id is not None}, scans)
     if best is not None and best.nodes:
         return Placement(numa_nodes=best.nodes, huge_page_bytes=best.huge_bytes,
                          source="numa_maps", pid=best.pid)
@@ -182,37 +171,37 @@ def observe(files: list[tuple[str, FileId | None, int]], holder_pids: Iterable[i
                         source="unknown", pid=pid)
     if not measure or not libc.numa_syscalls_available():
         return unknown
-    return _sample_files(files, pid, no_huge) or unknown
+    return _sample_files(r.segments, pid, no_huge) or unknown
 
 
-def _widest_holder(holder_pids: Iterable[int], ids: set[FileId], scans: HolderScans | None
+def _widest_holder(holder_pids: Iterable[int], ids: set[FileId], scans: HolderScans
                    ) -> HolderPages | None:
     """The holder that maps most of the region: its numa_maps say the most."""
     best: HolderPages | None = None
     for holder in holder_pids:
-        scan = scans[holder] if scans is not None and holder in scans else scan_holder(
-            holder, ids)
-        found = merge(holder, scan, ids)
+        found = merge(holder, scans[holder] if holder in scans else scan_holder(holder, ids),
+                      ids)
         if found is not None and (best is None or found.mapped_bytes > best.mapped_bytes):
             best = found
     return best
 
 
-def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None,
-                  no_huge: bool) -> Placement | None:
+def _sample_files(segments: Sequence[SegmentFile], pid: int | None, no_huge: bool
+                  ) -> Placement | None:
     """Sample every segment through our own mapping; None when one cannot be read, an
     unknown placement with its `error` when a system call was refused."""
-    totals: dict[int, int] = defaultdict(int)
+    totals: Counter[int] = Counter()
     asked = 0
     huge: int | None = 0
-    for path, fid, size in files:
-        if fid is None or size <= 0:
+    for s in segments:
+        if s.file_id is None or s.size_bytes <= 0:
             continue
-        fd = open_regular(path, fid)
+        fd = open_regular(s.path, s.file_id)
         if fd is None:
             return None
         try:
-            got = sample_resident(fd, size, sample=max(1, SAMPLE_PAGES // len(files)))
+            got = sample_resident(fd, s.size_bytes,
+                                  sample=max(1, SAMPLE_PAGES // len(segments)))
         except OSError as exc:  # no NUMA syscalls, refused, or truncated meanwhile (EFAULT)
             if not residency.refused(exc):
                 return None
@@ -222,33 +211,6 @@ def _sample_files(files: list[tuple[str, FileId | None, int]], pid: int | None,
             os.close(fd)
         asked += got.asked
         huge = None if got.huge_bytes is None or huge is None else huge + got.huge_bytes
-        for node, b in got.nodes.items():
-            totals[node] += b
+        totals.update(got.nodes)
     return Placement(numa_nodes=dict(totals), huge_page_bytes=huge, source="move_pages", pid=pid,
                      sampled_pages=asked)
-
-
-def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
-                ) -> dict[str, Placement]:
-    """Placement of each region, keyed by its first path (unique per region)."""
-    regions = list(regions)
-    topo = numa.topology()
-    thp: dict[str, ThpSupport] = {}
-    for r in regions:
-        directory = os.path.dirname(r.segments[0].path)
-        if directory not in thp:
-            thp[directory] = thp_support(directory)
-    easy = topo.single_node and not any(t.allowed for t in thp.values())
-    scans: HolderScans = {}
-    if not easy:  # each holder's smaps and numa_maps once, for every region it maps
-        wanted = {s.file_id for r in regions for s in r.segments if s.file_id is not None}
-        for pid in {h.pid for r in regions for h in r.holders}:
-            scans[pid] = scan_holder(pid, wanted)
-    out: dict[str, Placement] = {}
-    for r in regions:
-        files = [(s.path, s.file_id, s.size_bytes) for s in r.segments]
-        out[r.segments[0].path] = observe(
-            files, [h.pid for h in r.holders], r.resident_bytes, topo=topo,
-            thp=thp[os.path.dirname(r.segments[0].path)], measure=measure and r.linked,
-            scans=scans)
-    return out

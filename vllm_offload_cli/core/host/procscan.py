@@ -1,15 +1,9 @@
 """Who uses which region: every process's mappings and descriptors, and /proc/locks.
 
-Matching is by (device, inode), never by name: a region is found after its
-name was unlinked (newer vLLM unlinks once all workers mapped it), through a
-hard link its user opened and then removed, or through another mount of the
-same tmpfs; and a process using a same-named newer file is not confused with
-one using the old one.
-Processes that vanish mid-scan are skipped; those that deny access are
-counted, so callers can say "N processes could not be inspected".
-Per process the descriptors are read before the mappings: a user that opens,
-maps, then closes its descriptor (as vLLM may) shows up in at least one of
-the two reads, whatever moment it does so.
+Matching is by (device, inode), never by name: an unlinked region, one reached through
+a removed hard link or another mount of the tmpfs is found, and a same-named newer file
+is not confused with it. Vanished processes are skipped, denied ones counted. The
+descriptors are read before the maps: a user that opens, maps, then closes shows up.
 """
 
 from __future__ import annotations
@@ -41,9 +35,8 @@ class FileUse:
     span: tuple[int, int] | None = None  # one mapping's (start, end), for map_files
 
 
-# Files a process holds on the shm filesystem that only their name could make ours
-# (not one the caller listed): each costs a readlink and a record, so past this many
-# per process they are counted, not named. Files the caller listed are always found.
+# Files a process holds on the shm filesystem that only a name could make ours cost a
+# readlink each: past this many per process they are counted, not named.
 NAMED_PER_PROCESS = 256
 
 
@@ -64,13 +57,8 @@ class ProcessScan:
 
 class _Filter:
     """Which files a scan keeps: exact identities, and (with `name`) any file on the
-    devices whose path contains `name`.
-
-    What another user adds costs little: their maps text is tested as a whole
-    (and line by line) with substring and regex searches before any line is
-    parsed, and each distinct file of a process is looked up once, however many
-    descriptors point at it.
-    """
+    devices whose path contains `name`. A maps text is searched whole before any line
+    is parsed, so what another user adds costs little."""
 
     def __init__(self, dev: int | None = None, ids: Collection[FileId] = (),
                  name: bytes | None = None) -> None:
@@ -105,8 +93,7 @@ class _Filter:
 def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
               ) -> bool | None:
     """Matching descriptors of `pid` into `scan.uses` (one per file); True denied, None
-    gone. What a process holds costs a bounded amount: past NAMED_PER_PROCESS files
-    that only a name could make ours, the rest are counted in `scan.unnamed`."""
+    gone. Past NAMED_PER_PROCESS files only a name could make ours, the rest are counted."""
     stats = procfs.fd_stats(pid, skip)
     if stats is GONE:
         return None
@@ -149,9 +136,8 @@ def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bo
     for m in procfs.parse_maps(want.lines(data)):
         if want.keeps(m.file_id, m.path):
             key = (m.file_id, m.path, m.deleted)
-            old = extents.get(key)
-            extents[key] = (max(old[0] if old else 0, m.extent),
-                            old[1] if old else (m.start, m.end))
+            extent, span = extents.get(key, (0, (m.start, m.end)))
+            extents[key] = (max(extent, m.extent), span)
     for (fid, path, deleted), (extent, span) in extents.items():
         uses[fid].append(FileUse(pid=pid, kind="map", path=path, deleted=deleted,
                                  size_hint=extent, span=span))
@@ -179,10 +165,8 @@ def _scan(want: _Filter, own_fds: Collection[int],
 def scan_processes(shm_dir: str | os.PathLike[str], ids: Collection[FileId] = (), *,
                    name: str = PREFIX, only: Callable[[int], bool] | None = None
                    ) -> ProcessScan:
-    """Every use of the files `ids`, and of any file on shm_dir's filesystem whose
-    name starts with `name` (a region's by default; unlinked ones included), by any
-    process (or only those `only` admits: it is asked before anything of a process
-    is read); locks included."""
+    """Every use (locks included) of the files `ids`, and of any file on shm_dir's
+    filesystem named `name`* (a region's by default), by any process `only` admits."""
     shm_dev = os.stat(os.path.realpath(shm_dir)).st_dev
     scan = _scan(_Filter(dev=shm_dev, ids=ids, name=b"/" + name.encode()), (), only)
     for lock in procfs.lock_entries():
@@ -193,13 +177,9 @@ def scan_processes(shm_dir: str | os.PathLike[str], ids: Collection[FileId] = ()
 
 def users_of(fids: Collection[FileId], *, own_fds: Collection[int] = ()
              ) -> tuple[dict[FileId, list[FileUse]], list[int]]:
-    """Who uses these exact files right now, and which processes denied us.
-
-    The re-check a garbage collector makes while it holds the exclusive lock.
-    Descriptors in `own_fds` are this process's own and do not count. POSIX
-    and OFD locks count as users; flock entries are ignored, since the caller
-    holds LOCK_EX, so any flock on these inodes is its own.
-    """
+    """Who uses these exact files right now, and which processes denied us: gc's
+    re-check under the exclusive lock. `own_fds` do not count; POSIX and OFD locks do,
+    flocks do not (the caller holds LOCK_EX, so any flock on them is its own)."""
     if not fids:
         return defaultdict(list), []
     want = _Filter(ids=fids)
