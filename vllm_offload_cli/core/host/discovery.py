@@ -8,6 +8,7 @@ writes, and nothing imports torch.
 from __future__ import annotations
 
 import errno
+import functools
 import heapq
 import os
 import stat
@@ -304,21 +305,27 @@ def _complete(listing: _Listing, shm_dir: str) -> None:
     """Segments of a judged region that the bound left out, found by name: a region
     is judged whole or not at all."""
     for engine_id, entries in listing.judged.items():
-        have = {segment for segment, _, _ in entries}
         uid = entries[0][2].st_uid
-        for segment in range(MAX_SEGMENT + 1):
-            if segment in have:
-                continue
-            path = str(region_path(shm_dir, engine_id))
-            path = path if segment == 0 else f"{path}.{segment}"
-            try:
-                st = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:
-                if segment:
-                    break
-                continue
-            if st.st_uid == uid:
-                entries.append((segment, path, st))
+        entries += [e for e in _by_name(shm_dir, engine_id, {e[0] for e in entries})
+                    if e[2].st_uid == uid]
+
+
+def _by_name(shm_dir: str, engine_id: str, have: Collection[int] | None = None
+             ) -> list[_Entry]:
+    """A region's files looked up by name, not listed: every possible segment, or (given
+    those it `have`s) up to the first one missing."""
+    base = str(region_path(shm_dir, engine_id))
+    found: list[_Entry] = []
+    for segment in range(MAX_SEGMENT + 1):
+        path = base if segment == 0 else f"{base}.{segment}"
+        if have is not None and segment in have:
+            continue
+        try:
+            found.append((segment, path, os.stat(path, follow_symlinks=False)))
+        except FileNotFoundError:
+            if segment and have is not None:
+                break
+    return found
 
 
 def _order(engine_id: str, entries: list[_Entry]) -> tuple[int, int, str]:
@@ -446,22 +453,20 @@ def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
 
 def _same_directory(shm_dir: str) -> Callable[[str], bool]:
     """A test for "this path names shm_dir": by path, else by (device, inode), cached."""
-    try:
-        st = os.stat(shm_dir)
-        want: FileId | None = FileId(st.st_dev, st.st_ino)
-    except OSError:
-        want = None
-    seen: dict[str, bool] = {shm_dir: True}
+    want = _dir_id(shm_dir)
 
+    @functools.cache
     def same(directory: str) -> bool:
-        if directory not in seen:
-            try:
-                st = os.stat(directory)
-                seen[directory] = FileId(st.st_dev, st.st_ino) == want
-            except (OSError, ValueError):  # not there from our mount namespace
-                seen[directory] = False
-        return seen[directory]
+        return directory == shm_dir or (want is not None and _dir_id(directory) == want)
     return same
+
+
+def _dir_id(path: str) -> FileId | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # not there from our mount namespace
+        return None
+    return FileId(st.st_dev, st.st_ino)
 
 
 def discover(
@@ -507,22 +512,8 @@ def discover(
                             seen=None if only is None else only.seen)
     run = _Run(shm=shm, scan=scan, vis=vis, allowed_uids=allowed_uids,
                measure=measure_residency, listing=listing, now=now)
-    regions = _judge_listed(run, order, judge_until, partial)
-    for engine_id, entries in sorted(listing.unjudged.items()):
-        segments = [_from_stat(path, segment, st, fsguard.stat_problems(
-            st, allowed_uids=allowed_uids)) for segment, path, st in sorted(entries)]
-        run.linked.update(s.file_id for s in segments if s.file_id is not None)
-        regions.append(judge_visibility(_region(run, engine_id, segments, False, None), vis))
-    try:
-        for engine_id, by_inode in sorted(_deleted_only(scan, run.linked, shm).items()):
-            if wanted is not None and engine_id not in wanted:
-                continue
-            for fid, uses in by_inode.items():
-                regions.append(_deleted_region(run, engine_id, fid, uses))
-    except deadline.DeadlineExpiredError:
-        if not partial:
-            raise  # gc: unlinked regions are in use, never removed; what was judged counts
-    regions = _flag_collisions(regions)
+    regions = _judge_listed(run, order, judge_until, partial) + _seen_only(run)
+    regions = _flag_collisions(regions + _unlinked(run, wanted, partial))
     orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
     return _inventory(shm, regions, orphans, listing, scan, vis)
 
@@ -548,6 +539,33 @@ def _judge_listed(run: _Run, order: list[tuple[str, list[_Entry]]],
         if region is not None:
             run.linked.update(s.file_id for s in region.segments if s.file_id is not None)
             regions.append(judge_visibility(region, run.vis))
+    return regions
+
+
+def _seen_only(run: _Run) -> list[RegionInfo]:
+    """The regions of owners this run does not judge, from lstat alone."""
+    regions = []
+    for engine_id, entries in sorted(run.listing.unjudged.items()):
+        segments = [_from_stat(path, segment, st, fsguard.stat_problems(
+            st, allowed_uids=run.allowed_uids)) for segment, path, st in sorted(entries)]
+        run.linked.update(s.file_id for s in segments if s.file_id is not None)
+        regions.append(judge_visibility(_region(run, engine_id, segments, False, None),
+                                        run.vis))
+    return regions
+
+
+def _unlinked(run: _Run, wanted: Collection[str] | None, partial: bool) -> list[RegionInfo]:
+    """The regions known only from /proc; with `partial`, those judged before the deadline."""
+    regions = []
+    try:
+        for engine_id, by_inode in sorted(_deleted_only(run.scan, run.linked, run.shm).items()):
+            if wanted is not None and engine_id not in wanted:
+                continue
+            for fid, uses in by_inode.items():
+                regions.append(_deleted_region(run, engine_id, fid, uses))
+    except deadline.DeadlineExpiredError:
+        if not partial:
+            raise  # gc: unlinked regions are in use, never removed; what was judged counts
     return regions
 
 
@@ -601,9 +619,7 @@ def _region(run: _Run, engine_id: str, segments: list[SegmentFile], locked: bool
     """A linked region from its files: manifest, holders, state and problems."""
     bare = next((s for s in segments if s.segment == 0), None)
     segments, problems = _owned(segments, (bare or segments[0]).uid)
-    manifest, mproblem = (None, None) if mpath is None else manifest_io.read_matching(
-        mpath, None if bare is None else bare.file_id, allowed_uids=run.allowed_uids,
-        owner_uid=None if bare is None else bare.uid)
+    manifest, mproblem = _manifest_of(run, mpath, bare)
     size = sum(s.size_bytes for s in segments)
     geometry = manifest.geometry if manifest is not None else None
     problems += [p for p in (mproblem, *_files_problems(segments, bare, size, geometry))
@@ -624,6 +640,16 @@ def _region(run: _Run, engine_id: str, segments: list[SegmentFile], locked: bool
         manifest=manifest, manifest_path=mpath, holders=holders, locked=locked, state=state,
         problems=(*problems, *(() if creation is None else (creation,))),
     )
+
+
+def _manifest_of(run: _Run, mpath: str | None, bare: SegmentFile | None
+                 ) -> tuple[Manifest | None, Problem | None]:
+    """The manifest, if there is one and it describes the bare file (inode and owner)."""
+    if mpath is None:
+        return None, None
+    return manifest_io.read_matching(mpath, None if bare is None else bare.file_id,
+                                     allowed_uids=run.allowed_uids,
+                                     owner_uid=None if bare is None else bare.uid)
 
 
 def _owned(segments: list[SegmentFile], owner: int | None
@@ -826,14 +852,7 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
     looks at every process. Residency is not measured.
     """
     shm = _shm_dir(shm_dir)
-    base = os.path.join(shm, region_filename(engine_id))
-    found: list[_Entry] = []
-    for segment in range(MAX_SEGMENT + 1):
-        path = base if segment == 0 else f"{base}.{segment}"
-        try:
-            found.append((segment, path, os.stat(path, follow_symlinks=False)))
-        except FileNotFoundError:
-            continue
+    found = _by_name(shm, engine_id)
     me = os.geteuid()
     mode = 0o600
     for _, _, st in found:
