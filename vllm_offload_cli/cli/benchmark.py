@@ -35,15 +35,14 @@ PATTERNS = ("contiguous", "device-scattered", "scattered")
 
 def _block_sizes(values: tuple[str, ...]) -> tuple[int, ...]:
     sizes: list[int] = []
-    for value in values or [DEFAULT_SIZES]:
-        for part in value.split(","):
-            if part.strip():
-                size = parse_size(part, what="--cpu-page-size")
-                if size <= 0:
-                    raise InvalidInputError("--cpu-page-size must be greater than 0",
-                                            code="invalid_size")
-                if size not in sizes:
-                    sizes.append(size)
+    for part in ",".join(values or [DEFAULT_SIZES]).split(","):
+        if part.strip():
+            size = parse_size(part, what="--cpu-page-size")
+            if size <= 0:
+                raise InvalidInputError("--cpu-page-size must be greater than 0",
+                                        code="invalid_size")
+            if size not in sizes:
+                sizes.append(size)
     if not sizes:
         raise InvalidInputError("--cpu-page-size needs at least one size", code="invalid_size")
     return tuple(sizes)
@@ -132,8 +131,8 @@ def _render(out: Out, report: BenchReport) -> None:
              f"{format_bytes(report.size_bytes)} per block size, world size "
              f"{report.world_size}; {'removed' if report.removed else 'NOT removed'}"]
     if report.pinned is not None:
-        pinned = "yes" if report.pinned else f"no ({report.pin_warning or 'pinning failed'})"
-        lines.append(f"Pinned    {pinned}")
+        lines.append("Pinned    " + ("yes" if report.pinned else
+                                     f"no ({report.pin_warning or 'pinning failed'})"))
     if report.prefault:
         figures = ", ".join(f"{format_bytes(p.block_bytes)} {p.gbps:.2f} GB/s"
                             for p in report.prefault)

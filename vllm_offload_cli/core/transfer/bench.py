@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -188,8 +188,7 @@ def resolve_device(requested: str) -> str:
 def _device_name(device: str) -> str:
     torch = import_torch()
     if device == "cuda":
-        name: str = torch.cuda.get_device_name(torch.cuda.current_device())
-        return name
+        return str(torch.cuda.get_device_name(torch.cuda.current_device()))
     return f"{platform.processor() or platform.machine() or 'CPU'} ({os.cpu_count()} CPUs)"
 
 
@@ -367,9 +366,7 @@ class _Bench:
         region, measured = self.on_region(block, self.modes, self.config.patterns)
         stats = region.populate_stats
         if stats is not None:
-            prefault.append(PrefaultFigure(block_bytes=block, bytes=stats.bytes,
-                                           seconds=stats.seconds, gbps=stats.gbps,
-                                           method=stats.method, threads=stats.threads))
+            prefault.append(PrefaultFigure(block_bytes=block, gbps=stats.gbps, **asdict(stats)))
         rows += measured
 
     def region(self, block: int, huge_pages: str | None = None) -> SharedOffloadRegion:

@@ -85,8 +85,7 @@ def as_words(rows: torch.Tensor, width: int) -> torch.Tensor:
     """Reinterpret int8 rows as `width`-byte elements (a view; no copy)."""
     if width == 1:
         return rows
-    words: Tensor = rows.view(getattr(import_torch(), _WORDS[width]))
-    return words
+    return rows.view(getattr(import_torch(), _WORDS[width]))
 
 
 class RowViews:

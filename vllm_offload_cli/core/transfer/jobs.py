@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.extras import import_torch
@@ -50,8 +50,7 @@ def _tensor_ids(torch: Any, values: Any, what: str) -> Ids:
 
     if values.dtype is torch.int64 and values.is_cpu and values.dim() == 1:
         # the usual case, in the fewest calls (an integer tensor never requires grad)
-        fresh: Ids = values.numpy().copy()
-        return fresh
+        return cast("Ids", values.numpy().copy())
     t = values.detach()
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise _refuse(what, f"integer block ids, got dtype {t.dtype}")
@@ -144,8 +143,7 @@ def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any
 
 def _diff(ids: Ids) -> Ids:
     """ids[i + 1] - ids[i]: one ufunc call (np.diff costs several times more)."""
-    step: Ids = ids[1:] - ids[:-1]
-    return step
+    return ids[1:] - ids[:-1]
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -192,8 +190,7 @@ class CopyJob:
         """The pair positions ordered by source id."""
         import numpy as np
 
-        order: Ids = np.argsort(self.src_ids, kind="stable")
-        return order
+        return np.argsort(self.src_ids, kind="stable")
 
     @property
     def by_region(self) -> Ids | None:
@@ -212,11 +209,9 @@ class CopyJob:
     def dst_by_source(self) -> torch.Tensor:
         """Destination ids in source order (for a job whose sources are one run), as an
         int64 CPU tensor."""
-        ids: torch.Tensor = import_torch().from_numpy(self.dst_ids[self._by_source])
-        return ids
+        return cast("torch.Tensor", import_torch().from_numpy(self.dst_ids[self._by_source]))
 
     @cached_property
     def src(self) -> torch.Tensor:
         """Source ids as an int64 CPU tensor sharing the job's memory (destination order)."""
-        ids: torch.Tensor = import_torch().from_numpy(self.src_ids)
-        return ids
+        return cast("torch.Tensor", import_torch().from_numpy(self.src_ids))
