@@ -44,10 +44,7 @@ from vllm_offload_cli.core.region.naming import manifest_path, region_path, vali
 from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 from vllm_offload_cli.core.system.processes import comm
-from vllm_offload_cli.engine.identity import (
-    EngineIdCollisionError,
-    read_token,
-)
+from vllm_offload_cli.engine.identity import EngineIdCollisionError, read_token
 from vllm_offload_cli.engine.room import enabled as room_enabled
 from vllm_offload_cli.engine.room import make_room, tightest
 from vllm_offload_cli.engine.shape import (

@@ -55,11 +55,6 @@ def register() -> None:
                        exc_info=True)
 
 
-def _no_value() -> None:
-    """What vLLM reads for our names: nothing to act on, nothing to hash."""
-    return None
-
-
 def register_environment() -> None:
     """Make our variables known to vLLM's `envs.environment_variables` table, which
     vLLM checks every `VLLM_*` name against. Its values feed torch.compile's cache
@@ -72,7 +67,7 @@ def register_environment() -> None:
     if not isinstance(table, dict):
         return
     for name in (*ENV_NAMES, *(n for n in os.environ if n.startswith(ENV_PREFIX))):
-        table.setdefault(name, _no_value)
+        table.setdefault(name, lambda: None)  # nothing to act on, nothing to hash
 
 
 class _ToVllm(logging.Handler):

@@ -12,11 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.base.errors import (
-    OffloadError,
-    RegionNotFoundError,
-    UnsafeRegionError,
-)
+from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError, UnsafeRegionError
 from vllm_offload_cli.core.region import carried
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR

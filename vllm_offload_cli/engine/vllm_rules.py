@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import operator
 import os
 import re
 import sys
@@ -200,10 +201,7 @@ class _Source:
         """A module-level integer constant: the loaded module's value, else the source's."""
         value = self._loaded_value(name)
         if value is None:
-            for node in self.tree.body:
-                if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                        and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name):
-                    value = _int_expr(node.value)
+            value = _int_expr(_assigned(self.tree, name))
         if not is_int(value) or value < 1:
             raise UnsupportedVllm(f"{self.module}.{name} is not a positive integer constant")
         return value
@@ -235,19 +233,27 @@ def _parsed(path: str, mtime_ns: int, size: int) -> ast.Module:
         raise UnsupportedVllm(f"{path} does not parse ({exc})") from None
 
 
-def _int_expr(node: ast.expr) -> int | None:
+def _assigned(tree: ast.Module, name: str) -> ast.expr | None:
+    """The value last assigned to the module-level name `name`."""
+    values = [n.value for n in tree.body if isinstance(n, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+    return values[-1] if values else None
+
+
+_OPS: dict[type[ast.operator], Any] = {ast.LShift: operator.lshift, ast.Mult: operator.mul,
+                                       ast.Pow: operator.pow, ast.Add: operator.add}
+
+
+def _int_expr(node: ast.expr | None) -> int | None:
     """An integer written as a literal or simple arithmetic of literals (`1 << 30`)."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.BinOp):
         left, right = _int_expr(node.left), _int_expr(node.right)
-        if left is None or right is None or not (0 <= right <= 64):
+        op = _OPS.get(type(node.op))
+        if left is None or right is None or op is None or not (0 <= right <= 64):
             return None
-        ops: dict[type[ast.operator], Any] = {
-            ast.LShift: lambda a, b: a << b, ast.Mult: lambda a, b: a * b,
-            ast.Pow: lambda a, b: a ** b, ast.Add: lambda a, b: a + b}
-        op = ops.get(type(node.op))
-        return None if op is None else int(op(left, right))
+        return int(op(left, right))
     return None
 
 
@@ -277,10 +283,7 @@ def _version(root: Path) -> str | None:
             tree = ast.parse(f.read(1 << 16))
     except (OSError, SyntaxError, ValueError):
         return None
-    for node in tree.body:
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-                and isinstance(node.value.value, str)
-                and any(isinstance(t, ast.Name) and t.id == "__version__"
-                        for t in node.targets)):
-            return node.value.value[:64]
+    value = _assigned(tree, "__version__")
+    if isinstance(value, ast.Constant) and isinstance(value.value, str):
+        return value.value[:64]
     return None

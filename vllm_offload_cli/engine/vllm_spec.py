@@ -45,11 +45,6 @@ STRICT_KEY = "vllm_offload_strict"
 _REFUSALS = (RegionBusyError, InsufficientSpaceError, UnsafeRegionError)
 
 
-def _rules(spec: Any) -> VllmRules | None:
-    """vLLM's rules for this process; None (warned once) where they are not understood."""
-    return rules_or_none(strict=bool(spec.extra_config.get(STRICT_KEY)))
-
-
 def _slot(spec: Any, call: RegionCall) -> tuple[int | None, int | None]:
     """(the slot vLLM's code gives this process, the device index it came from)."""
     if call.rank_source is None:
@@ -102,7 +97,7 @@ def _held(spec: Any, which: str, build: Callable[[], Any]
             ) -> tuple[Any, RegionHold | None, RegionCall | None]:
     """Take our hold first (for the RegionCall `which`), then let vLLM build on it;
     never keep a hold vLLM failed on. vLLM not understood: it builds alone."""
-    rules = _rules(spec)
+    rules = rules_or_none(strict=bool(spec.extra_config.get(STRICT_KEY)))  # None: warned
     call: RegionCall | None = None if rules is None else getattr(rules, which)
     hold = None if rules is None or call is None else _open(spec, rules, call)
     try:
