@@ -129,6 +129,13 @@ class LeaseWait:
             self.left -= time.monotonic() - began
 
 
+_NOT_REGULAR = ("not_regular_file", " is not a regular file")
+_DENIED = ("foreign_owner", ": permission denied; it belongs to someone else")
+_REFUSED_OPENS = {errno.ELOOP: ("symlink", " is a symbolic link; region names are never followed"),
+                  errno.EISDIR: _NOT_REGULAR, errno.ENXIO: _NOT_REGULAR,
+                  errno.EACCES: _DENIED, errno.EPERM: _DENIED}
+
+
 def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None = None,
                   lease_wait: LeaseWait | None = None) -> int:
     """Open an existing name, no O_CREAT, no link followed; a lease is waited out within
@@ -140,18 +147,10 @@ def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None 
         raise RegionNotFoundError(f"{path} does not exist", path=path,
                                   engine_id=engine_id) from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeRegionError(
-                f"{path} is a symbolic link; region names are never followed",
-                path=path, engine_id=engine_id, code="symlink",
-            ) from None
-        if exc.errno in (errno.EISDIR, errno.ENXIO):
-            raise UnsafeRegionError(f"{path} is not a regular file", path=path,
-                                    engine_id=engine_id, code="not_regular_file") from None
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            raise UnsafeRegionError(f"{path}: permission denied; it belongs to someone else",
-                                    path=path, engine_id=engine_id,
-                                    code="foreign_owner") from None
+        if exc.errno in _REFUSED_OPENS:
+            code, what = _REFUSED_OPENS[exc.errno]
+            raise UnsafeRegionError(f"{path}{what}", path=path, engine_id=engine_id,
+                                    code=code) from None
         raise OperationFailedError(f"cannot open {path}: {exc.strerror}", path=path,
                                    engine_id=engine_id) from exc
     if fd is None:
@@ -217,12 +216,10 @@ def unlink_if_same(path: str, fd: int, *, private_fd: int | None = None) -> bool
     moved = f"unlink.{os.getpid()}.{os.urandom(8).hex()}"  # what secrets.token_hex reads
     try:
         os.rename(path, moved, dst_dir_fd=private_fd)
-    except FileNotFoundError:
-        return False  # the name went (or the private directory did: judged next run)
     except OSError as exc:
-        if exc.errno != errno.EXDEV:
+        if exc.errno not in (errno.ENOENT, errno.EXDEV):
             raise
-        return False  # a mount over the name: not ours to judge
+        return False  # the name (or the private directory) went, or a mount is over it
     st = os.stat(moved, dir_fd=private_fd, follow_symlinks=False)
     if FileId.of(st) == want:
         os.unlink(moved, dir_fd=private_fd)

@@ -183,11 +183,19 @@ def _one_of(value: Any, what: str, allowed: tuple[str | None, ...]) -> Any:
 
 
 def _placement(doc: Any) -> dict[str, Any] | None:
-    """The optional placement record, or the refusal every bad field gets."""
-    try:
-        return page_policy.record_from_json(doc)
-    except (ValueError, TypeError) as exc:
-        raise uj.UntrustedJsonError(f"placement: {exc}") from exc
+    """The optional NUMA policy and huge pages asked for (page_policy's words)."""
+    if doc is None:
+        return None
+    doc = uj.obj(doc, "placement")
+    nodes = uj.array(doc.get("numa_nodes", []), "placement.numa_nodes", page_policy.MASK_BITS)
+    return {"numa_policy": _one_of(doc.get("numa_policy"), "placement.numa_policy",
+                                   (None, *page_policy.NUMA_POLICIES)),
+            "numa_nodes": [uj.integer(n, "placement.numa_nodes", 0, page_policy.MASK_BITS - 1)
+                           for n in nodes],
+            "huge_pages": _one_of(doc.get("huge_pages", "never"), "placement.huge_pages",
+                                  page_policy.HUGE_PAGE_CHOICES),
+            "huge_pages_advised": uj.boolean(doc.get("huge_pages_advised", False),
+                                             "placement.huge_pages_advised")}
 
 
 def _geometry(g: dict[str, Any]) -> Geometry:

@@ -22,14 +22,13 @@ from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OperationFailedError,
 )
-from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.system import libc, memory, mounts, numa, smaps
 
 logger = logging.getLogger(__name__)
 
 NUMA_POLICIES = {"bind": 2, "interleave": 3, "preferred": 1}  # MPOL_* of <linux/mempolicy.h>
 HUGE_PAGE_CHOICES = ("never", "auto", "always")
-_MASK_BITS = 1024  # nodes the mask can name; the kernel's own limit is at most this
+MASK_BITS = 1024  # nodes the mask can name; the kernel's own limit is at most this
 
 
 class HugePagesUnavailableError(InsufficientSpaceError):
@@ -63,29 +62,6 @@ class PagePolicy:
     @property
     def is_default(self) -> bool:
         return self.numa_policy is None and not self.advise_huge and self.huge_pages == "never"
-
-
-def record_from_json(doc: Any) -> dict[str, Any] | None:
-    """A manifest's optional `placement` field, validated; None when absent."""
-    if doc is None:
-        return None
-    if not isinstance(doc, dict):
-        raise ValueError("placement must be an object")
-    policy = doc.get("numa_policy")
-    if policy is not None and policy not in NUMA_POLICIES:
-        raise ValueError(f"unknown numa_policy {policy!r}")
-    nodes = doc.get("numa_nodes", [])
-    if not isinstance(nodes, list) or len(nodes) > _MASK_BITS or any(
-            not is_int(n) or not 0 <= n < _MASK_BITS for n in nodes):
-        raise ValueError("numa_nodes must be a list of node numbers")
-    huge = doc.get("huge_pages", "never")
-    if huge not in HUGE_PAGE_CHOICES:
-        raise ValueError(f"unknown huge_pages {huge!r}")
-    advised = doc.get("huge_pages_advised", False)
-    if not isinstance(advised, bool):
-        raise ValueError("huge_pages_advised must be true or false")
-    return {"numa_policy": policy, "numa_nodes": list(nodes), "huge_pages": huge,
-            "huge_pages_advised": advised}
 
 
 def thp_support(shm_dir: str | os.PathLike[str]) -> ThpSupport:
@@ -205,7 +181,7 @@ def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:
                                exc.strerror, extra={"code": "huge_pages_unavailable"})
         if chosen.numa_policy is not None:
             per = 8 * ctypes.sizeof(ctypes.c_ulong)
-            mask = (ctypes.c_ulong * (_MASK_BITS // per))()
+            mask = (ctypes.c_ulong * (MASK_BITS // per))()
             for node in chosen.numa_nodes:
                 mask[node // per] |= 1 << (node % per)
             try:
