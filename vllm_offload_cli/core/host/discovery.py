@@ -177,25 +177,22 @@ class Inventory:
     shm: ShmUsage
     uninspectable_processes: int
     visibility: Visibility = field(default_factory=lambda: Visibility((), ()))
-    # files this run could have judged but did not (out of time, or past the
-    # largest JUDGED_OTHERS of other users): a later run looks at them
+    # files it could have judged but did not (out of time, or past JUDGED_OTHERS)
     not_judged: tuple[Tally, ...] = ()
     # files of owners this run does not judge, past the first LISTED_UNJUDGED
     counted: tuple[Tally, ...] = ()
     listed_all: bool = True  # False: the deadline came before the directory was listed
-    # (pid, files): files on the shm filesystem a process holds past the number a run
-    # looks up per process (procscan.NAMED_PER_PROCESS), counted, not listed
+    # (pid, files): shm files a process holds past procscan.NAMED_PER_PROCESS, counted
     unnamed_held: tuple[tuple[int, int], ...] = ()
 
     def find(self, engine_id: str) -> list[RegionInfo]:
         return [r for r in self.regions if r.engine_id == engine_id]
 
 
-# What a run spends is set by the caller's own files, never by what others pile
-# up: of other users' files a run judges (opens, locks, reads) the largest
-# JUDGED_OTHERS, and of owners it does not judge at all it lists the first
-# LISTED_UNJUDGED (from lstat alone); the rest are counted per owner. A segment
-# number past MAX_SEGMENT (vLLM makes at most 32) is counted, never grouped.
+# A run's cost is set by the caller's own files, never by what others pile up: of other
+# users' files it judges the largest JUDGED_OTHERS, of owners it does not judge it lists
+# the first LISTED_UNJUDGED (lstat alone); the rest are counted per owner. A segment past
+# MAX_SEGMENT (vLLM makes at most 32) is counted, never grouped.
 JUDGED_OTHERS = 4096
 LISTED_UNJUDGED = 256
 MAX_SEGMENT = 64
@@ -438,7 +435,9 @@ def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
     """Regions known only from /proc: unlinked names still mapped or open, in shm_dir
     by (device, inode), whatever mount path the holder opened it by."""
     found: dict[str, dict[FileId, list[FileUse]]] = defaultdict(dict)
-    same_dir = _same_directory(shm_dir)
+    want = _dir_id(shm_dir)
+    same_dir = functools.cache(
+        lambda d: d == shm_dir or (want is not None and _dir_id(d) == want))
     for fid, uses in scan.uses.items():
         named = [u for u in uses if u.path]  # none: only a lock entry, no name to go by
         # none deleted: still linked, a name this run counted rather than listed
@@ -451,22 +450,11 @@ def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
     return found
 
 
-def _same_directory(shm_dir: str) -> Callable[[str], bool]:
-    """A test for "this path names shm_dir": by path, else by (device, inode), cached."""
-    want = _dir_id(shm_dir)
-
-    @functools.cache
-    def same(directory: str) -> bool:
-        return directory == shm_dir or (want is not None and _dir_id(directory) == want)
-    return same
-
-
 def _dir_id(path: str) -> FileId | None:
     try:
-        st = os.stat(path)
+        return FileId.of(os.stat(path))
     except (OSError, ValueError):  # not there from our mount namespace
         return None
-    return FileId(st.st_dev, st.st_ino)
 
 
 def discover(
@@ -483,14 +471,11 @@ def discover(
 ) -> Inventory:
     """Every region in shm_dir (or only `engine_ids`), with holders, state and problems.
 
-    `shm_private_to_namespace`: the operator states that no process outside this PID
-    namespace uses shm_dir (waives that one blind spot). `judge_uids`: owners whose files
-    are opened, locked and read (default: those `allowed_uids` accepts); any other file
-    is classified from its `lstat` alone. `judge_until` (time.monotonic()) and the
-    deadline end the judging; with `partial` what is left is counted in `not_judged`
-    instead of raising (gc keeps what it proved and says what it did not). `only`: read
-    only the processes it admits, for a caller whose every removal the collector
-    re-checks against all of them.
+    `shm_private_to_namespace` waives the PID-namespace blind spot. Files of owners not
+    in `judge_uids` (default: `allowed_uids`) are classified from `lstat` alone. With
+    `partial`, what `judge_until` (monotonic) or the deadline leaves is counted in
+    `not_judged` instead of raising. `only`: read only the processes it admits, for a
+    caller whose every removal the collector re-checks against all of them.
     """
     shm = _shm_dir(shm_dir)
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
@@ -765,12 +750,9 @@ def _through_users(uses: list[FileUse], fid: FileId,
 
 
 def judge_visibility(r: RegionInfo, vis: Visibility) -> RegionInfo:
-    """A region nobody visibly holds is `stale` only if no holder could be hidden.
-
-    Host-wide blind spots make it `unknown`; so do hidden processes that could open
-    it, unless the kernel proved that nobody else has any of its files open (`live`
-    when it proved the opposite).
-    """
+    """A region nobody visibly holds is `stale` only if no holder could be hidden:
+    host-wide blind spots make it `unknown`; so do hidden processes that could open it,
+    unless the kernel proved nobody else has its files open (`live`: proved the opposite)."""
     if r.state not in (STALE, PERSISTENT) or not r.linked:
         return r
     if any(s.file_id is None for s in r.segments):
@@ -842,14 +824,12 @@ def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | N
 
 
 def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventory:
-    """One engine_id's regions, looked for only where they can be: for the start-up
-    claim, which every rank runs under the start-up lock.
+    """One engine_id's regions, for the start-up claim every rank runs under its lock.
 
     Its names are looked up, never listed, and only processes that could have opened a
-    file of this user by themselves (`visibility.MayOpen`) are read: the cost is set by
-    this user's processes, not by others' files or processes. Another process holds our
-    file only if one of this user's handed it a descriptor; gc, which removes, still
-    looks at every process. Residency is not measured.
+    file of this user (`visibility.MayOpen`) are read, so others' files and processes
+    cost nothing; another process holds it only if one of those handed it a descriptor
+    (gc, which removes, looks at every process). Residency is not measured.
     """
     shm = _shm_dir(shm_dir)
     found = _by_name(shm, engine_id)
@@ -879,10 +859,8 @@ def open_released(shm_dir: str | os.PathLike[str], engine_id: str
                   ) -> tuple[int, RegionInfo] | None:
     """A read-only descriptor of `engine_id`'s region whose name was released (its bare
     file; one whose holders carry a manifest first), and what discovery knows of it.
-
-    Opened through a holder's descriptor or mapping, checked to be that very
-    inode (`procfs.open_fd`); None when no such region is held, or none can be opened.
-    """
+    Opened through a holder's descriptor or mapping, checked to be that very inode;
+    None when no such region is held or none can be opened."""
     shm = _shm_dir(shm_dir)
     validate_engine_id(engine_id)
     run = _Run(shm=shm, scan=scan_processes(shm, name=region_filename(engine_id)))

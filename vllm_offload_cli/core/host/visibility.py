@@ -88,7 +88,6 @@ def namespace_blind_spots() -> list[Problem]:
 
 @dataclass(frozen=True)
 class ProcMount:
-
     hidepid: str | None
     subset: str | None
     gid: int | None
