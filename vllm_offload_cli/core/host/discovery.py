@@ -207,9 +207,9 @@ class Counts:
     def __init__(self) -> None:
         self.by_uid: dict[int, list[int]] = {}
 
-    def add_file(self, uid: int, size: int = 0, allocated: int = 0) -> None:
+    def add_file(self, uid: int, size: int = 0, allocated: int = 0, files: int = 1) -> None:
         c = self.by_uid.setdefault(uid, [0, 0, 0])
-        c[0] += 1
+        c[0] += files
         c[1] += size
         c[2] += allocated
 

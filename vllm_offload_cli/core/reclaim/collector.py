@@ -1,44 +1,16 @@
 """Garbage collection: remove offload regions that are provably stale, and nothing else.
 
-Deleting by name is unsafe in `/dev/shm`: vLLM keeps using a region through
-its mapping without any lock, a creator may be between `O_EXCL` and
-`ftruncate`, and anyone can plant a symlink named like a region. So a region
-goes only when every test agrees, decided on state read
-while we hold the region's exclusive lock:
-
-1. discovery (`discover()`) lists candidates with their holders; anything held,
-   persistent, young, foreign or not a regular file is kept, with the reason;
-2. each remaining file is opened without O_CREAT and without following a link,
-   judged by `fstat` of that descriptor (same inode discovery saw, regular,
-   allowed owner, one link, same filesystem) and locked with LOCK_EX|LOCK_NB:
-   a failure means a process still holds our shared lock;
-3. with the locks held, the kernel is asked whether anyone else has the files
-   open or mapped (a write lease, region.openers): vLLM's processes never lock,
-   so the lock alone cannot prove them gone. Only regions the lease cannot
-   answer for (leases disabled, a file we neither own nor have CAP_LEASE for)
-   or finds in use are looked up in /proc again, by their exact inodes: so a
-   run walks /proc once, however many regions there are;
-4. age (newest of mtime, ctime and the manifest's creation time) and the
-   persistent flag are re-read under the lock;
-5. the blind spots are read again (visibility.py): in a PID namespace that is
-   not the host's, or behind hidepid, nothing is removed (kept `unknown`, the
-   run exits 6); then a write lease (region.openers) asks the kernel whether
-   any other process has the files open or mapped, which also covers the
-   processes /proc would not let us inspect; a refused lease keeps the region,
-   and where such processes could open it but no lease can be taken, the
-   region is kept `unknown`. The lease is held until the unlink;
-6. the manifest goes first (no new creator can write one while the region's
-   name is still taken), and only if it describes the inode we locked; then the
-   segments `.mmap.N`, the bare name last. Each name is renamed into this
-   user's private directory, checked there against the locked descriptor and
-   only then unlinked (fsguard.unlink_if_same), so a rename by someone else
-   between check and unlink cannot make us remove another file; the locks
-   drop after. An overall deadline (base.deadline) stops the run between
-   batches, never inside one region's removal.
-
-Our own processes (SharedOffloadRegion) wait out the exclusive lock and then
-see the name gone, so for them the protocol is race-free. Files that vanish
-under us (another gc, an engine's own cleanup) are reported, not errors.
+Deleting by name is unsafe in /dev/shm: vLLM uses a region through its mapping without a
+lock, a creator may be between O_EXCL and ftruncate, and anyone can plant a symlink named
+like a region. So a region goes only when every test agrees on state read under its
+exclusive lock (docs/architecture.md, "Why gc removes only what nobody uses"): discovery
+keeps what is held, persistent, young, foreign or not a regular file; each other file is
+opened without following a link, judged on its descriptor and locked LOCK_EX|LOCK_NB; the
+kernel's write lease proves that nobody else has it open or mapped, and /proc is walked
+again, by inode, only for regions the lease cannot answer for; a blind spot (visibility.py)
+keeps everything `unknown`. The manifest goes first, the bare name last, each through this
+user's private directory (fsguard.unlink_if_same). The deadline stops a run between
+batches, never inside one region's removal; files that vanish under us are reported.
 """
 
 from __future__ import annotations
@@ -50,11 +22,11 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 from vllm_offload_cli.core.base import deadline
-from vllm_offload_cli.core.base.errors import InvalidInputError, OffloadError
+from vllm_offload_cli.core.base.errors import OffloadError
 from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host import visibility
@@ -66,7 +38,6 @@ from vllm_offload_cli.core.host.discovery import (
     OrphanManifest,
     RegionInfo,
     SegmentFile,
-    Tally,
     discover,
     holders_of,
 )
@@ -117,16 +88,8 @@ _TEMP_RE = re.compile(  # fullmatch: `$` would accept a trailing newline
     + r"\.tmp\.(?P<pid>[0-9]{1,10})\.(?P<token>[0-9a-f]{1,64})"
 )
 
-
-def check_options(options: GcOptions) -> None:
-    if not options.min_age >= 0:  # also refuses NaN
-        raise InvalidInputError(f"--min-age must be >= 0 seconds, got {options.min_age}",
-                                code="invalid_min_age")
-    if options.all_users and os.geteuid() != 0:
-        raise InvalidInputError(
-            "--all-users needs root: only root may remove other users' regions; run it as "
-            "root, or without --all-users to collect your own", code="not_root",
-        )
+# A segment as `_lock` holds it: open, exclusively locked, and its fstat.
+_Held = tuple[SegmentFile, int, os.stat_result]
 
 
 def collect(
@@ -142,21 +105,18 @@ def collect(
 ) -> GcReport:
     """Find and remove every provably stale region in shm_dir (or only `engine_ids`).
 
-    Progress within the time it has: files of owners it may not remove are
-    classified from `lstat` alone; the rest are judged the caller's own first,
-    then the largest; judging stops after `judge_seconds` (and at the command's
-    deadline), so what was proven stale is removed in the time left, and what
-    was not judged is counted in the report (`not_judged`: the run exits 7).
+    Other owners' files are classified from `lstat` alone; the caller's own are judged
+    first, then the largest, for `judge_seconds` (and until the command's deadline), so
+    what was proven stale is removed in the time left and the rest is counted as
+    `not_judged` (the run exits 7).
     """
     options = GcOptions(dry_run=dry_run, min_age=min_age, include_persistent=include_persistent,
                         all_users=all_users,
                         shm_private_to_namespace=shm_private_to_namespace)
-    check_options(options)
     started, clock = time.time(), time.monotonic()
-    owners = fsguard.EVERY_UID if all_users else frozenset({os.geteuid()})
     inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False,
                          shm_private_to_namespace=shm_private_to_namespace,
-                         judge_uids=owners, partial=True,
+                         judge_uids=options.owners, partial=True,
                          judge_until=None if judge_seconds is None else clock + judge_seconds)
     return reclaim(inventory, options, engine_ids=engine_ids, started_at=started,
                    clock_start=clock)
@@ -172,10 +132,10 @@ def reclaim(
 ) -> GcReport:
     """Act on an inventory: every decision is re-checked on the files themselves,
     so an inventory that aged (files replaced, new users) is still safe to pass."""
-    check_options(options)
     run = _Run(inventory=inventory, options=options)
     try:
-        run.blind = _effective(visibility.host_blind_spots(), options)
+        run.blind = visibility.assess(
+            (), namespace_waived=options.shm_private_to_namespace).effective
         run.regions(inventory.regions)
         if not run.blind and not run.expired:  # pid-based judgements need the whole host
             try:
@@ -186,40 +146,23 @@ def reclaim(
         run.settle()
     finally:
         run.close()
-    wanted = list(dict.fromkeys(engine_ids or ()))
     known = {r.engine_id for r in inventory.regions} | {
         o.engine_id for o in inventory.orphan_manifests}
-    now = time.time()
     return GcReport(
         shm_dir=inventory.shm_dir, options=options, removed=tuple(run.removed),
         kept=tuple(run.kept), orphan_manifests_removed=tuple(run.orphans),
         temp_files_removed=tuple(run.temps), vanished=tuple(dict.fromkeys(run.vanished)),
-        not_found=tuple(e for e in wanted if e not in known), errors=tuple(run.errors),
-        regions_seen=len(inventory.regions),
+        not_found=tuple(e for e in dict.fromkeys(engine_ids or ()) if e not in known),
+        errors=tuple(run.errors), regions_seen=len(inventory.regions),
         uninspectable_processes=max(inventory.uninspectable_processes, len(run.denied)),
-        started_at=now if started_at is None else started_at,
+        started_at=time.time() if started_at is None else started_at,
         duration_seconds=0.0 if clock_start is None else time.monotonic() - clock_start,
         blind_spots=run.blind,
         uninspectable_pids=tuple(sorted(run.denied or {
             h.pid for h in inventory.visibility.hidden})),
-        not_judged=_merged(inventory.not_judged, run.not_judged.tallies()),
-        counted=inventory.counted, listed_all=inventory.listed_all,
+        not_judged=run.not_judged.tallies(), counted=inventory.counted,
+        listed_all=inventory.listed_all,
     )
-
-
-def _merged(*groups: Iterable[Tally]) -> tuple[Tally, ...]:
-    by_uid: dict[int, Tally] = {}
-    for t in (t for g in groups for t in g):
-        old = by_uid.get(t.uid)
-        by_uid[t.uid] = t if old is None else Tally(
-            uid=t.uid, files=old.files + t.files, size_bytes=old.size_bytes + t.size_bytes,
-            allocated_bytes=old.allocated_bytes + t.allocated_bytes)
-    return tuple(by_uid[u] for u in sorted(by_uid))
-
-
-def _effective(spots: Sequence[Problem], options: GcOptions) -> tuple[Problem, ...]:
-    vis = Visibility(tuple(spots), (), options.shm_private_to_namespace)
-    return vis.effective
 
 
 @dataclass(kw_only=True)
@@ -227,7 +170,7 @@ class _Locked:
     """A candidate whose files we hold open and exclusively locked."""
 
     region: RegionInfo
-    files: list[tuple[SegmentFile, int, os.stat_result]]
+    files: list[_Held]
     manifest_path: str
     manifest_fd: int | None = None
     manifest: Manifest | None = None
@@ -263,13 +206,13 @@ class _Run:
     def __post_init__(self) -> None:
         self.shm_dir = self.inventory.shm_dir
         self.shm_dev = os.stat(self.shm_dir).st_dev
-        self.root = os.geteuid() == 0
-        self.owners: fsguard.AllowedUids = (fsguard.EVERY_UID if self.options.all_users
-                                            else frozenset({os.geteuid()}))
+        self.owners = self.options.owners
         self.private_fd: int | None = None
         self.private_tried = self.private_made = False
         self.known_inodes = {seg.file_id for r in self.inventory.regions
                              for seg in r.segments if seg.file_id is not None}
+        for t in self.inventory.not_judged:  # discovery's count, which this run adds to
+            self.not_judged.add_file(t.uid, t.size_bytes, t.allocated_bytes, files=t.files)
 
     def _private(self) -> int | None:
         """This user's private directory, where removals are checked without a race
@@ -294,21 +237,18 @@ class _Run:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(self.shm_dir, fsguard.private_dir_name()))
 
-    def _unlink(self, path: str, fd: int) -> bool:
-        return fsguard.unlink_if_same(path, fd, private_fd=self._private())
+    def _unlink(self, path: str, fd: int, engine_id: str | None) -> bool | None:
+        """Unlink `path` if it still names `fd`'s inode; None when the system refused."""
+        try:
+            return fsguard.unlink_if_same(path, fd, private_fd=self._private())
+        except OSError as exc:
+            self._fail(path, exc, engine_id)
+            return None
 
     # -- regions ---------------------------------------------------------------
 
     def regions(self, regions: Sequence[RegionInfo]) -> None:
-        candidates = []
-        for r in regions:
-            verdict = self._precheck(r)
-            if verdict is None and self.blind:
-                verdict = self._blind_kept(r, self.blind)
-            if verdict is None:
-                candidates.append(r)
-            else:
-                self._keep(verdict)
+        candidates = [r for r in regions if self._precheck(r) is None]  # the rest are kept
         # discovery's order: the caller's own regions first, then the largest
         for start in range(0, len(candidates), _BATCH):
             try:
@@ -324,41 +264,38 @@ class _Run:
                 return
 
     def _precheck(self, r: RegionInfo) -> Problem | None:
-        """What discovery already proves: cheap reasons to keep, before any lock."""
+        """Keeps what discovery already proves must stay: cheap reasons, before any lock."""
         if not r.linked:
             users = _holders_text(r.holders) or "a process this run cannot name"
-            return self._kept(r, LIVE, f"unlinked, still in use by {users}; its memory is "
+            return self._keep(r, LIVE, f"unlinked, still in use by {users}; its memory is "
                               "freed when the last of them exits", _first_pid(r.holders))
-        unsafe = self._unsafe_file(r)
-        if unsafe is not None:
+        if (unsafe := self._unsafe_file(r)) is not None:
             return unsafe
         if r.state == CREATING and r.manifest is not None:
             return self._creating(r, r.manifest)
         if r.holders:
-            return self._kept(r, LIVE, f"held by {_holders_text(r.holders)}",
-                              _first_pid(r.holders))
+            return self._held(r, r.holders)
         if r.locked:
             bare = next((s for s in r.segments if s.file_id is not None), None)
             return self._lock_refused(r, None if bare is None else bare.file_id)
         if r.persistent and not self.options.include_persistent:
-            return self._kept(r, PERSISTENT, _PERSISTENT_TEXT)
+            return self._keep(r, PERSISTENT, _PERSISTENT_TEXT)
         if r.age_seconds is not None and r.age_seconds < self.options.min_age:
-            return self._kept(r, TOO_YOUNG, self._young_text(r.age_seconds))
-        return None
+            return self._keep(r, TOO_YOUNG, self._young_text(r.age_seconds))
+        return self._blind_kept(r) if self.blind else None
 
     def _unsafe_file(self, r: RegionInfo) -> Problem | None:
-        """A file that is no region this run may remove: a symbolic link, not a regular
-        file, or another user's."""
+        """A symbolic link, not a regular file, or another user's: not ours to remove."""
         for seg in r.segments:
             name = os.path.basename(seg.path)
             codes = {p.code for p in seg.problems}
             if SYMLINK in codes:
-                return self._kept(r, SYMLINK, f"{name} is a symbolic link; region names are "
+                return self._keep(r, SYMLINK, f"{name} is a symbolic link; region names are "
                                   "never followed (remove it by hand after checking it)")
             if seg.file_id is None or NOT_REGULAR in codes:
-                return self._kept(r, NOT_REGULAR, f"{name} is not a regular file")
+                return self._keep(r, NOT_REGULAR, f"{name} is not a regular file")
             if seg.uid is None or not fsguard.uid_allowed(seg.uid, self.owners):
-                return self._kept(r, FOREIGN_OWNER, self._foreign_text(name, seg.uid))
+                return self._keep(r, FOREIGN_OWNER, self._foreign_text(name, seg.uid))
         return None
 
     def _batch(self, batch: list[RegionInfo]) -> None:
@@ -368,8 +305,6 @@ class _Run:
                 held = self._lock(r)
                 if held is not None:
                     locked.append(held)
-            if not locked:
-                return
             # The kernel's lease answers "used anywhere?" for a region at once; /proc is
             # walked again only for regions it cannot answer for (leases disabled, not
             # the owner and no CAP_LEASE) or that it says are in use (to name the user).
@@ -387,10 +322,10 @@ class _Run:
                     self.blind = self.blind or vis.effective
             for h in locked:
                 if self.blind:
-                    self._keep(self._blind_kept(h.region, self.blind))
-                    continue
-                self._decide(h, [u for _, _, st in h.files for u in uses.get(FileId.of(st), [])],
-                             vis)
+                    self._blind_kept(h.region)
+                else:
+                    self._decide(h, [u for _, _, st in h.files
+                                     for u in uses.get(FileId.of(st), [])], vis)
         finally:
             for h in locked:
                 h.close()
@@ -402,36 +337,16 @@ class _Run:
         ok = False
         try:
             for seg in sorted(r.segments, key=lambda s: s.segment):
-                name = os.path.basename(seg.path)
                 try:
                     fd = os.open(seg.path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
                 except FileNotFoundError:
                     self.vanished.append(r.engine_id)
                     return None
-                except BlockingIOError:  # leased: another collector is removing it now
-                    self._keep(self._kept(r, BUSY, f"{name} is being examined by another gc "
-                                          "run right now; looked at again next run"))
-                    return None
                 except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        self._keep(self._kept(r, SYMLINK, f"{name} became a symbolic link; "
-                                              "never followed"))
-                    else:
-                        self._keep(self._kept(r, UNREADABLE,
-                                              f"{name} cannot be opened: {exc.strerror}"))
+                    self._keep(r, *_open_refused(os.path.basename(seg.path), exc))
                     return None
-                st = os.fstat(fd)
-                held.files.append((seg, fd, st))
-                if FileId.of(st) != seg.file_id:
-                    self._keep(self._kept(r, CHANGED, f"{name} was replaced by another file "
-                                          "during this run; it is looked at again next run"))
-                    return None
-                problem = self._fd_problem(st, name)
-                if problem is not None:
-                    self._keep(self._kept(r, *problem))
-                    return None
-                if not locking.try_lock_exclusive(fd):
-                    self._keep(self._lock_refused(r, FileId.of(st)))
+                held.files.append((seg, fd, os.fstat(fd)))
+                if self._fd_problem(r, *held.files[-1]) is not None:
                     return None
             self._read_manifest(held)
             ok = True
@@ -440,21 +355,31 @@ class _Run:
             if not ok:
                 held.close()
 
-    def _fd_problem(self, st: os.stat_result, name: str) -> tuple[str, str] | None:
+    def _fd_problem(self, r: RegionInfo, seg: SegmentFile, fd: int, st: os.stat_result
+                    ) -> Problem | None:
+        """Judges a segment on its descriptor and locks it; keeps the region if it must."""
+        name = os.path.basename(seg.path)
+        if FileId.of(st) != seg.file_id:
+            return self._keep(r, CHANGED, f"{name} was replaced by another file during this "
+                              "run; it is looked at again next run")
         if not stat.S_ISREG(st.st_mode):
-            return NOT_REGULAR, f"{name} is not a regular file"
+            return self._keep(r, NOT_REGULAR, f"{name} is not a regular file")
         if not fsguard.uid_allowed(st.st_uid, self.owners):
-            return FOREIGN_OWNER, self._foreign_text(name, st.st_uid)
+            return self._keep(r, FOREIGN_OWNER, self._foreign_text(name, st.st_uid))
         if st.st_dev != self.shm_dev:
-            return OTHER_FILESYSTEM, (f"{name} is on another filesystem than {self.shm_dir} "
-                                      "(a mount over the name?)")
+            return self._keep(r, OTHER_FILESYSTEM, f"{name} is on another filesystem than "
+                              f"{self.shm_dir} (a mount over the name?)")
         if st.st_nlink != 1:
-            return LINK_COUNT, (f"{name} has {st.st_nlink} hard links; removing this name "
-                                "would not free it, and another name may be in use")
+            return self._keep(r, LINK_COUNT, f"{name} has {st.st_nlink} hard links; removing "
+                              "this name would not free it, and another name may be in use")
+        if not locking.try_lock_exclusive(fd):
+            return self._lock_refused(r, FileId.of(st))
         return None
 
     def _read_manifest(self, held: _Locked) -> None:
-        """The manifest as it is now; kept open so only this inode is ever unlinked."""
+        """The manifest as it is now, kept open so only this inode is ever unlinked. One
+        that describes another inode (an earlier file of that name, or a live region's
+        renamed onto it) stays: once the region is gone it is judged as an orphan."""
         try:
             fd = os.open(held.manifest_path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
         except OSError:
@@ -465,63 +390,52 @@ class _Run:
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
+        m: Manifest | None = None
         try:
             m = manifest_io.read_fd(fd, held.manifest_path, allowed_uids=self.owners,
                                     owner_uid=None if bare is None else bare.st_uid)
-        except (manifest_io.ManifestError, OSError):
-            if bare is not None and _names_another_inode(fd, bare):
-                os.close(fd)  # e.g. another region's manifest renamed onto this name
-            else:
-                held.manifest_fd = fd  # invalid: tells nothing, goes with the region
-            return
-        if bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev, bare.st_ino):
+        except (manifest_io.ManifestError, OSError):  # invalid: tells nothing, goes with
+            recorded = _recorded_region(fd)  # the region unless it names another inode
+            ours = bare is None or recorded is None or recorded == FileId.of(bare)
+        else:
+            ours = bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev,
+                                                                         bare.st_ino)
+        if ours:
             held.manifest_fd, held.manifest = fd, m
-            return
-        # It describes another inode (an earlier file of that name, or a live region's
-        # manifest renamed onto this name): not removed with this region; once the
-        # region is gone it is judged as an orphan manifest.
-        os.close(fd)
+        else:
+            os.close(fd)
 
-    def _decide(self, held: _Locked, uses: list[FileUse], vis: Visibility) -> None:
-        r = held.region
+    def _decide(self, held: _Locked, uses: list[FileUse], vis: Visibility) -> Problem | None:
+        """Removes a locked region that is proven stale; returns what kept it otherwise."""
+        r, m = held.region, held.manifest
         if uses:
-            holders = holders_of(uses)
-            self._keep(self._kept(r, LIVE, f"held by {_holders_text(holders)} (seen after "
-                                  "locking it)", _first_pid(holders)))
-            return
-        m = held.manifest
+            return self._held(r, holders_of(uses), " (seen after locking it)")
         if m is not None and not m.complete and m.creator_alive():
-            self._keep(self._creating(r, m))
-            return
+            return self._creating(r, m)
         if (m is not None and m.persistent and m.complete
                 and not self.options.include_persistent):
-            self._keep(self._kept(r, PERSISTENT, _PERSISTENT_TEXT))
-            return
+            return self._keep(r, PERSISTENT, _PERSISTENT_TEXT)
         # ctime: anyone can set a file's mtime (a future one would make it immune), not ctime
         now = time.time()
-        newest = max(st.st_ctime for _, _, st in held.files)
+        times = [st.st_ctime for _, _, st in held.files]
         if m is not None and m.created_at <= now:
-            newest = max(newest, m.created_at)
-        age = now - newest
-        if age < self.options.min_age:
-            self._keep(self._kept(r, TOO_YOUNG, self._young_text(age)))
-            return
+            times.append(m.created_at)
+        age = now - max(times)
+        if age < self.options.min_age:  # min_age >= 0: an age past this is never negative
+            return self._keep(r, TOO_YOUNG, self._young_text(age))
         suspects = sorted({pid for _, _, st in held.files
                            for pid in vis.could_hide(st.st_uid, st.st_mode)})
         with openers.sole_opener([fd for _, fd, _ in held.files]) as verdict:
             if verdict.sole is False:
-                self._keep(self._opened_elsewhere(r, suspects))
-            elif verdict.sole is None and suspects:
-                self._keep(self._kept(r, UNKNOWN, (
+                return self._opened_elsewhere(r, suspects)
+            if verdict.sole is None and suspects:
+                return self._keep(r, UNKNOWN, (
                     f"could be held by {pids_text(suspects)}, which cannot be inspected, and "
                     f"the lease test that would prove it unused is not available "
                     f"({verdict.why}); run gc as root with CAP_SYS_PTRACE and CAP_LEASE"),
-                    blind_spot=visibility.HIDDEN_HOLDERS))
-            else:
-                leased = verdict.sole is True
-                self._remove(held, max(age, 0.0), leased=leased,
-                             why=self._stale_text(m, max(age, 0.0), leased),
-                             hidden=tuple(suspects) if leased else ())
+                    blind_spot=visibility.HIDDEN_HOLDERS)
+            return self._remove(held, age, leased=verdict.sole is True,
+                                suspects=tuple(suspects))
 
     def _stale_text(self, m: Manifest | None, age: float, leased: bool) -> str:
         """Why a region about to go was judged stale: the system log records it."""
@@ -538,87 +452,67 @@ class _Run:
 
     def _opened_elsewhere(self, r: RegionInfo, suspects: list[int]) -> Problem:
         if suspects:
-            return self._kept(r, LIVE, "open or mapped by a process that cannot be inspected "
+            return self._keep(r, LIVE, "open or mapped by a process that cannot be inspected "
                               f"(one of {pids_text(suspects)}): the kernel refused a lease")
-        return self._kept(r, BUSY, "open in a process not found in /proc (one that opened it "
+        return self._keep(r, BUSY, "open in a process not found in /proc (one that opened it "
                           "just now, or another gc or inspect probing it); looked at again "
                           "next run")
 
-    def _blind_kept(self, r: RegionInfo, spots: Sequence[Problem]) -> Problem:
-        return self._kept(r, UNKNOWN, f"not proven unused: {spots[0].message}; "
-                          f"{visibility.advice(spots)}", blind_spot=spots[0].code)
+    def _blind_kept(self, r: RegionInfo) -> Problem:
+        return self._keep(r, UNKNOWN, f"not proven unused: {self.blind[0].message}; "
+                          f"{visibility.advice(self.blind)}", blind_spot=self.blind[0].code)
 
-    def _remove(self, held: _Locked, age: float, *, leased: bool = False, why: str = "",
-                hidden: tuple[int, ...] = ()) -> None:
-        r = held.region
+    def _remove(self, held: _Locked, age: float, *, leased: bool,
+                suspects: tuple[int, ...]) -> Problem | None:
+        """Removes (in a dry run, records) what is held; the lease, if any, is asked again."""
         if leased and not all(openers.still_sole(fd) for _, fd, _ in held.files):
-            self._keep(self._opened_elsewhere(r, []))  # an open() is waiting on our lease
-            return
-        planned = RemovedRegion(
-            engine_id=r.engine_id, paths=tuple(seg.path for seg, _, _ in held.files),
-            bytes=sum(st.st_size for _, _, st in held.files),
-            freed_bytes=sum(st.st_blocks * 512 for _, _, st in held.files),
-            manifest=held.manifest_path if held.manifest_fd is not None else None,
-            age_seconds=age, uid=held.files[0][2].st_uid if held.files else None,
-            reason=why, hidden_pids=hidden)
+            return self._opened_elsewhere(held.region, [])  # an open() waits on our lease
         if self.options.dry_run:
-            self.removed.append(planned)
-            return
-        self._unlink_region(held, planned)
+            gone = held.files
+            manifest = held.manifest_path if held.manifest_fd is not None else None
+        else:
+            gone, manifest = self._unlink_region(held)
+        if gone:
+            self.removed.append(RemovedRegion(
+                engine_id=held.region.engine_id, paths=tuple(seg.path for seg, _, _ in gone),
+                bytes=sum(st.st_size for _, _, st in gone),
+                freed_bytes=sum(st.st_blocks * 512 for _, _, st in gone), manifest=manifest,
+                age_seconds=age, uid=held.files[0][2].st_uid,
+                reason=self._stale_text(held.manifest, age, leased),
+                hidden_pids=suspects if leased else ()))
+        return None
 
-    def _unlink_region(self, held: _Locked, planned: RemovedRegion) -> None:
-        """Remove what `planned` names; record what really went."""
+    def _unlink_region(self, held: _Locked) -> tuple[list[_Held], str | None]:
+        """Unlinks the manifest first (while the region's name is taken, no creator can
+        write a new one), then the segments, the bare name last (a creator starts from it);
+        returns what really went."""
         r = held.region
-        manifest_removed = None
-        if held.manifest_fd is not None:
-            # first: while the region's name is taken, no creator can write a new manifest
-            try:
-                if self._unlink(held.manifest_path, held.manifest_fd):
-                    manifest_removed = held.manifest_path
-            except OSError as exc:
-                self._fail(held.manifest_path, exc, r.engine_id)
-        paths: list[str] = []
-        size = freed = 0
-        # segments before the bare name: a new creator starts from the bare name
-        for seg, fd, st in sorted(held.files, key=lambda f: -f[0].segment):
-            try:
-                gone = self._unlink(seg.path, fd)
-            except OSError as exc:
-                self._fail(seg.path, exc, r.engine_id)
-                continue
-            if gone:
-                paths.append(seg.path)
-                size += st.st_size
-                freed += st.st_blocks * 512
-            else:
+        manifest = None
+        if held.manifest_fd is not None and self._unlink(held.manifest_path,
+                                                         held.manifest_fd, r.engine_id):
+            manifest = held.manifest_path
+        gone: list[_Held] = []
+        for seg, fd, st in reversed(held.files):  # `_lock` holds them in segment order
+            unlinked = self._unlink(seg.path, fd, r.engine_id)
+            if unlinked:
+                gone.insert(0, (seg, fd, st))
+            elif unlinked is False:
                 self.vanished.append(r.engine_id)
-        if paths:
-            paths.reverse()
-            self.removed.append(replace(planned, paths=tuple(paths), bytes=size,
-                                        freed_bytes=freed, manifest=manifest_removed))
-            logger.info("removed %s (%d bytes)", ", ".join(paths), size)
+        if gone:
+            logger.info("removed %s (%d bytes)", ", ".join(seg.path for seg, _, _ in gone),
+                        sum(st.st_size for _, _, st in gone))
+        return gone, manifest
 
     # -- manifests and temporary files --------------------------------------------
 
     def orphan_manifests(self, orphans: Sequence[OrphanManifest]) -> None:
-        for i, o in enumerate(orphans):
+        ours = [o for o in orphans if fsguard.uid_allowed(o.uid, self.owners)]
+        for i, o in enumerate(ours):
             if deadline.expired():
-                for left in orphans[i:]:
-                    if fsguard.uid_allowed(left.uid, self.owners):
-                        self.not_judged.add_file(left.uid)
+                for left in ours[i:]:
+                    self.not_judged.add_file(left.uid)
                 return
-            if not fsguard.uid_allowed(o.uid, self.owners):
-                continue
-            region = str(region_path(self.shm_dir, o.engine_id))
-
-            def still_orphan(fd: int, region: str = region) -> bool:
-                if os.path.lexists(region):
-                    return False  # a region came (back) since discovery
-                # a live region's manifest renamed onto this name stays with its region
-                return _recorded_region(fd) not in self.known_inodes
-
-            if self._unlink_old(o.path, o.engine_id, expect=o.file_id, lock=True,
-                                still_wanted=still_orphan):
+            if self._unlink_old(o.path, o.engine_id, orphan=o):
                 self.orphans.append(o.path)
 
     def temp_files(self, wanted: set[str] | None) -> None:
@@ -649,34 +543,33 @@ class _Run:
         if self._unlink_old(entry.path, None):
             self.temps.append(entry.path)
 
-    def _unlink_old(self, path: str, engine_id: str | None, *, expect: FileId | None = None,
-                    lock: bool = False, still_wanted: Callable[[int], bool] | None = None
-                    ) -> bool:
-        """Unlink a small file of ours older than --min-age, judged on its descriptor.
-
-        Never follows a link; `expect` pins the inode discovery saw; `lock` takes
-        LOCK_EX first (manifests are updated under it). True when removed (or,
-        in a dry run, when it would be).
-        """
+    def _unlink_old(self, path: str, engine_id: str | None,
+                    orphan: OrphanManifest | None = None) -> bool:
+        """Unlinks a small file of ours older than --min-age, judged on its descriptor
+        (never through a link); True when removed, or in a dry run when it would be."""
         try:
             fd = os.open(path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
         except OSError:
             return False  # gone, or a symlink: never followed, never ours
         try:
             st = os.fstat(fd)
-            if ((expect is not None and FileId.of(st) != expect)
-                    or not stat.S_ISREG(st.st_mode)
-                    or not fsguard.uid_allowed(st.st_uid, self.owners)
+            if (not stat.S_ISREG(st.st_mode) or not fsguard.uid_allowed(st.st_uid, self.owners)
                     or time.time() - st.st_ctime < self.options.min_age
-                    or (lock and not locking.try_lock_exclusive(fd))
-                    or (still_wanted is not None and not still_wanted(fd))):
+                    or (orphan is not None and not self._still_orphan(orphan, fd, st))):
                 return False
-            return self.options.dry_run or self._unlink(path, fd)
+            return self.options.dry_run or bool(self._unlink(path, fd, engine_id))
         except OSError as exc:
             self._fail(path, exc, engine_id)
             return False
         finally:
             os.close(fd)
+
+    def _still_orphan(self, o: OrphanManifest, fd: int, st: os.stat_result) -> bool:
+        """The inode discovery saw, locked (manifests are updated under LOCK_EX), with no
+        region come back since, and not a live region's manifest renamed onto this name."""
+        return (FileId.of(st) == o.file_id and locking.try_lock_exclusive(fd)
+                and not os.path.lexists(region_path(self.shm_dir, o.engine_id))
+                and _recorded_region(fd) not in self.known_inodes)
 
     # -- bookkeeping -----------------------------------------------------------
 
@@ -690,14 +583,17 @@ class _Run:
                 still.append(k)
         self.kept = still
 
-    def _kept(self, r: RegionInfo, code: str, reason: str, pid: int | None = None, *,
+    def _keep(self, r: RegionInfo, code: str, reason: str, pid: int | None = None, *,
               blind_spot: str | None = None) -> Problem:
-        return Problem(code, reason, engine_id=r.engine_id, paths=tuple(r.paths), pid=pid,
+        kept = Problem(code, reason, engine_id=r.engine_id, paths=tuple(r.paths), pid=pid,
                        linked=r.linked, blind_spot=blind_spot, uid=r.uid)
-
-    def _keep(self, kept: Problem) -> None:
-        logger.debug("keeping %s: %s", kept.engine_id, kept.message)
+        logger.debug("keeping %s: %s", r.engine_id, reason)
         self.kept.append(kept)
+        return kept
+
+    def _held(self, r: RegionInfo, holders: Sequence[Holder], note: str = "") -> Problem:
+        return self._keep(r, LIVE, f"held by {_holders_text(holders)}{note}",
+                          _first_pid(holders))
 
     def _fail(self, path: str, exc: OSError, engine_id: str | None) -> None:
         if isinstance(exc, FileNotFoundError):
@@ -713,24 +609,24 @@ class _Run:
         holders = [] if fid is None else flock_holders(fid)
         exclusive = [pid for pid, excl in holders if excl and pid != os.getpid()]
         if exclusive:
-            return self._kept(r, BUSY, f"pid {exclusive[0]} holds its exclusive lock (another "
+            return self._keep(r, BUSY, f"pid {exclusive[0]} holds its exclusive lock (another "
                               "gc or inspect run is examining it)", exclusive[0])
         shared = [pid for pid, excl in holders if not excl and pid > 0]
         if shared:
-            names = pids_text(shared, 3, comm)
-            return self._kept(r, LIVE, f"holds a shared lock: {names}", shared[0])
+            return self._keep(r, LIVE, f"holds a shared lock: {pids_text(shared, 3, comm)}",
+                              shared[0])
         if holders:  # /proc/locks shows pid 0 for a holder outside our pid namespace
-            return self._kept(r, LIVE, "locked by a process in another pid namespace "
+            return self._keep(r, LIVE, "locked by a process in another pid namespace "
                               "(a container?)")
-        return self._kept(r, BUSY, "was locked a moment ago and released since (another gc "
+        return self._keep(r, BUSY, "was locked a moment ago and released since (another gc "
                           "or inspect run?); looked at again next run")
 
     def _creating(self, r: RegionInfo, m: Manifest) -> Problem:
-        return self._kept(r, CREATION_RUNNING, f"pid {m.creator_pid} is still creating it "
+        return self._keep(r, CREATION_RUNNING, f"pid {m.creator_pid} is still creating it "
                           "(sizing or pre-faulting)", m.creator_pid)
 
     def _foreign_text(self, name: str, uid: int | None) -> str:
-        hint = "; root may remove it with --all-users" if self.root else ""
+        hint = "; root may remove it with --all-users" if os.geteuid() == 0 else ""
         return f"{name} is owned by uid {uid}, not by this user{hint}"
 
     def _young_text(self, age: float) -> str:
@@ -740,6 +636,16 @@ class _Run:
 
 _PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-persistent to "
                     "remove it")
+
+
+def _open_refused(name: str, exc: OSError) -> tuple[str, str]:
+    """Why a segment that is there could not be opened: the kept code and reason."""
+    if isinstance(exc, BlockingIOError):  # leased: another collector is removing it now
+        return BUSY, (f"{name} is being examined by another gc run right now; looked at "
+                      "again next run")
+    if exc.errno == errno.ELOOP:
+        return SYMLINK, f"{name} became a symbolic link; never followed"
+    return UNREADABLE, f"{name} cannot be opened: {exc.strerror}"
 
 
 def _recorded_region(fd: int) -> FileId | None:
@@ -754,16 +660,7 @@ def _recorded_region(fd: int) -> FileId | None:
     if not isinstance(region, dict):
         return None
     dev, ino = region.get("dev"), region.get("ino")
-    if type(dev) is not int or type(ino) is not int:
-        return None
-    return FileId(dev, ino)
-
-
-def _names_another_inode(fd: int, bare: os.stat_result) -> bool:
-    """A manifest refused as invalid that still records a region inode other than
-    `bare` (it names another engine_id, say): it may be a live region's."""
-    recorded = _recorded_region(fd)
-    return recorded is not None and recorded != FileId.of(bare)
+    return FileId(dev, ino) if type(dev) is int and type(ino) is int else None
 
 
 # A probe refused this long sends the region to the /proc re-scan, which names its user.
@@ -772,7 +669,7 @@ _PROBE_RETRY = 0.02
 
 def _sole_now(held: _Locked) -> bool:
     """The kernel granted a lease on every file: nobody else has any of them open or
-    mapped right now (the lease in `_decide` asks again before anything is removed)."""
+    mapped right now (`_remove` asks again before anything is removed)."""
     with openers.sole_opener([fd for _, fd, _ in held.files], retry=_PROBE_RETRY) as verdict:
         return verdict.sole is True
 

@@ -1,17 +1,19 @@
 """What a garbage collection did: frozen results the CLI renders and scripts read.
 
-Every kept region is a `Problem` with a stable `code` (for metrics labels and
-scripts), a sentence for people (`reason` in JSON), its engine_id, paths and
-the pid that holds it, if one does; a removal the system refused is a `Problem`
-with its path (the run exits 1).
+A kept region, and a removal the system refused (the run exits 1), is a `Problem` with
+a stable `code` for metrics labels and scripts.
 """
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from dataclasses import dataclass
 
+from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.host.discovery import Tally
+from vllm_offload_cli.core.region import fsguard
 
 DEFAULT_MIN_AGE = 60.0
 
@@ -41,6 +43,21 @@ class GcOptions:
     include_persistent: bool = False
     all_users: bool = False
     shm_private_to_namespace: bool = False  # waives the pid_namespace blind spot only
+
+    def __post_init__(self) -> None:  # options that exist can be acted on
+        if not self.min_age >= 0:  # also refuses NaN
+            raise InvalidInputError(f"--min-age must be >= 0 seconds, got {self.min_age}",
+                                    code="invalid_min_age")
+        if self.all_users and os.geteuid() != 0:
+            raise InvalidInputError(
+                "--all-users needs root: only root may remove other users' regions; run it as "
+                "root, or without --all-users to collect your own", code="not_root",
+            )
+
+    @property
+    def owners(self) -> fsguard.AllowedUids:
+        """Whose files this run may remove."""
+        return fsguard.EVERY_UID if self.all_users else frozenset({os.geteuid()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +131,4 @@ class GcReport:
         return tuple(k for k in self.kept if k.code == UNKNOWN)
 
     def kept_by_code(self) -> dict[str, int]:
-        counts = dict.fromkeys(KEPT_CODES, 0)
-        for k in self.kept:
-            counts[k.code] = counts.get(k.code, 0) + 1
-        return counts
+        return {**dict.fromkeys(KEPT_CODES, 0), **Counter(k.code for k in self.kept)}
