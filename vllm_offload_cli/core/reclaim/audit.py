@@ -1,13 +1,10 @@
 """The system log's record of every removal: who removed which region, whose, how big, why.
 
-`journalctl -t vllm-offload` (or `/var/log/syslog`) answers "what deleted my
-region?" long after the run's own output is gone (cron mail off, `--quiet`).
-One datagram per removed region goes to the local syslog socket in the plain
-syslog format (`<priority>vllm-offload[pid]: message`, facility daemon,
-severity notice). The log is a witness, never a precondition: a missing
-socket, a refused one or a full queue (a stuck journald) costs a dropped
-line, never a failed or stalled removal, because the socket is non-blocking
-and every send is tried once.
+`journalctl -t vllm-offload` (or `/var/log/syslog`) answers "what deleted my region?" long
+after the run's own output is gone. One datagram per removal goes to the local syslog socket
+(`<priority>vllm-offload[pid]: message`, facility daemon, severity notice). The log is a
+witness, never a precondition: the socket is non-blocking and each send is tried once, so a
+missing socket or a full queue (a stuck journald) costs a dropped line, never a removal.
 """
 
 from __future__ import annotations
@@ -44,37 +41,14 @@ class AuditResult:
     problem: str | None = None
 
 
-def _send_each(path: str, datagrams: Sequence[bytes]) -> tuple[int, str | None]:
-    """Each datagram tried once on a non-blocking socket: (how many went, last refusal)."""
-    sent, problem = 0, None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.setblocking(False)  # a full queue drops a line, never waits
-        try:
-            sock.connect(path)
-        except OSError as exc:
-            return 0, exc.strerror or str(exc)
-        for datagram in datagrams:
-            try:
-                sock.send(datagram)
-                sent += 1
-            except OSError as exc:
-                problem = exc.strerror or str(exc)
-    return sent, problem
-
-
-def socket_path() -> str:
-    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
-
-
-def command_line(argv: Sequence[str] | None = None) -> str:
+def command_line() -> str:
     """This process's command line as an operator would type it."""
-    args = list(sys.argv if argv is None else argv)
-    if not args:
+    if not sys.argv:
         return IDENT
-    prog = os.path.basename(args[0])
+    prog = os.path.basename(sys.argv[0])
     if prog in ("__main__.py", "-m", "") or prog.startswith("python"):
         prog = IDENT
-    return shlex.join([prog, *args[1:]])
+    return shlex.join([prog, *sys.argv[1:]])
 
 
 def _quoted(text: str) -> str:
@@ -102,12 +76,15 @@ def removal_line(r: RemovedRegion, *, command: str) -> str:
     return " ".join(fields)
 
 
-def record_removals(removed: Sequence[RemovedRegion], *, command: str | None = None,
-                    address: str | None = None, summary: str | None = None) -> AuditResult:
+def record_removals(removed: Sequence[RemovedRegion], *, summary: str | None = None
+                    ) -> AuditResult:
     """Send one line per removed region, then the run's `summary` line, to the system
     log; never raises, never blocks. Lines grow with removals, never with other files."""
-    path = address or socket_path()
-    lines = [*removed, *([] if summary is None else [summary])]
+    path = os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+    command = command_line()
+    lines = [removal_line(r, command=command) for r in removed]
+    if summary is not None:
+        lines.append(f"run {printable(summary)[:4 * _MAX_FIELD]} command={_quoted(command)}")
     if not lines:
         return AuditResult(socket=path, sent=0, dropped=0)
     try:
@@ -117,10 +94,24 @@ def record_removals(removed: Sequence[RemovedRegion], *, command: str | None = N
                            problem=f"no syslog socket: {exc.strerror}")
     if not stat.S_ISSOCK(st.st_mode):
         return AuditResult(socket=path, sent=0, dropped=len(lines), problem="not a socket")
-    cmd = command_line() if command is None else command
     head = f"<{_PRIORITY}>{IDENT}[{os.getpid()}]: "
-    texts = [removal_line(r, command=cmd) if isinstance(r, RemovedRegion)
-             else f"run {printable(str(r))[:4 * _MAX_FIELD]} command={_quoted(cmd)}"
-             for r in lines]
-    sent, problem = _send_each(path, [(head + text).encode() for text in texts])
+    sent, problem = _send_each(path, [(head + line).encode() for line in lines])
     return AuditResult(socket=path, sent=sent, dropped=len(lines) - sent, problem=problem)
+
+
+def _send_each(path: str, datagrams: Sequence[bytes]) -> tuple[int, str | None]:
+    """Each datagram tried once on a non-blocking socket: (how many went, last refusal)."""
+    sent, problem = 0, None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)  # a full queue drops a line, never waits
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            return 0, exc.strerror or str(exc)
+        for datagram in datagrams:
+            try:
+                sock.send(datagram)
+                sent += 1
+            except OSError as exc:
+                problem = exc.strerror or str(exc)
+    return sent, problem
