@@ -54,10 +54,8 @@ def report_data(report: GcReport) -> dict[str, Any]:
         "kept": [_kept_dict(k) for k in kept],
         "kept_aggregated": summed,
         "freed_bytes": report.freed_bytes,
-        "orphan_manifests_removed": list(report.orphan_manifests_removed),
-        "temp_files_removed": list(report.temp_files_removed),
-        "vanished": list(report.vanished),
-        "not_found": list(report.not_found),
+        **{key: list(getattr(report, key)) for key in (
+            "orphan_manifests_removed", "temp_files_removed", "vanished", "not_found")},
         "failures": [e.to_dict("path", "engine_id") for e in report.errors],
         "regions_seen": report.regions_seen,
         "not_judged": [t.to_dict() for t in report.not_judged],
@@ -146,12 +144,9 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
     the textfile written.
     """
     shm_dir = shm_dir_checked(inv)
-    from vllm_offload_cli.core.reclaim.collector import (  # loads discovery: only when run
-        check_options,
-        collect,
-    )
+    from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: when run
 
-    check_options(GcOptions(min_age=min_age, all_users=all_users))
+    GcOptions(min_age=min_age, all_users=all_users)  # bad options: refused before any check
     if prometheus is not None:  # before anything is removed: every removal gets reported
         metrics.check_writable(prometheus)
     with deadline.within(timeout):
@@ -205,9 +200,8 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
 
 
 def _say_audit_dropped(inv: Invocation, dropped: int, socket: str, problem: str) -> None:
-    """The audit record never drops silently: a warning in JSON, and in text mode a line
-    on stderr even with -q (the removals it would have recorded are printed with -q too);
-    -qq silences it."""
+    """A warning in JSON; in text mode a line on stderr even with -q (which then lists the
+    removals too), silenced by -qq: the audit record never drops silently."""
     message = (f"system log: {dropped} record(s) not written ({socket}: {problem}); "
                "the lines above are the only record")
     inv.warnings.append({"code": "syslog_dropped", "message": message})
@@ -254,19 +248,19 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
 
 def _render(inv: Invocation, out: Out, report: GcReport,
             other_errors: list[dict[str, str]], unrecorded: bool = False) -> None:
-    """Default: every decision. -q: one summary line when something happened (quiet
-    cron mail), with the removals listed only when the system log missed them.
-
-    `other_errors`: what is not a failed removal (refusals, names that match nothing).
-    """
-
+    """Every decision; with -q one summary line when something happened (quiet cron mail),
+    the removals listed only when the system log missed them."""
     quiet = inv.verbosity < 0
     verb = "Would remove" if report.dry_run else "Removed"
     for failure in [*(e.message for e in report.errors), *(r["message"] for r in other_errors)]:
         inv.err.print(f"Error: {failure}")
     if not quiet or unrecorded:  # the output is then the only record of the removals
-        for line in _removed_lines(report, verb):
-            out.print(line)
+        for r in report.removed:
+            extra = [f"{len(r.paths) - 1} segment(s)"] if len(r.paths) > 1 else []
+            extra += ["manifest"] if r.manifest else []
+            more = f" (+ {', '.join(extra)})" if extra else ""
+            out.print(f"{verb} {r.engine_id}{more}: {format_bytes(r.freed_bytes)} of memory, "
+                      f"{format_bytes(r.bytes)} file size")
     if quiet:  # one line, only when something happened: cron mails what it prints
         if report.removed or report.orphan_manifests_removed or report.temp_files_removed \
                 or report.partial:
@@ -275,18 +269,6 @@ def _render(inv: Invocation, out: Out, report: GcReport,
     for line in _kept_lines(report, verb):
         out.print(line)
     out.print(_summary(report))
-
-
-def _removed_lines(report: GcReport, verb: str) -> list[str]:
-    lines = []
-    for r in report.removed:
-        extra = [f"{len(r.paths) - 1} segment(s)"] if len(r.paths) > 1 else []
-        if r.manifest:
-            extra.append("manifest")
-        more = f" (+ {', '.join(extra)})" if extra else ""
-        lines.append(f"{verb} {r.engine_id}{more}: {format_bytes(r.freed_bytes)} of memory, "
-                     f"{format_bytes(r.bytes)} file size")
-    return lines
 
 
 def _kept_lines(report: GcReport, verb: str) -> list[str]:
@@ -340,24 +322,18 @@ TOTALS = {
 
 
 def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) -> Any:
-    """Gauges describing this run (node_exporter's textfile collector keeps the last one),
-    and `*_total` counters carried over from the file's `previous` values.
-
-    `code` is the run's exit status (an unwritable textfile cannot report itself: it
-    leaves the previous file, whose timestamp then ages)."""
+    """Gauges of this run and its exit status `code` (an unwritable textfile cannot report
+    itself: the previous one stays, its timestamp ageing), and `*_total` counters carried
+    over from the file's `previous` values."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
     real = not report.dry_run
-    this_run = {
-        "vllm_offload_gc_runs_total": 1,
-        "vllm_offload_gc_removals_total": len(report.removed) if real else 0,
-        "vllm_offload_gc_freed_bytes_total": report.freed_bytes if real else 0,
-        "vllm_offload_gc_refusals_total": len(report.refused),
-        "vllm_offload_gc_failures_total": len(report.errors),
-    }
-    metrics.add_totals(registry, {name: (doc, previous.get(name, 0) + this_run[name])
-                                  for name, doc in TOTALS.items()})
+    this_run = (1, len(report.removed) if real else 0, report.freed_bytes if real else 0,
+                len(report.refused), len(report.errors))  # in the order of TOTALS
+    metrics.add_totals(registry, {
+        name: (doc, previous.get(name, 0) + n)
+        for (name, doc), n in zip(TOTALS.items(), this_run, strict=True)})
 
     def gauge(name: str, doc: str, value: float) -> None:
         Gauge(name, doc, registry=registry).set(value)
