@@ -5,7 +5,7 @@ Scenarios (each in a fresh directory on /dev/shm, mode 1777, removed afterwards)
           left) beside root's stale 8 MiB region; `gc --all-users --timeout 55s` (the
           cron line): time, peak RSS, exit status, whether root's region went
   held    --procs P processes of nobody, each holding --held F unlinked region-named
-          files; `inspect --json` and `gc --all-users --timeout 55s`: time, peak RSS
+          files; `inspect` (JSON, textfile) and `gc --all-users --timeout 55s`: time, RSS
   fds     --procs P processes of nobody with --fds descriptors and --maps mappings of
           one file (hostile_scale.ATTACKER); `inspect`, `gc` against `lsof +D DIR`
 With --before TREE (a checkout of an earlier commit) each command also runs from TREE
@@ -93,21 +93,21 @@ def measure(tree: str | None, *args: str, watch: str | None = None) -> dict[str,
             time.sleep(0.05)
         if watch is not None and not os.path.exists(watch):
             gone.append(time.monotonic() - began)
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_offload_cli", *args], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
+    # GNU time forks the command from its own small image: the peak RSS of a child
+    # spawned from here would start at this process's (Linux keeps it over exec)
+    proc = subprocess.Popen(["/usr/bin/time", "-f", "%M", sys.executable, "-m",
+                             "vllm_offload_cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     thread = threading.Thread(target=watcher, daemon=True)
     thread.start()
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    out, err = proc.communicate()
     took = time.monotonic() - began
     thread.join()
     try:
         data = json.loads(out)["data"]
     except (ValueError, KeyError):
         data = {}
-    return {"seconds": round(took, 2), "rss_mib": round(usage.ru_maxrss / 1024, 1),
+    return {"seconds": round(took, 2), "rss_mib": round(int(err.split()[-1]) / 1024, 1),
             "exit": proc.returncode, "json_bytes": len(out), "data": data,
             "gone_after": round(gone[0], 2) if gone else None}
 
@@ -147,10 +147,11 @@ def held(procs: int, files: int, before: str | None) -> None:
                 assert h.stdout is not None and h.stdout.readline().strip() == "ready"
             victim(d)
             for label, tree in trees(before):
-                show(f"inspect --json {label}", measure(tree, "inspect", "--shm-dir", d,
-                                                         "--json", "--timeout", "300s"))
-                r = measure(tree, "gc", "--shm-dir", d, *CRON, "--dry-run")
-                show(f"gc --dry-run {label}", r)
+                for fmt in ("json", "prometheus"):  # the textfile was OOM-killed at 4 GiB
+                    show(f"inspect -f {fmt} {label}", measure(
+                        tree, "inspect", "--shm-dir", d, "-f", fmt, "--timeout", "300s"))
+                show(f"gc --dry-run {label}", measure(tree, "gc", "--shm-dir", d, *CRON,
+                                                      "--dry-run"))
         finally:
             for h in holders:
                 h.communicate("")
