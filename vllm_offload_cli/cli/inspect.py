@@ -7,6 +7,7 @@ import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,8 @@ def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None,
         "shm": {"total_bytes": inv.shm.total_bytes, "free_bytes": inv.shm.free_bytes},
         "uninspectable_processes": inv.uninspectable_processes,
         "visibility": inv.visibility.to_dict(),
-        "gc_would_free_bytes": gc_would_free(inv, rest),
+        "gc_would_free_bytes": sum(r.allocated_bytes for r in chain(inv.regions, *(
+            rest or {}).values()) if r.state == "stale"),  # st_blocks, as gc counts
         # what this run counted instead of listing: its cost is bounded by what exists
         "not_judged": [t.to_dict() for t in inv.not_judged],
         "others_counted": [t.to_dict() for t in inv.counted],
@@ -103,10 +105,8 @@ MEASUREMENTS = ("residency", "numa")
 
 def measurement_errors(inv: Inventory, placed: dict[str, Placement] | None
                        ) -> dict[str, dict[str, Any]]:
-    """Per measurement that a system call refusal left unmade: {regions, message}.
-
-    A seccomp filter (a unit's SystemCallFilter=) without mincore or move_pages must
-    show, not leave a silent `-` and an alert that can never fire."""
+    """Per measurement a refused system call left unmade (a seccomp filter without mincore
+    or move_pages): {regions, message}, so it shows instead of a silent `-`."""
     found: dict[str, list[str]] = {}
     for r in inv.regions:
         if r.resident_error is not None:
@@ -118,11 +118,8 @@ def measurement_errors(inv: Inventory, placed: dict[str, Placement] | None
 
 
 def vllm_layout(r: RegionInfo) -> str | None:
-    """`segmented` or `single-file` (which vLLM can join it); None where nothing tells.
-
-    The manifest says what was made; without one the files do, except for a
-    released name's bare file: the first of several, or the only one.
-    """
+    """`segmented` or `single-file` (which vLLM can join it): the manifest's, else the
+    files'; None for a released name's bare file (the first of several, or the only one)."""
     if r.manifest is not None:
         return r.manifest.vllm_layout
     if any(s.segment > 0 for s in r.segments):
@@ -205,43 +202,43 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     """
     fmt, output = _output_options(inv, fmt, output, prometheus,
                                   filtered=bool(states) or check)
-    shm_dir = shm_dir_checked(inv)
     with deadline.within(timeout):
-        found = discover(shm_dir, engine_ids=engine_ids or None,
-                         measure_residency=not no_residency,
-                         shm_private_to_namespace=shm_private_to_namespace)
-        missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
-        found, unsafe = split_unsafe(found, {s.value for s in states})
-        listed, rest = metrics.per_owner(found.regions, lambda r: r.uid, everything)
-        placed = None if no_residency else observe_all(listed)
+        seen = _look(shm_dir_checked(inv), engine_ids, {s.value for s in states}, everything,
+                     no_residency, shm_private_to_namespace)
     warn_useless_waiver(inv, shm_private_to_namespace)
-    refusals = _warn_unseen(inv, found, placed)
-    shown = dataclasses.replace(found, regions=tuple(listed))
-    data = {**inventory_data(shown, placed, rest), "measurement_errors": refusals,
-            "not_found": missing, "unsafe_entries": [
-                {"engine_id": r.engine_id, "paths": r.paths,
-                 "problems": [jsonable(p) for p in r.problems]} for r in unsafe]}
-    flagged = [r.engine_id for r in listed if r.state == "stale" or r.problems]
-    flagged += [r.engine_id for r in unsafe]
-    # the aggregated say theirs in their states and problems
-    unlisted = any(r.state == "stale" or r.problems for rs in rest.values() for r in rs)
+    data = _data(seen, _warn_unseen(inv, seen.found, seen.placed))
+    flagged, unlisted = _flagged(seen)
     if check:
-        data["check"] = {"flagged": flagged}
+        data["check"] = {"flagged": flagged}  # the aggregated say theirs in their states
     if fmt is Format.prometheus:
-        metrics.emit(_registry(shown, rest, placed, refusals, len(unsafe)), output)
+        metrics.emit(_registry(seen.shown, seen.rest, seen.placed, data["measurement_errors"],
+                               len(seen.unsafe)), output)
         if output is not None:
             data["output"] = str(output)
     elif fmt is Format.json:
         inv.json_output = True
-    code = most_important([ExitStatus.USAGE if missing else ExitStatus.SUCCESS,
+    code = most_important([ExitStatus.USAGE if seen.missing else ExitStatus.SUCCESS,
                            ExitStatus.PROBLEMS_FOUND if check and (flagged or unlisted)
                            else ExitStatus.SUCCESS])
-    table = fmt is not Format.prometheus and bool(found.regions or not missing) and not (
-        check and inv.verbosity < 0)
-    wrote = output if prometheus is None else None  # --prometheus is quiet, as gc's is
+    table = fmt is not Format.prometheus and bool(seen.found.regions or not seen.missing) \
+        and not (check and inv.verbosity < 0)
+    return _outcome(inv, seen, data, code, table=table, wide=wide,
+                    wrote=output if prometheus is None else None)  # --prometheus is quiet
+
+
+def _flagged(seen: _Seen) -> tuple[list[str], bool]:
+    """The listed regions --check flags (stale, a problem, no region), and whether any
+    of those summed per owner is."""
+    flagged = [r.engine_id for r in seen.listed if r.state == "stale" or r.problems]
+    return flagged + [r.engine_id for r in seen.unsafe], any(
+        r.state == "stale" or r.problems for rs in seen.rest.values() for r in rs)
+
+
+def _outcome(inv: Invocation, seen: _Seen, data: dict[str, Any], code: ExitStatus, *,
+             table: bool, wide: bool, wrote: Path | None) -> Outcome:
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
-                  f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
-                 for engine_id in missing]
+                  f"in {seen.found.shm_dir}; `vllm-offload inspect` lists them all"}
+                 for engine_id in seen.missing]
 
     def render(out: Out) -> None:
         if table:
@@ -252,6 +249,43 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
             inv.err.print(f"Error: {e['message']}")
 
     return Outcome(data=data, exit_code=code, errors=not_found, render=render)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seen:
+    """One run's regions: `found` (in the states asked for), of which `listed` are shown
+    one by one and `rest` summed per owner; names that are no region; ids not found."""
+
+    found: Inventory
+    listed: list[RegionInfo]
+    rest: dict[int | None, list[RegionInfo]]
+    unsafe: list[RegionInfo]
+    missing: list[str]
+    placed: dict[str, Placement] | None
+
+    @property
+    def shown(self) -> Inventory:
+        return dataclasses.replace(self.found, regions=tuple(self.listed))
+
+
+def _look(shm_dir: str, engine_ids: tuple[str, ...], states: set[str], everything: bool,
+          no_residency: bool, waiver: bool) -> _Seen:
+    """Discover, then measure placement only for the regions that will be listed."""
+    found = discover(shm_dir, engine_ids=engine_ids or None, measure_residency=not no_residency,
+                     shm_private_to_namespace=waiver)
+    missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
+    found, unsafe = split_unsafe(found, states)
+    listed, rest = metrics.per_owner(found.regions, lambda r: r.uid, everything)
+    placed = None if no_residency else observe_all(listed)
+    return _Seen(found, listed, rest, unsafe, missing, placed)
+
+
+def _data(seen: _Seen, refusals: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {**inventory_data(seen.shown, seen.placed, seen.rest),
+            "measurement_errors": refusals, "not_found": seen.missing,
+            "unsafe_entries": [{"engine_id": r.engine_id, "paths": r.paths,
+                                "problems": [jsonable(p) for p in r.problems]}
+                               for r in seen.unsafe]}
 
 
 def _output_options(inv: Invocation, fmt: Format, output: Path | None,
@@ -317,14 +351,6 @@ def split_unsafe(found: Inventory, states: Collection[str] = ()
         r for r in found.regions if _unsafe(r)]
 
 
-def gc_would_free(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None = None
-                  ) -> int:
-    """tmpfs memory of the stale regions (st_blocks, as gc counts what it frees)."""
-    return sum(r.allocated_bytes for r in (*found.regions, *(r for rs in (rest or {}).values()
-                                                              for r in rs))
-               if r.state == "stale")
-
-
 def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
     """Why the region is in its state: who made it and whether it lives, the holders
     its manifest recorded and whether they exited, when anything last happened to it."""
@@ -371,8 +397,6 @@ def owner_name(uid: int | None) -> str:
         return "-"
     name = fsguard.user_name(uid)
     return str(uid) if name is None else printable(name)
-
-
 
 
 # -- the table: built from the JSON dicts, so `fleet inspect` shows nodes' answers alike --
