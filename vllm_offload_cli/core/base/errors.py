@@ -75,8 +75,7 @@ class UnsafeRegionError(OffloadError):
 
 
 class RegionTimeoutError(OffloadError, TimeoutError):
-    """A wait on another process ran out: a creator that never sized its file, a lock
-    nobody let go. (`timeout` is the command's own --timeout: DeadlineExpiredError.)"""
+    """A wait on another process ran out (`timeout` is the command's own --timeout)."""
 
     code = "wait_timeout"
 

@@ -167,14 +167,10 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     placed: list[affinity.WorkerPlacement] = []
     notes: list[Problem] = []
     if geometry is not None and geometry.world_size is not None:
-        w_problems, notes = _worker_checks(workers, geometry.world_size, manifest is not None,
-                                           rankless=len(live) - len(workers))
-        problems += w_problems
+        _worker_checks(workers, geometry.world_size, manifest is not None,
+                       len(live) - len(workers), problems, notes)
         if rows > 0:
-            slots, placed, s_problems, s_notes = _slot_checks(fd, geometry, rows, workers,
-                                                              w_problems)
-            problems += s_problems
-            notes += s_notes
+            slots, placed = _slot_checks(fd, geometry, rows, workers, problems, notes)
     return LiveCheck(
         engine_id=engine_id, path=path,
         manifest=mpath if manifest is not None and released is None else None,
@@ -251,27 +247,29 @@ def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, pat
                     world_size=world_size), rows, problems
 
 
-def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manifest: bool, *,
-                   rankless: int) -> tuple[list[Problem], list[Problem]]:
-    """(problems, notes) about the workers the manifest records."""
+def _worker_checks(workers: Sequence[AttachedWorker], world_size: int, has_manifest: bool,
+                   rankless: int, problems: list[Problem], notes: list[Problem]) -> None:
+    """Add the problems and notes about the workers the manifest records."""
     if not has_manifest:
-        return [], [Problem("no_manifest", "no manifest records who attached (a region made by "
-                            "vLLM); only size and residency are checked")]
-    problems, notes = _rank_checks(workers, world_size) if workers else ([], [Problem(
-        "no_workers", "no live worker is attached (pre-provisioned, or the engine is down); "
-        "only size and residency are checked")])
+        notes.append(Problem("no_manifest", "no manifest records who attached (a region made "
+                             "by vLLM); only size and residency are checked"))
+        return
+    if workers:
+        _rank_checks(workers, world_size, problems, notes)
+    else:
+        notes.append(Problem("no_workers", "no live worker is attached (pre-provisioned, or "
+                             "the engine is down); only size and residency are checked"))
     if rankless:
         notes.append(Problem(
             "rankless_opener", f"{rankless} rank-less opener(s) (the scheduler, or `create`) "
             "hold the region; they pre-fault every slot, so residency cannot show which "
             "workers wrote"))
-    return problems, notes
 
 
-def _rank_checks(workers: Sequence[AttachedWorker], world_size: int
-                 ) -> tuple[list[Problem], list[Problem]]:
+def _rank_checks(workers: Sequence[AttachedWorker], world_size: int, problems: list[Problem],
+                 notes: list[Problem]) -> None:
     """Each rank in range, each rank once, all ranks present, no two on one device."""
-    problems = [Problem(
+    problems += [Problem(
         "rank_out_of_range", f"pid {w.pid} is attached as rank {w.rank}, outside [0, "
         f"{world_size}) ({_origin(w)}); it writes past the row's slots, into another worker's "
         "slot of the next row", ranks=(w.rank,), pids=(w.pid,))
@@ -290,21 +288,19 @@ def _rank_checks(workers: Sequence[AttachedWorker], world_size: int
             "rank_missing", f"no live worker is attached as rank {joined(missing, 'or')} of "
             f"{world_size}; a worker never attached, or computed another rank",
             ranks=tuple(missing)))
-    device_problems, notes = _device_checks(workers)
-    problems += device_problems
+    _device_checks(workers, problems, notes)
     sources = sorted({w.rank_source for w in workers if w.rank_source is not None})
     if len(sources) > 1:
         problems.append(Problem(
             "mixed_rank_sources", "live workers computed their ranks with different sources "
             f"({', '.join(sources)}); their slots need not be disjoint",
             pids=tuple(w.pid for w in workers if w.rank_source is not None)))
-    return problems, notes
 
 
-def _device_checks(workers: Sequence[AttachedWorker]) -> tuple[list[Problem], list[Problem]]:
+def _device_checks(workers: Sequence[AttachedWorker], problems: list[Problem],
+                   notes: list[Problem]) -> None:
     """One device index for two workers proves a shared slot only for device-based rank
     sources: where each worker process sees only its own GPU, all are on index 0."""
-    problems, notes = [], []
     by_device: dict[int, list[AttachedWorker]] = defaultdict(list)
     for w in workers:
         if w.device_index is not None:
@@ -324,20 +320,19 @@ def _device_checks(workers: Sequence[AttachedWorker]) -> tuple[list[Problem], li
                 "device_index_shared", f"pids {joined(pids)} all report device index {device}; "
                 "fine when each worker process sees only its own GPU, a shared GPU otherwise",
                 ranks=ranks, pids=pids))
-    return problems, notes
 
 
 def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedWorker],
-                 worker_problems: list[Problem]
-                 ) -> tuple[list[SlotReport], list[affinity.WorkerPlacement], list[Problem],
-                            list[Problem]]:
-    """Who wrote which slot (residency), and whose slot sits on a remote NUMA node:
-    (slots, placement, problems, notes). A refused residency or NUMA measurement is a note."""
+                 problems: list[Problem], notes: list[Problem]
+                 ) -> tuple[list[SlotReport], list[affinity.WorkerPlacement]]:
+    """Who wrote which slot (residency), and whose slot sits on a remote NUMA node; a
+    refused residency or NUMA measurement is a note."""
     try:
-        slots, problems, notes = _slot_reports(fd, geometry, rows, workers)
+        slots = _slot_reports(fd, geometry, rows, workers, problems, notes)
     except OSError as exc:
-        return [], [], [], [_refused(exc, "slots not checked: their residency was not measured")]
-    slots = [_with_status(s, [*worker_problems, *problems]) for s in slots]
+        notes.append(_refused(exc, "slots not checked: their residency was not measured"))
+        return [], []
+    slots = [_with_status(s, problems) for s in slots]
     world = geometry.world_size or 0
     try:
         placed = affinity.check_workers(fd, geometry, rows, [
@@ -347,11 +342,11 @@ def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedW
         notes.append(_refused(exc, "NUMA placement not checked"))
     notes += [Problem("numa_remote", affinity.remote_message(w), ranks=(w.rank,),
                       pids=(w.pid,)) for w in placed if w.remote]
-    return slots, placed, problems, notes
+    return slots, placed
 
 
-def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWorker]
-                  ) -> tuple[list[SlotReport], list[Problem], list[Problem]]:
+def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWorker],
+                  problems: list[Problem], notes: list[Problem]) -> list[SlotReport]:
     """Residency per slot over the `rows` rows the file holds, counted per page column:
     every row has the same page pattern."""
     world = g.world_size
@@ -366,7 +361,7 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
         last = min(((j + 1) * PAGESIZE - 1) // g.cpu_page_size, world - 1)
         for slot in range(first, last + 1):
             (own if first == last else shared)[slot].append(j)
-    reports, problems, notes = [], [], []
+    reports = []
     for slot in range(world):
         rng = g.slot(slot)
         claim = tuple(w for w in workers if w.rank == slot)
@@ -392,7 +387,7 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
                 "slot_unpopulated", f"slot {slot} ({where}) was never populated: none of its "
                 f"{report.pages} page(s) is resident; {who}", slot=slot,
                 pids=tuple(w.pid for w in claim)))
-    return reports, problems, notes
+    return reports
 
 
 def _refused(exc: OSError, what: str) -> Problem:
