@@ -361,14 +361,6 @@ class _Bench:
                 "copy the bytes it was given; this is a bug, please report it")
         return True
 
-    def block_size(self, block: int, rows: list[BenchRow],
-                   prefault: list[PrefaultFigure]) -> None:
-        region, measured = self.on_region(block, self.modes, self.config.patterns)
-        stats = region.populate_stats
-        if stats is not None:
-            prefault.append(PrefaultFigure(block_bytes=block, gbps=stats.gbps, **asdict(stats)))
-        rows += measured
-
     def region(self, block: int, huge_pages: str | None = None) -> SharedOffloadRegion:
         """A scratch region; `huge_pages` (never or always) names the huge-page one."""
         c = self.config
@@ -471,7 +463,10 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
     rows: list[BenchRow] = []
     prefault: list[PrefaultFigure] = []
     for block in config.block_sizes:
-        bench.block_size(block, rows, prefault)
+        region, measured = bench.on_region(block, bench.modes, config.patterns)
+        rows += measured
+        if (stats := region.populate_stats) is not None:
+            prefault.append(PrefaultFigure(block_bytes=block, gbps=stats.gbps, **asdict(stats)))
     huge = bench.huge_pages(max(config.block_sizes)) if config.huge_pages else None
     torch = bench.torch
     return BenchReport(

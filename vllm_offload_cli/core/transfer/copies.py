@@ -136,18 +136,16 @@ class TensorPair:
 
     def sides(self, direction: Direction) -> tuple[Tensor, Tensor]:
         """(source, destination) of a copy in `direction`."""
-        if direction is Direction.STORE:
-            return self.device, self.region
-        return self.region, self.device
+        store = direction is Direction.STORE
+        return (self.device, self.region) if store else (self.region, self.device)
 
     def rows(self, tensor: Tensor, *, in_parts: bool = False) -> RowViews:
         """Cached views of `tensor`'s rows, cut into parts of PART_MAX_ELEMENTS if asked."""
         words = tensor.shape[1]
         part = min(PART_MAX_ELEMENTS, words) if in_parts else words  # one cache if whole
-        views = self._views.get((id(tensor), part))
-        if views is None:
-            views = self._views[(id(tensor), part)] = RowViews(tensor, part)
-        return views
+        if (id(tensor), part) not in self._views:
+            self._views[(id(tensor), part)] = RowViews(tensor, part)
+        return self._views[(id(tensor), part)]
 
     def rule(self, job: CopyJob) -> str:
         """How this tensor's part of `job` is copied: slice, gather, scatter or batched."""

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
     Ids = npt.NDArray[np.int64]
-    Mask = npt.NDArray[np.bool_]
 
 
 class Direction(str, enum.Enum):
@@ -83,12 +82,6 @@ def _sequence_ids(values: Any, what: str) -> Ids:
     return np.array(ids, dtype=np.int64)
 
 
-def _first(mask: Mask) -> int:
-    import numpy as np
-
-    return int(np.flatnonzero(mask)[0])
-
-
 def _check_range(ids: Ids, limit: int, *, label: str, holder: str,
                  ascending: bool = False) -> None:
     """Ascending ids are bounded by their ends; positions are searched only to explain a
@@ -97,11 +90,11 @@ def _check_range(ids: Ids, limit: int, *, label: str, holder: str,
         return
     low, high = (int(ids[0]), int(ids[-1])) if ascending else (int(ids.min()), int(ids.max()))
     if low < 0:
-        pos = _first(ids < 0)
+        pos = int((ids < 0).argmax())  # the first
         raise InvalidInputError(f"{label} block id {int(ids[pos])} (position {pos}) is "
                                 "negative", code="block_out_of_range")
     if high >= limit:
-        pos = _first(ids >= limit)
+        pos = int((ids >= limit).argmax())
         valid = f"valid ids 0..{limit - 1}" if limit else "it has none"
         raise InvalidInputError(
             f"{label} block id {int(ids[pos])} (position {pos}) is out of range: {holder} "
@@ -134,7 +127,7 @@ def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any
         dst, src = dst[order], src[order]
         repeated = _diff(dst) == 0
         if repeated.any():
-            block = int(dst[1:][_first(repeated)])
+            block = int(dst[1:][repeated.argmax()])
             raise InvalidInputError(
                 f"{prefix}: destination block {block} appears more than once; two copies "
                 "into one block would race", code="duplicate_destination")

@@ -65,12 +65,10 @@ def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
 class CopyWorker:
     """Store (device -> region) and load (region -> device) KV blocks asynchronously.
 
-    `device_tensors`: one tensor per KV tensor, shape (num_device_blocks, ...),
-    any dtype; a block is one row. Each gets the next page of this worker's
-    slot (`layout="worker"`, vLLM's default) or of every row
-    (`layout="canonical"`); `region_views` passes views carved earlier instead.
-    On CUDA the region is pinned unless `pin=False` (a failure is a warning,
-    see `pinned` and `pin_warning`).
+    `device_tensors`: one tensor per KV tensor, shape (num_device_blocks, ...), any dtype;
+    a block is one row. Each gets the next page of this worker's slot (`layout="worker"`,
+    vLLM's default) or of every row (`"canonical"`), or the given `region_views`. On CUDA
+    the region is pinned unless `pin=False` (a failure is a warning: `pin_warning`).
     """
 
     def __init__(self, region: SharedOffloadRegion, device_tensors: Sequence[torch.Tensor], *,
@@ -189,10 +187,8 @@ class CopyWorker:
         return self._sink.take()
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
-        """Block until the given jobs finished (ids not in flight count as finished).
-
-        Their results are still returned by the next get_finished(). False on timeout.
-        """
+        """Block until the given jobs finished (ids not in flight count as finished); False
+        on timeout. Their results still come from the next get_finished()."""
         wanted = set(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         for lane in self._lanes.values():
@@ -203,9 +199,7 @@ class CopyWorker:
 
     def shutdown(self, cancel_pending: bool = False) -> None:
         """Finish (or, on CPU, cancel) queued jobs, release the views and unpin; idempotent.
-
-        Every job still gets its result: cancelled ones are reported failed.
-        """
+        Every job still gets its result: cancelled ones are reported failed."""
         with self._lock:
             if self._closed:
                 return
