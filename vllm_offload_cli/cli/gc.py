@@ -174,7 +174,6 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
                 f"{engine_id} in {report.shm_dir}; `vllm-offload inspect` lists them all"}
                for engine_id in report.not_found]
     output: list[dict[str, str]] = []
-    output_status = ExitStatus.SUCCESS
     changed = not dry_run and bool(report.removed or report.orphan_manifests_removed
                                    or report.temp_files_removed)
     code = most_important(status for status, present in (
@@ -189,11 +188,9 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
         except OffloadError as exc:  # after removals: report them all, and say so
             output.append({"code": OUTPUT_FAILED, "message": exc.message + (
                 "; the removals above were made" if changed else "")})
-            output_status = exc.exit_status
-    if output:  # the textfile is not written then: it cannot carry this status
-        # nothing removed: the write's own status (5 on a full filesystem), not 1,
-        # which says a removal failed
-        code = most_important((code, ExitStatus.PARTIAL if changed else output_status))
+            # the textfile cannot carry this status; with nothing removed, the write's own
+            # status (5 on a full filesystem), not 1, which says a removal failed
+            code = most_important((code, ExitStatus.PARTIAL if changed else exc.exit_status))
     return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
                    render=lambda out: _render(inv, out, report, output + refusals + missing,
                                               unrecorded))
@@ -261,14 +258,13 @@ def _render(inv: Invocation, out: Out, report: GcReport,
             more = f" (+ {', '.join(extra)})" if extra else ""
             out.print(f"{verb} {r.engine_id}{more}: {format_bytes(r.freed_bytes)} of memory, "
                       f"{format_bytes(r.bytes)} file size")
-    if quiet:  # one line, only when something happened: cron mails what it prints
-        if report.removed or report.orphan_manifests_removed or report.temp_files_removed \
-                or report.partial:
-            out.print(_summary(report))
-        return
-    for line in _kept_lines(report, verb):
-        out.print(line)
-    out.print(_summary(report))
+    if not quiet:
+        for line in _kept_lines(report, verb):
+            out.print(line)
+    # -q: the summary only when something happened (cron mails what it prints)
+    if not quiet or (report.removed or report.orphan_manifests_removed
+                     or report.temp_files_removed or report.partial):
+        out.print(_summary(report))
 
 
 def _kept_lines(report: GcReport, verb: str) -> list[str]:
