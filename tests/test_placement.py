@@ -22,7 +22,7 @@ import pytest
 from conftest import Holder, require_root, wait_until
 
 from vllm_offload_cli.core.host import observed_placement as observed
-from vllm_offload_cli.core.layout import affinity
+from vllm_offload_cli.core.layout import check
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region import page_policy
 from vllm_offload_cli.core.region.geometry import Geometry
@@ -467,12 +467,12 @@ def test_remote_slot_rule_with_real_page_nodes(shm_dir: Path, holders: Any) -> N
     g = Geometry.for_workers(num_blocks=4, world_size=2, cpu_page_size=PAGE)
     fd = os.open(shm_dir / "vllm_offload_aff.mmap", os.O_RDONLY)
     try:
-        (far,) = affinity.check_workers(fd, g, 4, [(worker.pid, 0)], topo=split)
-        (near,) = affinity.check_workers(fd, g, 4, [(worker.pid, 0)], topo=TOPO)
+        (far,) = check.check_workers(fd, g, 4, [(worker.pid, 0)], topo=split)
+        (near,) = check.check_workers(fd, g, 4, [(worker.pid, 0)], topo=TOPO)
     finally:
         os.close(fd)
     assert far.cpu_nodes == (other,) and far.slot_numa_nodes == {FIRST_NODE: 4 * PAGE}
-    assert far.remote and f"node(s) {FIRST_NODE}" in affinity.remote_message(far)
+    assert far.remote and f"node(s) {FIRST_NODE}" in check.remote_message(far)
     assert near.remote is (not TOPO.nodes_of_cpus(cpus) >= {FIRST_NODE})
 
 
@@ -483,7 +483,7 @@ def test_vanished_worker_has_unknown_affinity(shm_dir: Path, holders: Any) -> No
     try:
         worker.kill()
         assert wait_until(lambda: not Path(f"/proc/{worker.pid}").exists())
-        (gone,) = affinity.check_workers(fd, g, 4, [(worker.pid, 0)])
+        (gone,) = check.check_workers(fd, g, 4, [(worker.pid, 0)])
     finally:
         os.close(fd)
     assert gone.cpu_nodes is None and gone.remote is False

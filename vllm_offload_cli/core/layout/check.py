@@ -4,6 +4,8 @@ Checks one region's size against its geometry (the manifest's, or the operator's
 a region vLLM made without one), its row stride, the live workers its manifest records
 and which slots were ever populated. The file is opened read-only without following
 links, and residency is read on a mapping never touched, so checking faults nothing in.
+A worker whose CPUs are on one NUMA node and whose slot's pages are on another copies
+every block across the socket link: a note (the bytes are right, only slow).
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ from vllm_offload_cli.core.base.errors import (
 )
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.text import joined
-from vllm_offload_cli.core.host import residency
+from vllm_offload_cli.core.host import observed_placement, residency
 from vllm_offload_cli.core.host.discovery import RegionInfo, open_released
-from vllm_offload_cli.core.layout import affinity
 from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import (
@@ -35,6 +36,7 @@ from vllm_offload_cli.core.region.geometry import (
 )
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.region.ranks import RANK_SOURCES
+from vllm_offload_cli.core.system import libc, numa, processes
 from vllm_offload_cli.core.system.files import FileId
 
 
@@ -47,6 +49,17 @@ class AttachedWorker:
     device_index: int | None
     rank_source: str | None
     host: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerPlacement:
+    """One attached worker: the nodes of its CPUs and where its slot's pages are."""
+
+    pid: int
+    rank: int
+    cpu_nodes: tuple[int, ...] | None  # None: affinity unreadable (process gone, denied)
+    slot_numa_nodes: dict[int, int] | None  # node -> resident bytes of the slot; None: unknown
+    remote: bool  # some of its slot's pages are on a node its CPUs are not
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +102,7 @@ class LiveCheck:
     slots: tuple[SlotReport, ...]
     problems: tuple[Problem, ...]
     notes: tuple[Problem, ...] = field(default_factory=tuple)
-    numa: tuple[affinity.WorkerPlacement, ...] = field(default_factory=tuple)
+    numa: tuple[WorkerPlacement, ...] = field(default_factory=tuple)
 
     @property
     def ok(self) -> bool:
@@ -164,7 +177,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
                               rank_source=a.rank_source, host=a.host)
                for a in live if a.rank is not None]
     slots: list[SlotReport] = []
-    placed: list[affinity.WorkerPlacement] = []
+    placed: list[WorkerPlacement] = []
     notes: list[Problem] = []
     if geometry is not None and geometry.world_size is not None:
         _worker_checks(workers, geometry.world_size, manifest is not None,
@@ -324,7 +337,7 @@ def _device_checks(workers: Sequence[AttachedWorker], problems: list[Problem],
 
 def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedWorker],
                  problems: list[Problem], notes: list[Problem]
-                 ) -> tuple[list[SlotReport], list[affinity.WorkerPlacement]]:
+                 ) -> tuple[list[SlotReport], list[WorkerPlacement]]:
     """Who wrote which slot (residency), and whose slot sits on a remote NUMA node; a
     refused residency or NUMA measurement is a note."""
     try:
@@ -335,12 +348,12 @@ def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedW
     slots = [_with_status(s, problems) for s in slots]
     world = geometry.world_size or 0
     try:
-        placed = affinity.check_workers(fd, geometry, rows, [
+        placed = check_workers(fd, geometry, rows, [
             (w.pid, w.rank) for w in workers if 0 <= w.rank < world])
     except OSError as exc:
         placed = []
         notes.append(_refused(exc, "NUMA placement not checked"))
-    notes += [Problem("numa_remote", affinity.remote_message(w), ranks=(w.rank,),
+    notes += [Problem("numa_remote", remote_message(w), ranks=(w.rank,),
                       pids=(w.pid,)) for w in placed if w.remote]
     return slots, placed
 
@@ -388,6 +401,64 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
                 f"{report.pages} page(s) is resident; {who}", slot=slot,
                 pids=tuple(w.pid for w in claim)))
     return reports
+
+
+def _own_columns(g: Geometry, rank: int) -> list[int]:
+    """Pages of a row that hold only `rank`'s bytes."""
+    slot = g.slot(rank)
+    return [j for j in range(g.row_stride // PAGESIZE)
+            if j * PAGESIZE >= slot.start and (j + 1) * PAGESIZE <= slot.end]
+
+
+def _slot_nodes(fd: int, g: Geometry, rows: int, rank: int, resident: bytes,
+               topo: numa.Topology) -> dict[int, int] | None:
+    """Resident bytes of `rank`'s slot per node; sampled rows on a multi-node host."""
+    per_row = g.row_stride // PAGESIZE
+    cols = _own_columns(g, rank)
+    total = sum(resident[j::per_row][:rows].count(1) for j in cols) * PAGESIZE
+    if topo.single_node:
+        return {topo.nodes[0]: total} if total else {}
+    if not total or not libc.numa_syscalls_available():
+        return {} if not total else None
+    step = max(1, rows * len(cols) // observed_placement.SAMPLE_PAGES)
+    picked = [row * per_row + j for row in range(0, rows, step) for j in cols
+              if resident[row * per_row + j]]
+    try:
+        seen = observed_placement.sample_pages(fd, rows * g.row_stride, picked).nodes
+    except OSError as exc:
+        if residency.refused(exc):  # said by the caller, not a silent "unknown"
+            raise
+        return None
+    whole = sum(seen.values())
+    return {n: total * b // whole for n, b in seen.items()} if whole else {}
+
+
+def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, int]], *,
+                  topo: numa.Topology | None = None) -> list[WorkerPlacement]:
+    """Affinity of each (pid, rank) against its slot's resident pages."""
+    topo = topo or numa.topology()
+    if not workers or rows <= 0:
+        return []
+    resident = residency.page_map(fd, 0, rows * g.row_stride)
+    out = []
+    for pid, rank in workers:
+        cpus = processes.allowed_cpus(pid)
+        cpu_nodes = None if cpus is None else tuple(sorted(topo.nodes_of_cpus(cpus)))
+        nodes = _slot_nodes(fd, g, rows, rank, resident, topo)
+        remote = bool(cpu_nodes and nodes and any(
+            n not in cpu_nodes for n, b in nodes.items() if b))
+        out.append(WorkerPlacement(pid=pid, rank=rank, cpu_nodes=cpu_nodes, slot_numa_nodes=nodes,
+                                   remote=remote))
+    return out
+
+
+def remote_message(w: WorkerPlacement) -> str:
+    far = sorted(n for n, b in (w.slot_numa_nodes or {}).items()
+                 if b and n not in (w.cpu_nodes or ()))
+    nodes = ",".join(str(n) for n in w.cpu_nodes or ())
+    return (f"rank {w.rank} (pid {w.pid}) runs on CPUs of NUMA node(s) {nodes} but its slot's "
+            f"pages are (partly) on node(s) {','.join(str(n) for n in far)}: every copy crosses "
+            "the socket link; bind the region (`create --numa-node`) or pin the worker near it")
 
 
 def _refused(exc: OSError, what: str) -> Problem:
