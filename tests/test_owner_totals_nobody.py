@@ -8,12 +8,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers.other_user import NOBODY
 from test_adversarial_nobody import CLI, need_root, run, shared, tricks
 from test_volume_nobody import victim
 
 from vllm_offload_cli.cli.inspect import STATES
 from vllm_offload_cli.cli.metrics import LISTED_PER_OWNER
+from vllm_offload_cli.core.host import discovery
 
 __all__ = ["shared", "tricks"]  # fixtures used here by name
 
@@ -92,3 +94,19 @@ def test_gc_lists_its_decisions_on_its_own_and_sums_other_owners(shared: Path,
     codes = {c: sum(k["code"] == c for k in kept) + summed["codes"].get(c, 0)
              for c in ("foreign_owner", "live")}
     assert codes == {"foreign_owner": FILES, "live": HELD}
+
+
+def test_unlinked_files_past_the_bound_cost_a_count_whatever_holds_them(
+        shared: Path, tricks: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many processes hold another owner's unlinked files, past JUDGED_OTHERS of
+    them per owner each is counted under its holder, not made a region (no residency, no
+    manifest lookup, no name per holder): memory bounded by the bound, not the holders."""
+    need_root()
+    monkeypatch.setattr(discovery, "JUDGED_OTHERS", 10)
+    holders = [tricks("held", str(shared), f"h{i}_", "15") for i in range(2)]
+    victim(shared)
+    inv = discovery.discover(shared)
+    assert sum(r.uid == NOBODY for r in inv.regions) == 10
+    counted = dict(inv.unnamed_held)
+    assert sum(counted.get(h.pid, 0) for h in holders) == 20
+    assert [r.engine_id for r in inv.regions if r.uid == 0] == ["victim"]

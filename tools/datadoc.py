@@ -81,7 +81,8 @@ DATA: dict[str, tuple[tuple[str, str], ...]] = {
          "region-named files of other users counted per owner, not looked at one by one "
          "(past the largest 4,096 judged, or the first 256 listed from lstat)"),
         ("held_unlisted[]", "{pid, files}: files on the shm filesystem a process holds past "
-         "256 per process, counted, not looked up"),
+         "256 per process, or unlinked region files of another owner past its 4,096, "
+         "counted, not looked up"),
         ("output", "with --output: the textfile written"),
     ),
     "verify-rank-layout": (

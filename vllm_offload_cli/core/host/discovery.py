@@ -540,14 +540,23 @@ def _seen_only(run: _Run) -> list[RegionInfo]:
 
 
 def _unlinked(run: _Run, wanted: Collection[str] | None, partial: bool) -> list[RegionInfo]:
-    """The regions known only from /proc; with `partial`, those judged before the deadline."""
+    """The regions known only from /proc; with `partial`, those judged before the deadline.
+    Of another owner's, past JUDGED_OTHERS each is counted under its holder (one stat),
+    however many processes hold them."""
     regions = []
+    others: dict[int, int] = {}
     try:
         for engine_id, by_inode in sorted(_deleted_only(run.scan, run.linked, run.shm).items()):
             if wanted is not None and engine_id not in wanted:
                 continue
             for fid, uses in by_inode.items():
-                regions.append(_deleted_region(run, engine_id, fid, uses))
+                st = _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
+                if st is not None and st.st_uid != os.geteuid():
+                    others[st.st_uid] = others.get(st.st_uid, 0) + 1
+                    if others[st.st_uid] > JUDGED_OTHERS:
+                        run.scan.unnamed[uses[0].pid] = run.scan.unnamed.get(uses[0].pid, 0) + 1
+                        continue
+                regions.append(_deleted_region(run, engine_id, fid, uses, st))
     except deadline.DeadlineExpiredError:
         if not partial:
             raise  # gc: unlinked regions are in use, never removed; what was judged counts
@@ -691,8 +700,8 @@ def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
     return (PERSISTENT if manifest is not None and manifest.persistent else STALE), None
 
 
-def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse]
-                    ) -> RegionInfo:
+def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
+                    st: os.stat_result | None = None) -> RegionInfo:
     """A region whose name is gone: all we know comes through its users' /proc entries,
     the manifest they carry (`core.region.carried`) included."""
     parts = split_engine_id(engine_id)
@@ -700,7 +709,7 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse]
     size = max((u.size_hint or 0) for u in uses)
     resident, refusal, uid, mode = None, None, None, None
     # its own stat (its owner above all), through a user: identity only, nothing read
-    st = _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
+    st = st or _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
     if st is not None:
         size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
     fd_use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
