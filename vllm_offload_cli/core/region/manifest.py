@@ -301,10 +301,8 @@ def write(path: str, manifest: Manifest) -> None:
         raise OperationFailedError(f"cannot write manifest beside {path}: {exc.strerror}",
                                    path=path) from exc
     try:
-        try:
-            os.write(fd, payload)
-        finally:
-            os.close(fd)
+        with open(fd, "wb") as f:  # closes fd
+            f.write(payload)
         os.rename(tmp, path)  # replaces a link itself, never its target
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
