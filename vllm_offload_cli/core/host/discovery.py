@@ -854,9 +854,8 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
     # the same judgement as discover()'s: a lock counts only on the owner's files
     named = _judge(run, engine_id, found) if found else None
     regions = [] if named is None else [judge_visibility(named, run.vis)]
-    linked = {s.file_id for s in (named.segments if named else ()) if s.file_id is not None}
-    regions += [_deleted_region(run, engine_id, fid, uses)
-                for fid, uses in _deleted_only(scan, linked, shm).get(engine_id, {}).items()]
+    run.linked = {s.file_id for s in (named.segments if named else ()) if s.file_id is not None}
+    regions += _unlinked(run, {engine_id}, partial=False)
     orphan = None if regions else _orphan(engine_id, str(manifest_path(shm, engine_id)))
     return Inventory(
         shm_dir=shm, regions=tuple(_flag_collisions(regions)),
