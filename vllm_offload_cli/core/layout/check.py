@@ -360,20 +360,13 @@ def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedW
 
 def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWorker],
                   problems: list[Problem], notes: list[Problem]) -> list[SlotReport]:
-    """Residency per slot over the `rows` rows the file holds, counted per page column:
-    every row has the same page pattern."""
+    """Residency per slot over the `rows` rows the file holds."""
     world = g.world_size
     assert world is not None
     pages = residency.page_map(fd, 0, rows * g.row_stride)
     per_row = g.row_stride // PAGESIZE
     resident_in_column = [pages[j::per_row].count(1) for j in range(per_row)]
-    own: dict[int, list[int]] = defaultdict(list)
-    shared: dict[int, list[int]] = defaultdict(list)
-    for j in range(per_row):
-        first = j * PAGESIZE // g.cpu_page_size
-        last = min(((j + 1) * PAGESIZE - 1) // g.cpu_page_size, world - 1)
-        for slot in range(first, last + 1):
-            (own if first == last else shared)[slot].append(j)
+    own, shared = _page_columns(g)
     reports = []
     for slot in range(world):
         rng = g.slot(slot)
@@ -403,18 +396,25 @@ def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWor
     return reports
 
 
-def _own_columns(g: Geometry, rank: int) -> list[int]:
-    """Pages of a row that hold only `rank`'s bytes."""
-    slot = g.slot(rank)
-    return [j for j in range(g.row_stride // PAGESIZE)
-            if j * PAGESIZE >= slot.start and (j + 1) * PAGESIZE <= slot.end]
+def _page_columns(g: Geometry) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Per slot, the pages of a row (every row has the same pattern) that hold its bytes
+    alone, and those it shares with a neighbour, which cannot say which of the two wrote."""
+    slots = g.world_size or g.max_slots
+    own: dict[int, list[int]] = defaultdict(list)
+    shared: dict[int, list[int]] = defaultdict(list)
+    for j in range(g.row_stride // PAGESIZE):
+        first = j * PAGESIZE // g.cpu_page_size
+        last = min(((j + 1) * PAGESIZE - 1) // g.cpu_page_size, slots - 1)
+        for slot in range(first, last + 1):
+            (own if first == last else shared)[slot].append(j)
+    return own, shared
 
 
-def _slot_nodes(fd: int, g: Geometry, rows: int, rank: int, resident: bytes,
-               topo: numa.Topology) -> dict[int, int] | None:
-    """Resident bytes of `rank`'s slot per node; sampled rows on a multi-node host."""
+def _slot_nodes(fd: int, g: Geometry, rows: int, cols: list[int], resident: bytes,
+                topo: numa.Topology) -> dict[int, int] | None:
+    """Resident bytes per node of the page columns `cols` (a slot's own); sampled rows on
+    a multi-node host."""
     per_row = g.row_stride // PAGESIZE
-    cols = _own_columns(g, rank)
     total = sum(resident[j::per_row][:rows].count(1) for j in cols) * PAGESIZE
     if topo.single_node:
         return {topo.nodes[0]: total} if total else {}
@@ -440,11 +440,12 @@ def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, 
     if not workers or rows <= 0:
         return []
     resident = residency.page_map(fd, 0, rows * g.row_stride)
+    own = _page_columns(g)[0]
     out = []
     for pid, rank in workers:
         cpus = processes.allowed_cpus(pid)
         cpu_nodes = None if cpus is None else tuple(sorted(topo.nodes_of_cpus(cpus)))
-        nodes = _slot_nodes(fd, g, rows, rank, resident, topo)
+        nodes = _slot_nodes(fd, g, rows, own[rank], resident, topo)
         remote = bool(cpu_nodes and nodes and any(
             n not in cpu_nodes for n, b in nodes.items() if b))
         out.append(WorkerPlacement(pid=pid, rank=rank, cpu_nodes=cpu_nodes, slot_numa_nodes=nodes,
