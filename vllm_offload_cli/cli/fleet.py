@@ -231,6 +231,8 @@ def render_gc(out: Out, result: FleetResult, *, quiet: bool) -> None:
         if not quiet:
             for k in dict_items(data.get("kept")):
                 out.print(f"{label}: Kept {k.get('engine_id')}: {k.get('reason')}")
+            for a in dict_items(data.get("kept_aggregated")):  # other owners' past the bound
+                out.print(f"{label}: Kept {a.get('regions')} more region(s) of uid {a.get('uid')}")
         for path in data.get("orphan_manifests_removed") or []:
             out.print(f"{label}: {verb} orphaned manifest {path}")
         for path in data.get("temp_files_removed") or []:
