@@ -313,7 +313,7 @@ def _undecided(who: _Holders, path: str, engine_id: str) -> RegionBusyError:
 def _would_reclaim(done: ClaimResult, r: RegionInfo, want: RegionShape | None
                    ) -> ClaimResult:
     """A dry run's answer for a stale region: what the reclaim would free."""
-    other = None if want is None else mismatch(r, want)
+    other = mismatch(r, want)
     return replace(done, action=WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
                    # what the real run reports: tmpfs memory freed (st_blocks), not
                    # the apparent size of a partly written (sparse) leftover

@@ -31,8 +31,10 @@ class RegionShape:
     world_size: int | None = None
 
 
-def mismatch(r: RegionInfo, want: RegionShape) -> str | None:
-    """How the region `r` differs from `want`, in words; None when it fits."""
+def mismatch(r: RegionInfo, want: RegionShape | None) -> str | None:
+    """How the region `r` differs from `want`, in words; None when it fits (or no `want`)."""
+    if want is None:
+        return None
     why = []
     if r.size_bytes != want.size_bytes:
         why.append(f"it is {format_bytes(r.size_bytes)} ({r.size_bytes} bytes), the engine "
@@ -56,7 +58,7 @@ def _code(r: RegionInfo, want: RegionShape | None) -> str:
 def refuse_held_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
                              ours: tuple[int, ...]) -> None:
     """Joining a live region of another shape would hang (size) or corrupt (geometry)."""
-    why = None if want is None else mismatch(r, want)
+    why = mismatch(r, want)
     if why is None:
         return
     pids = ours or tuple(h.pid for h in r.holders)
@@ -72,7 +74,7 @@ def refuse_held_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
 def refuse_persistent_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
                                    shm_dir: str | os.PathLike[str]) -> None:
     """A pre-provisioned region is never removed for an engine: say how to remove it."""
-    why = None if want is None else mismatch(r, want)
+    why = mismatch(r, want)
     if why is None:
         return
     command = gc_command(shm_dir, r.engine_id, include_persistent=True,

@@ -25,6 +25,10 @@ class FileId:
 UNTRUSTED_OPEN_FLAGS = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 
 
+def _regular(st: os.stat_result, expect: FileId | None) -> bool:
+    return stat.S_ISREG(st.st_mode) and (expect is None or FileId.of(st) == expect)
+
+
 def open_regular(path: str, expect: FileId | None = None, flags: int = os.O_RDONLY
                  ) -> int | None:
     """A descriptor of `path` if it is a regular file (with identity `expect`); else None.
@@ -34,8 +38,7 @@ def open_regular(path: str, expect: FileId | None = None, flags: int = os.O_RDON
     except OSError:
         return None
     try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and (expect is None or FileId.of(st) == expect):
+        if _regular(os.fstat(fd), expect):
             return fd
     except OSError:
         pass
@@ -43,44 +46,29 @@ def open_regular(path: str, expect: FileId | None = None, flags: int = os.O_RDON
     return None
 
 
-def _verified_path_fd(path: str, expect: FileId | None) -> tuple[int, os.stat_result] | None:
-    """O_PATH descriptor (and fstat) of the regular file behind a /proc magic link:
-    O_PATH resolves without opening, so no FIFO or device behind it can block us."""
-    try:
-        pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(pfd)
-    except OSError:
-        os.close(pfd)
-        return None
-    if not stat.S_ISREG(st.st_mode) or (expect is not None and FileId.of(st) != expect):
-        os.close(pfd)
-        return None
-    return pfd, st
-
-
 def stat_proc_link(path: str, expect: FileId | None = None) -> os.stat_result | None:
-    """fstat of the regular file behind a /proc magic link (`/proc/PID/fd/N`,
+    """stat of the regular file behind a /proc magic link (`/proc/PID/fd/N`,
     `/proc/PID/map_files/A-B`); None if it is anything else. Opens nothing."""
-    got = _verified_path_fd(path, expect)
-    if got is None:
+    try:
+        st = os.stat(path)
+    except OSError:
         return None
-    os.close(got[0])
-    return got[1]
+    return st if _regular(st, expect) else None
 
 
 def open_proc_link(path: str, expect: FileId | None = None, flags: int = os.O_RDONLY
                    ) -> int | None:
     """A descriptor of the regular file behind a /proc magic link; else None.
-    Judged on an O_PATH descriptor, then reopened through our own /proc/self/fd:
+    O_PATH resolves the link without opening what is behind it (no FIFO can block
+    us); judged on that descriptor, then reopened through our own /proc/self/fd,
     the file opened is the inode judged, whatever the other process does meanwhile."""
-    got = _verified_path_fd(path, expect)
-    if got is None:
-        return None
-    pfd, _ = got
     try:
+        pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not _regular(os.fstat(pfd), expect):
+            return None
         return os.open(f"/proc/self/fd/{pfd}",
                        flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:

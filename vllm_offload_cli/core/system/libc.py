@@ -32,27 +32,19 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 def _libc() -> ctypes.CDLL:
     # the process's own symbols include libc; find_library("c") would run ldconfig -p
     lib = ctypes.CDLL(None, use_errno=True)
-    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    lib.madvise.restype = ctypes.c_int
-    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    lib.mincore.restype = ctypes.c_int
-    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                         ctypes.c_int, ctypes.c_long]
-    lib.mmap.restype = ctypes.c_void_p
-    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    lib.munmap.restype = ctypes.c_int
+    ptr, size, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    for name, args, result in (("madvise", [ptr, size, i], i), ("mincore", [ptr, size, ptr], i),
+                               ("mmap", [ptr, size, i, i, i, ctypes.c_long], ptr),
+                               ("munmap", [ptr, size], i)):
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = result
     lib.syscall.restype = ctypes.c_long
     return lib
 
 
-# NUMA system calls have no libc wrapper (they live in libnuma, which may be
-# absent); their numbers differ by architecture.
-_NUMA_SYSCALLS = {  # machine: (mbind, move_pages)
-    "x86_64": (237, 279),
-    "aarch64": (235, 239),
-    "arm64": (235, 239),
-    "riscv64": (235, 239),
-}
+# NUMA system calls have no libc wrapper (libnuma may be absent); numbers per machine.
+_NUMA_SYSCALLS = {"x86_64": (237, 279), "aarch64": (235, 239), "arm64": (235, 239),
+                  "riscv64": (235, 239)}  # machine: (mbind, move_pages)
 
 
 def numa_syscalls_available() -> bool:

@@ -32,21 +32,24 @@ def cgroup_headroom(proc_root: Path = Path(PROC),
         lines = (proc_root / "self" / "cgroup").read_text().splitlines()
     except OSError:
         return None, None
-    best: tuple[int, int] | None = None
+    found: list[tuple[int, int]] = []  # (limit, free) of every memory cgroup above us
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, rel = parts
-        rel = rel.lstrip("/")
         if controllers == "":
-            for node in _up(cgroup_root, rel):
-                best = _tighter(best, node / "memory.max", node / "memory.current")
+            top, files = cgroup_root, ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):
-            for node in _up(cgroup_root / "memory", rel):
-                best = _tighter(best, node / "memory.limit_in_bytes",
-                                node / "memory.usage_in_bytes")
-    return best if best is not None else (None, None)
+            top, files = cgroup_root / "memory", ("memory.limit_in_bytes",
+                                                  "memory.usage_in_bytes")
+        else:
+            continue
+        for node in _up(top, rel.lstrip("/")):
+            limit, used = (_read_int(node / name) for name in files)
+            if limit is not None and used is not None:
+                found.append((limit, max(limit - used, 0)))
+    return min(found, key=lambda x: x[1]) if found else (None, None)
 
 
 def _up(top: Path, rel: str) -> Iterator[Path]:
@@ -57,16 +60,6 @@ def _up(top: Path, rel: str) -> Iterator[Path]:
         if node == top or top not in node.parents:
             return
         node = node.parent
-
-
-def _tighter(best: tuple[int, int] | None, limit_file: Path,
-             usage_file: Path) -> tuple[int, int] | None:
-    """`best` or this cgroup's (limit, free), whichever leaves less free."""
-    limit, used = _read_int(limit_file), _read_int(usage_file)
-    if limit is None or used is None:
-        return best
-    free = max(limit - used, 0)
-    return (limit, free) if best is None or free < best[1] else best
 
 
 def mem_available() -> int | None:
