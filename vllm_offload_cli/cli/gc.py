@@ -189,7 +189,7 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
             output.append({"code": OUTPUT_FAILED, "message": exc.message + (
                 "; the removals above were made" if changed else "")})
             # the textfile cannot carry this status; with nothing removed, the write's own
-            # status (5 on a full filesystem), not 1, which says a removal failed
+            # status (NO_SPACE on a full filesystem), not FAILED, which says a removal failed
             code = most_important((code, ExitStatus.PARTIAL if changed else exc.exit_status))
     return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
                    render=lambda out: _render(inv, out, report, output + refusals + missing,

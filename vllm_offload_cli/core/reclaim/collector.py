@@ -105,10 +105,9 @@ def collect(
 ) -> GcReport:
     """Find and remove every provably stale region in shm_dir (or only `engine_ids`).
 
-    Other owners' files are classified from `lstat` alone; the caller's own are judged
-    first, then the largest, for `judge_seconds` (and until the command's deadline), so
-    what was proven stale is removed in the time left and the rest is counted as
-    `not_judged` (the run exits 7).
+    Judging (own regions first, then the largest; others' files classified from lstat
+    alone) stops after `judge_seconds`, so what was proven stale is removed in the time
+    left; the rest is counted as `not_judged` (the run exits PARTIAL).
     """
     options = GcOptions(dry_run=dry_run, min_age=min_age, include_persistent=include_persistent,
                         all_users=all_users,
@@ -398,8 +397,7 @@ class _Run:
             recorded = _recorded_region(fd)  # the region unless it names another inode
             ours = bare is None or recorded is None or recorded == FileId.of(bare)
         else:
-            ours = bare is not None and (m.region_dev, m.region_ino) == (bare.st_dev,
-                                                                         bare.st_ino)
+            ours = bare is not None and FileId(m.region_dev, m.region_ino) == FileId.of(bare)
         if ours:
             held.manifest_fd, held.manifest = fd, m
         else:

@@ -1,6 +1,6 @@
 """What a garbage collection did: frozen results the CLI renders and scripts read.
 
-A kept region, and a removal the system refused (the run exits 1), is a `Problem` with
+A kept region, and a removal the system refused (the run exits FAILED), is a `Problem` with
 a stable `code` for metrics labels and scripts.
 """
 
@@ -30,7 +30,7 @@ OTHER_FILESYSTEM = "other_filesystem"
 CHANGED = "changed"
 UNREADABLE = "unreadable"
 CREATION_RUNNING = "creating"  # its creator is alive and not finished
-# a holder could be hidden from us (visibility.py): never removed, the run exits 6
+# a holder could be hidden from us (visibility.py): never removed, the run exits UNSAFE
 UNKNOWN = "unknown"
 KEPT_CODES = (LIVE, BUSY, PERSISTENT, TOO_YOUNG, FOREIGN_OWNER, SYMLINK, NOT_REGULAR,
               LINK_COUNT, OTHER_FILESYSTEM, CHANGED, UNREADABLE, UNKNOWN, CREATION_RUNNING)
@@ -93,7 +93,7 @@ class GcReport:
     temp_files_removed: tuple[str, ...]
     vanished: tuple[str, ...]  # engine_ids whose files disappeared while we looked
     not_found: tuple[str, ...]  # named engine_ids with nothing to collect
-    errors: tuple[Problem, ...]  # removals the system refused: the run exits 1
+    errors: tuple[Problem, ...]  # removals the system refused: the run exits FAILED
     regions_seen: int
     uninspectable_processes: int
     started_at: float
@@ -102,7 +102,7 @@ class GcReport:
     blind_spots: tuple[Problem, ...] = ()
     uninspectable_pids: tuple[int, ...] = ()
     # region files this run could have removed but did not judge (out of time, or
-    # past the largest of other users' files a run judges): the run exits 7
+    # past the largest of other users' files a run judges): the run exits PARTIAL
     not_judged: tuple[Tally, ...] = ()
     # files of owners this run may not remove, counted per owner past the first few
     counted: tuple[Tally, ...] = ()
@@ -114,7 +114,7 @@ class GcReport:
 
     @property
     def partial(self) -> bool:
-        """Not everything was judged in time: the run exits 7."""
+        """Not everything was judged in time: the run exits PARTIAL."""
         return bool(self.not_judged) or not self.listed_all
 
     @property
@@ -127,7 +127,7 @@ class GcReport:
 
     @property
     def refused(self) -> tuple[Problem, ...]:
-        """Regions kept only because a holder could be hidden: the run exits 6."""
+        """Regions kept only because a holder could be hidden: the run exits UNSAFE."""
         return tuple(k for k in self.kept if k.code == UNKNOWN)
 
     def kept_by_code(self) -> dict[str, int]:
