@@ -286,7 +286,7 @@ def test_gc_stops_at_its_deadline_and_reports_what_it_removed(
 
     def then_expire(self: Any, batch: list[Any]) -> None:
         real(self, batch)
-        deadline._state.at = 0.0  # the deadline passes during the first batch
+        deadline._active = (0.0, 3600)  # the deadline passes during the first batch
 
     monkeypatch.setattr(collector._Run, "_batch", then_expire)
     with deadline.within(3600):

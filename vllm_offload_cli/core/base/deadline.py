@@ -27,36 +27,32 @@ class DeadlineExpiredError(OperationFailedError):
     code = "timeout"
 
 
-class _State:
-    at: float | None = None
-    seconds = 0.0
-
-
-_state = _State()
+_active: tuple[float, float] | None = None  # (monotonic end, seconds) of the deadline
 
 
 def expired() -> bool:
-    return _state.at is not None and time.monotonic() >= _state.at
+    return _active is not None and time.monotonic() >= _active[0]
 
 
 def check(doing: str = "") -> None:
     """Raise DeadlineExpiredError once the active deadline has passed."""
-    if expired():
+    if _active is not None and time.monotonic() >= _active[0]:
         what = f" while {doing}" if doing else ""
-        raise DeadlineExpiredError(f"--timeout {_state.seconds:g} s expired{what}; stopped")
+        raise DeadlineExpiredError(f"--timeout {_active[1]:g} s expired{what}; stopped")
 
 
 @contextmanager
 def within(seconds: float | None) -> Iterator[None]:
     """Run the block under a deadline of `seconds` (None: none; an outer one wins)."""
-    if seconds is None or _state.at is not None:
+    global _active
+    if seconds is None or _active is not None:
         yield
         return
-    _state.at, _state.seconds = time.monotonic() + seconds, seconds
+    _active = (time.monotonic() + seconds, seconds)
     try:
         yield
     finally:
-        _state.at = None
+        _active = None
 
 
 def poll_until(attempt: Callable[[], T | None], timeout: float,
