@@ -150,10 +150,9 @@ def _render(out: Out, report: BenchReport) -> None:
     lines.append(text_table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9)))
     huge = report.huge_pages
     if huge is not None:
-        if not huge.available or huge.huge is None or huge.ratios is None:
+        if not huge.available or huge.huge is None or (q := huge.ratios) is None:
             lines.append(f"Huge pages not measured: {huge.reason}")
         else:
-            q = huge.ratios
             lines.append(f"Huge pages {format_bytes(huge.block_bytes)} blocks, huge / normal: "
                          f"pre-fault {q['prefault']:.2f}x, store {q['store']:.2f}x, load "
                          f"{q['load']:.2f}x ({format_bytes(huge.huge.huge_page_bytes)} mapped "

@@ -39,14 +39,8 @@ def as_block_ids(values: Any, *, what: str) -> Ids:
     """Any sequence of integer block ids (list, range, tensor, numpy array) as a fresh 1-D
     int64 numpy array."""
     torch = import_torch()
-    if isinstance(values, torch.Tensor):
-        return _tensor_ids(torch, values, what)
-    return _sequence_ids(values, what)
-
-
-def _tensor_ids(torch: Any, values: Any, what: str) -> Ids:
-    import numpy as np
-
+    if not isinstance(values, torch.Tensor):
+        return _sequence_ids(values, what)
     if values.dtype is torch.int64 and values.is_cpu and values.dim() == 1:
         # the usual case, in the fewest calls (an integer tensor never requires grad)
         return cast("Ids", values.numpy().copy())
@@ -55,9 +49,8 @@ def _tensor_ids(torch: Any, values: Any, what: str) -> Ids:
         raise _refuse(what, f"integer block ids, got dtype {t.dtype}")
     if t.dim() != 1:
         raise _refuse(what, f"one-dimensional, got shape {tuple(t.shape)}")
-    if t.dtype != torch.int64 or t.device.type != "cpu":
-        t = t.to(device="cpu", dtype=torch.int64)
-    return np.array(t.numpy(), dtype=np.int64)
+    # a conversion, so a copy: int64 CPU ids took the first branch
+    return cast("Ids", t.to(device="cpu", dtype=torch.int64).numpy())
 
 
 def _sequence_ids(values: Any, what: str) -> Ids:
