@@ -468,11 +468,8 @@ def _bytes_text(value: object) -> str:
 
 def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
                owner: Callable[[int | None], str] | None = None) -> list[str]:
-    """One table row of a region's JSON dict; every cell printable.
-
-    `refused`: residency measurement was refused (`?`, not `-`). `owner`: how a uid
-    is shown (by default its name here; a fleet shows the number: names are per host).
-    """
+    """One table row of a region's JSON dict; every cell printable. `refused`: residency
+    was refused (`?`, not `-`); `owner`: how a uid is shown (a fleet shows the number)."""
     name = cell_text(r.get("engine_id"))
     uid = r.get("uid")
     uid = uid if is_int(uid) else None
@@ -582,6 +579,9 @@ def _created_at(r: RegionInfo) -> float | None:
     return min(mtimes) if mtimes else None
 
 
+_KEY = ("engine_id", "base_engine_id", "inode")  # a region's labels
+
+
 def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None = None,
               placed: dict[str, Placement] | None = None,
               refusals: dict[str, dict[str, Any]] | None = None, unsafe: int = 0) -> Any:
@@ -596,8 +596,7 @@ def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None 
 
     registry = metrics.new_registry()
 
-    def gauge(name: str, doc: str, labels: tuple[str, ...] = ("engine_id", "base_engine_id",
-                                                               "inode")) -> Any:
+    def gauge(name: str, doc: str, labels: tuple[str, ...] = _KEY) -> Any:
         return Gauge(name, doc, labels, registry=registry)
 
     _region_series(found.regions, placed, gauge)
@@ -635,13 +634,12 @@ def _region_series(regions: Sequence[RegionInfo], placed: dict[str, Placement] |
                     "file modification time).")
     dp_rank = gauge("vllm_offload_region_dp_rank", "The region's data-parallel rank (the "
                     "_dpN suffix of its engine_id); absent for a region without one.")
-    key_labels = ("engine_id", "base_engine_id", "inode")
     state = gauge("vllm_offload_region_state", "1 for the region's current state.",
-                  (*key_labels, "state"))
+                  (*_KEY, "state"))
     problems = gauge("vllm_offload_region_problems", "Problems found in the region.")
     linked = gauge("vllm_offload_region_linked", "1 if the region still has a name.")
     numa_bytes = gauge("vllm_offload_region_numa_bytes", "Resident bytes on each NUMA node.",
-                       (*key_labels, "node"))
+                       (*_KEY, "node"))
     huge = gauge("vllm_offload_region_huge_page_bytes", "Bytes mapped with huge pages.")
     for r in regions:
         key = (r.engine_id, r.base_engine_id, region_inode(r))

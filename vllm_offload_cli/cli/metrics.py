@@ -61,13 +61,9 @@ _PREVIOUS_MAX_BYTES = 1 << 20
 
 def previous_totals(output: Path, names: Iterable[str]) -> dict[str, float]:
     """The `*_total` counters this command wrote into `output` last time, so they keep
-    counting across runs (Prometheus' increase() needs counters, not per-run gauges).
-
-    Read only from a regular file (not through a link) that this user owns, of a few
-    KiB; a counter that is missing, unparsable, negative or not finite starts again at
-    0, which increase() reads as a counter reset. Two runs writing one file at once can
-    lose one run's counts (the schedules never overlap: the timer waits, cron locks).
-    """
+    counting across runs (increase() needs counters). Read only from a small regular file
+    of this user, not through a link; a missing, unparsable, negative or infinite one
+    starts again at 0, which increase() reads as a counter reset."""
     wanted = set(names)
     try:
         fd = os.open(output, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -118,9 +114,8 @@ def new_registry() -> CollectorRegistry:
 
 
 def _temp_name(output: Path) -> Path:
-    # node_exporter reads only *.prom: a leftover of a killed writer is never scraped.
-    # os.urandom is what secrets.token_hex reads; secrets would load hmac and OpenSSL
-    # into every gc and inspect for one name.
+    # node_exporter reads only *.prom: a killed writer's leftover is never scraped;
+    # os.urandom, not secrets (which loads hmac and OpenSSL into every gc and inspect)
     return output.parent / f".{output.name}.{_random_hex(8)}.tmp"
 
 
