@@ -138,7 +138,6 @@ def _from_environment(environ: Mapping[str, str]) -> DeviceLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerPlan:
-    replica: int
     worker: int  # its logical rank within the replica
     device: Device
     slot: int
@@ -228,8 +227,7 @@ def plan_layout(
             involved[ref][p.code] = None
     replicas = tuple(
         ReplicaPlan(replica=k, engine_id=engine_ids[k], engine_id_suffix=suffixes[k],
-                    workers=tuple(WorkerPlan(replica=k, worker=w, device=device,
-                                             slot=slots[WorkerRef(k, w)],
+                    workers=tuple(WorkerPlan(worker=w, device=device, slot=slots[WorkerRef(k, w)],
                                              problems=tuple(involved[WorkerRef(k, w)]))
                                   for w, device in enumerate(group)))
         for k, group in enumerate(assigned)
