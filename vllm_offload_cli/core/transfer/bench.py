@@ -185,13 +185,6 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def _device_name(device: str) -> str:
-    torch = import_torch()
-    if device == "cuda":
-        return str(torch.cuda.get_device_name(torch.cuda.current_device()))
-    return f"{platform.processor() or platform.machine() or 'CPU'} ({os.cpu_count()} CPUs)"
-
-
 def _rates(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
     """(best, median) GB/s."""
     rates = [nbytes / s / 1e9 for s in seconds if s > 0]
@@ -469,9 +462,12 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
             prefault.append(PrefaultFigure(block_bytes=block, gbps=stats.gbps, **asdict(stats)))
     huge = bench.huge_pages(max(config.block_sizes)) if config.huge_pages else None
     torch = bench.torch
+    cpu = f"{platform.processor() or platform.machine() or 'CPU'} ({os.cpu_count()} CPUs)"
     return BenchReport(
         engine_id=bench.engine_id, shm_dir=config.shm_dir, device=config.device,
-        device_name=_device_name(config.device), torch_version=str(torch.__version__),
+        device_name=cpu if config.device == "cpu"
+        else str(torch.cuda.get_device_name(torch.cuda.current_device())),
+        torch_version=str(torch.__version__),
         torch_threads=torch.get_num_threads(), size_bytes=config.size_bytes,
         world_size=config.world_size, repeat=config.repeat, patterns=config.patterns,
         prefault=tuple(prefault), rows=tuple(rows), pinned=bench.pinned,
