@@ -86,12 +86,9 @@ STARTUP_LOCK_NAME = "startup.lock"
 
 @contextlib.contextmanager
 def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> Iterator[None]:
-    """Serialise this user's engine start-ups on this shm directory.
-
-    The lock lives in this user's private directory (mode 0700, judged on its
-    descriptor), so no other user can hold it to stall or time out our start-up.
-    Not had within `timeout`: RegionBusyError naming the holder.
-    """
+    """Serialise this user's engine start-ups on this shm directory; RegionBusyError naming
+    the holder after `timeout`. The lock is in this user's private directory (0700), so
+    no other user can hold it to stall our start-up."""
     path = os.path.join(os.fspath(shm_dir), fsguard.private_dir_name(), STARTUP_LOCK_NAME)
     for attempt in range(3):
         dfd = fsguard.private_dir(shm_dir)
@@ -141,12 +138,10 @@ def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens | None = 
                      ) -> _Holders:
     """Split a region's holders into this engine's, another engine's, readers and undecided.
 
-    Proof of "ours", in order: this process; a live attachment in the manifest
-    with our token; the manifest's live creator with our token; our token in the
-    holder's environment (no token: nothing is ours). A holder not ours whose every
-    hold is read-only in the kernel's record (`procfs.may_write`) is a reader: our
-    own probes are, no engine is (it maps its region writable).
-    """
+    "Ours": this process, or our token in a live attachment, the live creator's
+    manifest or the holder's environment (no token: nothing is ours). A holder whose
+    every hold is read-only in the kernel's record (`procfs.may_write`) is a reader:
+    our own probes are, no engine is (it maps its region writable)."""
     m = r.manifest
     fids = {s.file_id for s in r.segments if s.file_id is not None}
     known: dict[int, str | None] = {}  # pid -> token, of live attachments and our creator
@@ -223,11 +218,9 @@ def claim(
 ) -> ClaimResult:
     """Make the name `engine_id` safe to create or join; call under `startup_lock`.
 
-    `identity=False` (no shared token could be established) joins any live
-    region as vLLM would, but still reclaims only what is provably stale.
-    A region to join must have the requested `shape` (default: `size_bytes`):
-    held, another shape is exit 4 naming the holder; persistent, exit 6 with the
-    command that removes it; stale, it is reclaimed like any leftover.
+    `identity=False` (no shared token) joins any live region as vLLM would, but
+    still reclaims only what is provably stale. A region of another `shape` (default:
+    `size_bytes`) is exit 4 when held, exit 6 when persistent, reclaimed when stale.
     """
     validate_engine_id(engine_id)
     want = shape if shape is not None or size_bytes is None else RegionShape(
@@ -265,11 +258,8 @@ def _classify(r: RegionInfo, want: RegionShape | None, done: ClaimResult,
               shm_dir: str | os.PathLike[str], token: str | None, tokens: _Tokens | None, *,
               patient: bool) -> ClaimResult | str:
     """Join (the result), wait or reclaim the named region `r`; refuse (raise) the rest.
-
-    Held: joined when every holder is this engine's and the shape fits; a holder
-    not yet told apart is waited for while `patient`. Persistent: joined when the
-    shape fits. Stale: reclaimed. `tokens` None: identity is not checked.
-    """
+    A holder not yet told apart is waited for while `patient`; `tokens` None: identity
+    is not checked."""
     path = done.path
     if r.holders or r.locked:
         who = classify_holders(r, token, tokens) if tokens is not None else _Holders(
@@ -341,9 +331,8 @@ def _reclaim_once(inv: Inventory, done: ClaimResult) -> tuple[ClaimResult, bool]
 
 
 def _own(regions: Iterable[RegionInfo]) -> list[RegionInfo]:
-    """Regions that are this user's: another user's file never makes a name in use for
-    us, and neither does an unknown owner (a mapping without a descriptor, seen
-    without CAP_SYS_ADMIN). An engine started through the hook keeps a descriptor."""
+    """Regions that are this user's: another user's, or an unknown owner's (a mapping
+    seen without CAP_SYS_ADMIN), never makes a name in use for us."""
     me = os.geteuid()
     return [r for r in regions if r.uid == me]
 
@@ -355,9 +344,8 @@ _FOREIGN = ("a regular file", "foreign_owner")
 
 
 def _refuse_squatters(regions: Iterable[RegionInfo], mpath: str, engine_id: str) -> None:
-    """A name of this engine_id taken by another user, or by anything but a regular
-    file (segments, manifest), is refused naming the squatter: we can neither
-    create, join nor remove it."""
+    """Refuse, naming the squatter, a name of this engine_id that another user or
+    anything but a regular file holds: we can neither create, join nor remove it."""
     me = os.geteuid()
     for r in (r for r in regions if r.linked):
         for seg in r.segments:
@@ -390,9 +378,8 @@ def _squat_error(path: str, engine_id: str, uid: int | None, kind: tuple[str, st
 
 def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str | None,
                                        engine_id: str, tokens: _Tokens) -> None:
-    """A released region of a live engine with this id blocks no name and shares no bytes,
-    but two engines under one engine_id is the collision this step exists to catch.
-    Only a holder proven to be another engine's refuses; one we cannot read does not."""
+    """Two live engines under one engine_id collide even when one's name was released;
+    only a holder proven to be another engine's refuses."""
     for r in regions:
         if r.linked:
             continue

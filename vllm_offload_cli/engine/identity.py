@@ -41,10 +41,8 @@ def engine_token(environ: MutableMapping[str, str] | None = None) -> str:
     For the process's own environment it also holds the token's beacon."""
     env = os.environ if environ is None else environ
     token = env.get(ENGINE_TOKEN_ENV)
-    if not valid_token(token):
-        token = secrets.token_hex(16)
-        env[ENGINE_TOKEN_ENV] = token
-    assert token is not None
+    if token is None or not valid_token(token):
+        token = env[ENGINE_TOKEN_ENV] = secrets.token_hex(16)
     if environ is None:
         _hold_beacon(token)
     return token

@@ -54,8 +54,7 @@ def maps_dev_token(dev: int) -> bytes:
 # -- /proc/PID/stat -------------------------------------------------------------------
 
 def stat_identity(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks since boot) of `pid`; None if it is gone
-    or unreadable. A zombie's entry still reads: its state says it has exited."""
+    """(state letter, start time in clock ticks since boot) of `pid`; None if unreadable."""
     try:
         with open(f"{PROC}/{pid}/stat", "rb") as f:
             data = f.read()
@@ -98,8 +97,7 @@ def read_maps(pid: int) -> bytes | Unreadable:
 
 
 def parse_maps_line(raw: bytes) -> Mapping | None:
-    """One line of maps (or a mapping's first line in smaps); None for any other line.
-    Anonymous memory is a mapping of inode 0."""
+    """One line of maps (or a mapping's first line in smaps); None for any other line."""
     parts = raw.decode("utf-8", "surrogateescape").split(maxsplit=5)
     if len(parts) < 5:
         return None
@@ -126,11 +124,8 @@ def parse_maps(data: bytes) -> Iterator[Mapping]:
 
 def fd_stats(pid: int, skip: Collection[int] = ()
              ) -> list[tuple[int, os.stat_result]] | Unreadable:
-    """(fd, stat of the open file) for each distinct file a process has open.
-
-    One entry per file, from a streamed directory: a million dups cost one entry.
-    A directory we may list but not follow (PID 1 in some sandboxes) is DENIED.
-    """
+    """(fd, stat of the open file) for each distinct file a process has open: a million
+    dups cost one entry. A directory we may list but not follow is DENIED."""
     fd_dir = f"{PROC}/{pid}/fd"
     out = []
     seen: set[tuple[int, int]] = set()
@@ -223,8 +218,7 @@ def fd_target(pid: int, fd: int) -> str | None:
 
 
 def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
-    """Our own read-only descriptor of another process's open regular file `expect`
-    (never a FIFO or device swapped in since the scan); None otherwise."""
+    """Our own read-only descriptor of another process's open regular file `expect`."""
     return open_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
 
 
