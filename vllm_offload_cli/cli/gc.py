@@ -191,9 +191,9 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
             # the textfile cannot carry this status; with nothing removed, the write's own
             # status (NO_SPACE on a full filesystem), not FAILED, which says a removal failed
             code = most_important((code, ExitStatus.PARTIAL if changed else exc.exit_status))
-    return Outcome(data=data, exit_code=code, errors=errors + output + refusals + missing,
-                   render=lambda out: _render(inv, out, report, output + refusals + missing,
-                                              unrecorded))
+    said = errors + output + refusals + missing
+    return Outcome(data=data, exit_code=code, errors=said,
+                   render=lambda out: _render(inv, out, report, said, unrecorded))
 
 
 def _say_audit_dropped(inv: Invocation, dropped: int, socket: str, problem: str) -> None:
@@ -243,14 +243,14 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
     return out
 
 
-def _render(inv: Invocation, out: Out, report: GcReport,
-            other_errors: list[dict[str, str]], unrecorded: bool = False) -> None:
+def _render(inv: Invocation, out: Out, report: GcReport, errors: list[dict[str, str]],
+            unrecorded: bool = False) -> None:
     """Every decision; with -q one summary line when something happened (quiet cron mail),
     the removals listed only when the system log missed them."""
     quiet = inv.verbosity < 0
     verb = "Would remove" if report.dry_run else "Removed"
-    for failure in [*(e.message for e in report.errors), *(r["message"] for r in other_errors)]:
-        inv.err.print(f"Error: {failure}")
+    for e in errors:
+        inv.err.print(f"Error: {e['message']}")
     if not quiet or unrecorded:  # the output is then the only record of the removals
         for r in report.removed:
             extra = [f"{len(r.paths) - 1} segment(s)"] if len(r.paths) > 1 else []

@@ -527,18 +527,16 @@ class _Run:
 
     def _temp_file(self, entry: os.DirEntry[str], wanted: set[str] | None) -> None:
         match = _TEMP_RE.fullmatch(entry.name) if entry.name.startswith(".") else None
-        if match is None or engine_id_problem(match["engine_id"]) is not None:
-            return
-        if wanted is not None and match["engine_id"] not in wanted:
+        if (match is None or engine_id_problem(match["engine_id"]) is not None
+                or (wanted is not None and match["engine_id"] not in wanted)):
             return
         try:  # another user's file is judged by lstat, never opened
-            if not fsguard.uid_allowed(entry.stat(follow_symlinks=False).st_uid, self.owners):
-                return
+            ours = fsguard.uid_allowed(entry.stat(follow_symlinks=False).st_uid, self.owners)
         except OSError:
             return
-        if ProcessRef(int(match["pid"]), None).alive():
-            return  # its writer may be between write and rename
-        if self._unlink_old(entry.path, None):
+        # a live writer may be between write and rename
+        if (ours and not ProcessRef(int(match["pid"]), None).alive()
+                and self._unlink_old(entry.path, None)):
             self.temps.append(entry.path)
 
     def _unlink_old(self, path: str, engine_id: str | None,
