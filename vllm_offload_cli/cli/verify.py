@@ -7,14 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from vllm_offload_cli.cli.common import (
-    Invocation,
-    Out,
-    Outcome,
-    shm_dir_checked,
-    subcommand,
-    text_table,
-)
+from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand, text_table
 from vllm_offload_cli.cli.params import ParsedChoice, Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc
@@ -80,13 +73,17 @@ def _refuse(mode: str, *given: tuple[str, bool]) -> None:
         raise InvalidInputError(f"{', '.join(wrong)} only applies with {other}", code="usage")
 
 
-def _outcome(mode: str, found: LayoutPlan | LiveCheck, render: Any, **extra: Any) -> Outcome:
+def _outcome(mode: str, found: LayoutPlan | LiveCheck, lines: list[str], good: str,
+             **extra: Any) -> Outcome:
+    """The data, the exit status and the text: `lines`, each problem, then the verdict."""
     problems = [p.to_dict() for p in found.problems]
     data = {"mode": mode, "ok": found.ok, "problems": problems, **found.to_dict(), **extra}
+    lines += [f"  - {p['message']}" for p in problems]
+    lines.append(f"FAIL: {len(problems)} problem(s)" if problems else f"OK: {good}")
     return Outcome(data=data,
                    exit_code=ExitStatus.PROBLEMS_FOUND if problems else ExitStatus.SUCCESS,
                    errors=[{"code": p["code"], "message": p["message"]} for p in problems],
-                   render=render)
+                   render=lambda out: out.print("\n".join(lines)))
 
 
 # -- plan mode ---------------------------------------------------------------------
@@ -105,7 +102,8 @@ def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices:
     if plan.unused_devices:
         inv.warn("unused_devices", f"{len(plan.unused_devices)} visible device(s) are not "
                  f"used by any replica: {', '.join(plan.unused_devices)}")
-    return _outcome("plan", plan, lambda out: _render_plan(out, plan))
+    return _outcome("plan", plan, _plan_lines(plan),
+                    "every worker has its own slot in its replica's region")
 
 
 def _device_text(plan: LayoutPlan, w: WorkerPlan) -> str:
@@ -123,7 +121,7 @@ def _status(codes: tuple[str, ...]) -> str:
     return ",".join(codes) or "ok"
 
 
-def _render_plan(out: Out, plan: LayoutPlan) -> None:
+def _plan_lines(plan: LayoutPlan) -> list[str]:
     suffix = "" if plan.dp_suffix else ", no _dp suffix"
     lines = [f"Plan: {plan.dp_size} replica(s) x {plan.world_size} worker(s); rank source "
              f"{plan.rank_source.name} ({plan.rank_source.description}); devices "
@@ -133,14 +131,6 @@ def _render_plan(out: Out, plan: LayoutPlan) -> None:
             for r in plan.replicas for w in r.workers]
     lines.append(text_table(["REPLICA", "ENGINE ID", "WORKER", "DEVICE", "SLOT", "STATUS"],
                             rows, right=(0, 2, 4)))
-    lines += _verdict([p.message for p in plan.problems],
-                      "every worker has its own slot in its replica's region")
-    out.print("\n".join(lines))
-
-
-def _verdict(messages: list[str], good: str) -> list[str]:
-    lines = [f"  - {m}" for m in messages]
-    lines.append(f"FAIL: {len(messages)} problem(s)" if messages else f"OK: {good}")
     return lines
 
 
@@ -154,10 +144,11 @@ def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | N
     check = check_region(shm_dir, engine_id, world_size=world_size, cpu_page_size=page)
     for note in check.notes:
         inv.warn(note.code, note.message)
-    return _outcome("live", check, lambda out: _render_live(out, check), joined=_joined(check))
+    return _outcome("live", check, _live_lines(check), "sizes, ranks and slots are consistent",
+                    joined=_joined(check))
 
 
-def _render_live(out: Out, check: LiveCheck) -> None:
+def _live_lines(check: LiveCheck) -> list[str]:
     lines = [f"Region {check.path} ({format_bytes(check.size_bytes)})"]
     g = check.geometry
     if g is not None:
@@ -188,9 +179,7 @@ def _render_live(out: Out, check: LiveCheck) -> None:
                              _status(("rank_out_of_range",))])
         lines.append(text_table(["SLOT", "BYTES", "WORKERS", "POPULATED", "STATUS"], rows,
                                 right=(0,)))
-    lines += _verdict([p.message for p in check.problems],
-                      "sizes, ranks and slots are consistent")
-    out.print("\n".join(lines))
+    return lines
 
 
 def _joined(check: LiveCheck) -> bool | None:
