@@ -61,13 +61,6 @@ class Out:
         self.file.flush()
 
 
-class _PrintableFormatter(logging.Formatter):
-    """Log lines on stderr carry paths and names from outside: escape them too."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return printable(super().format(record))
-
-
 @dataclass(frozen=True, kw_only=True)
 class Outcome:
     """A command's result: `data` for the envelope, `render` for people."""
@@ -78,16 +71,21 @@ class Outcome:
     render: Callable[[Out], None] | None = None
 
 
-class _WarningCollector(logging.Handler):
-    """Core warnings also belong in the JSON envelope's `warnings`."""
+class _Diagnostics(logging.Handler):
+    """Core log lines on stderr from `shown` up, escaped (they carry paths and names from
+    outside); warnings also in the JSON envelope's `warnings`."""
 
-    def __init__(self, sink: list[dict[str, str]]) -> None:
-        super().__init__(logging.WARNING)
-        self.sink = sink
+    def __init__(self, warnings: list[dict[str, str]], shown: int) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        self.warnings, self.shown = warnings, shown
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.sink.append({"code": getattr(record, "code", "warning"),
-                          "message": record.getMessage()})
+        if record.levelno >= logging.WARNING:
+            self.warnings.append({"code": getattr(record, "code", "warning"),
+                                  "message": record.getMessage()})
+        if record.levelno >= self.shown:
+            sys.stderr.write(printable(self.format(record)) + "\n")
 
 
 @dataclass(kw_only=True)
@@ -176,19 +174,14 @@ def _logging_to(inv: Invocation) -> Iterator[None]:
     level = logging.CRITICAL + 1 if inv.verbosity <= -2 else \
         max(logging.DEBUG, logging.WARNING - 10 * inv.verbosity)
     logger = logging.getLogger("vllm_offload_cli")
-    stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(_PrintableFormatter("%(levelname)s: %(message)s"))
-    stream.setLevel(level)
-    collector = _WarningCollector(inv.warnings)
-    logger.addHandler(stream)
-    logger.addHandler(collector)
+    handler = _Diagnostics(inv.warnings, level)
+    logger.addHandler(handler)
     logger.setLevel(min(level, logging.WARNING))
     logger.propagate = False
     try:
         yield
     finally:
-        logger.removeHandler(stream)
-        logger.removeHandler(collector)
+        logger.removeHandler(handler)
 
 
 def _error_envelope(inv: Invocation, code: str, message: str, exit_code: int
