@@ -266,25 +266,24 @@ def _typed(ctx: click.Context, name: str) -> bool:
     return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
 
 
-def common_values(ctx: click.Context, values: dict[str, Any]
-                  ) -> tuple[Path | None, bool, int]:
-    """Take the common options out of `values`: (shm_dir, json, verbosity), those typed
-    before the command name too; a --shm-dir after the name wins over one before it."""
+def run_command(command: str, values: dict[str, Any],
+                body: Callable[[Invocation, Path | None], Outcome]) -> None:
+    """Exit with the status of `body(inv, the --shm-dir given or None)` in the error boundary.
+
+    The common options are taken out of `values`, those typed before the command name
+    too; a --shm-dir after the name wins over one before it.
+    """
+    ctx = click.get_current_context()
     own = {name: values.pop(name) for name in COMMON if name in values}
     root = ctx.find_root()
     given = root.params if root is not ctx else {}
     shm_dir = own.get("shm_dir")
     if given and _typed(root, "shm_dir") and not _typed(ctx, "shm_dir"):
         shm_dir = given["shm_dir"]
-    json_output = bool(own["json_output"] or given.get("json_output"))
     verbosity = own["verbose"] + given.get("verbose", 0) - own["quiet"] - given.get("quiet", 0)
-    return shm_dir, json_output, verbosity
-
-
-def invocation(command: str, ctx: click.Context, values: dict[str, Any]) -> Invocation:
-    shm_dir, json_output, verbosity = common_values(ctx, values)
-    return Invocation(command=command, shm_dir=shm_dir or Path("/dev/shm"),
-                      json_output=json_output, verbosity=verbosity)
+    inv = Invocation(command=command, shm_dir=shm_dir or Path("/dev/shm"), verbosity=verbosity,
+                     json_output=bool(own["json_output"] or given.get("json_output")))
+    ctx.exit(run_boundary(inv, lambda: body(inv, shm_dir)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,9 +313,7 @@ def subcommand(name: str, *, help: str | None = None
         cmd.params.extend(common_params())
 
         def run(**values: Any) -> None:
-            ctx = click.get_current_context()
-            inv = invocation(name, ctx, values)
-            ctx.exit(run_boundary(inv, lambda: fn(inv, **values)))
+            run_command(name, values, lambda inv, _: fn(inv, **values))
 
         cmd.callback = run
         return Subcommand(command=cmd, body=fn)

@@ -27,10 +27,9 @@ from vllm_offload_cli.cli.common import (
     Out,
     Outcome,
     Subcommand,
-    common_values,
     envelope_of,
     output_params,
-    run_boundary,
+    run_command,
     text_table,
 )
 from vllm_offload_cli.cli.inspect import (
@@ -120,13 +119,9 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: R
     name = f"fleet {local.name}"
 
     def run(**values: Any) -> None:
-        ctx = click.get_current_context()
         address, timeout = values.pop("address"), values.pop("timeout")
-        shm_dir, json_output, verbosity = common_values(ctx, values)
-        inv = Invocation(command=name, shm_dir=shm_dir or Path("/dev/shm"),
-                         json_output=json_output, verbosity=verbosity)
 
-        def body() -> Outcome:
+        def body(inv: Invocation, shm_dir: Path | None) -> Outcome:
             if shm_dir is not None and not shm_dir.is_absolute():
                 raise InvalidInputError(f"--shm-dir {shm_dir} must be an absolute path: it "
                                         "is used on every node", code="usage")
@@ -138,7 +133,7 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: R
                            errors=result.errors(),
                            render=lambda out: render(out, result, inv, values))
 
-        ctx.exit(run_boundary(inv, body))
+        run_command(name, values, body)
 
     doc = inspect.cleandoc(doc) + "\n\n" + _EXIT
     return click.Command(local.name, callback=run, params=[*own, *_fleet_params()],
