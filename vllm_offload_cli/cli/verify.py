@@ -28,19 +28,17 @@ _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.val
 @click.option("--world-size", type=int, metavar="N", help="Workers per replica (required to "
               "plan; for a region without a manifest, with --cpu-page-size).")
 @click.option("--dp-size", type=int, metavar="N", show_default="1, or the number of --devices "
-              "groups", help="Plan: data-parallel replicas (default 1, or the number of "
-              "--devices groups).")
+              "groups", help="Plan: data-parallel replicas.")
 @click.option("--devices", metavar="SPEC", show_default="contiguous",
               help="Plan: device index each worker's process sees, e.g. '0,2;1,3' (';' between "
-              "replicas, ',' between workers); or 'contiguous' (default: replica k on "
+              "replicas, ',' between workers); or 'contiguous' (replica k on "
               "k*W..k*W+W-1), 'env' (split CUDA_VISIBLE_DEVICES into replicas; each worker "
               "sees its position in the list), 'per-process' (each worker process sees only "
               "its own GPU, index 0).")
 @click.option("--rank-source", type=ParsedChoice(list(RANK_SOURCES),
                                                  lambda v: parse_rank_source(v).name),
-              metavar="NAME",
-              show_default=DEVICE_MODULO.name, help=f"Plan: how a worker picks its slot "
-              f"(default {DEVICE_MODULO.name}). {_SOURCES_HELP}.")
+              metavar="NAME", show_default=DEVICE_MODULO.name,
+              help=f"Plan: how a worker picks its slot. {_SOURCES_HELP}.")
 @click.option("--no-dp-suffix", is_flag=True, help="Plan: replicas get no _dp{k} engine_id "
               "suffix (the multiprocessing path before vLLM PR 47987).")
 @click.option("--cpu-page-size", type=Size(), help="Live: bytes per worker slot, for a region "

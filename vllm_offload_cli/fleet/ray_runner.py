@@ -93,7 +93,12 @@ def run_on_every_node(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], 
     connected_here = not ray.is_initialized()
     with _stdout_to_stderr():
         if connected_here:
-            _connect(ray, where, timeout)
+            _probe(where, timeout)
+            try:
+                ray.init(address=where, logging_level="ERROR", log_to_driver=False,
+                         configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise _cannot_connect(where, exc) from None
         try:
             nodes = sorted((n for n in ray.nodes() if n.get("Alive")),
                            key=lambda n: (str(n.get("NodeName", "")), str(n["NodeID"])))
@@ -105,15 +110,6 @@ def run_on_every_node(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], 
         finally:
             if connected_here:
                 ray.shutdown()
-
-
-def _connect(ray: Any, where: str, timeout: float) -> None:
-    _probe(where, timeout)
-    try:
-        ray.init(address=where, logging_level="ERROR", log_to_driver=False,
-                 configure_logging=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise _cannot_connect(where, exc) from None
 
 
 def _submit(ray: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...],
