@@ -68,21 +68,15 @@ class CommandLine(click.Group):
         return code
 
 
-def _command_named(exc: click.ClickException, argv: list[str]) -> str:
-    """The command a usage error belongs to, as the envelope names it: `fleet inspect`."""
-    ctx = getattr(exc, "ctx", None)
-    if ctx is not None and ctx.parent is not None:
-        return " ".join(ctx.command_path.split()[1:])
-    return next((a for a in argv if a in COMMANDS or a in ALIASES), "")
-
-
 def _report_usage_error(exc: click.ClickException, argv: list[str], code: int) -> None:
     message = exc.format_message()
-    if "--json" in argv:
-        print_json(envelope(_command_named(exc, argv), ok=False, exit_code=code, data={},
+    ctx = getattr(exc, "ctx", None)
+    if "--json" in argv:  # the envelope names the command as typed: `fleet inspect`
+        command = " ".join(ctx.command_path.split()[1:]) if ctx and ctx.parent else next(
+            (a for a in argv if a in COMMANDS or a in ALIASES), "")
+        print_json(envelope(command, ok=False, exit_code=code, data={},
                             errors=[{"code": "usage", "message": message}], warnings=[]))
         return
-    ctx = getattr(exc, "ctx", None)
     hint = "" if ctx is None else f"\nTry '{ctx.command_path} --help' for help."
     sys.stderr.write(f"Error: {printable(message)}{hint}\n")
 

@@ -139,11 +139,6 @@ class FleetResult:
         return [n for n in self.nodes if n.outcome != ANSWERED]
 
     @property
-    def partial(self) -> bool:
-        """A node did not answer, or was interrupted: the answer lacks part of the fleet."""
-        return any(n.outcome != ANSWERED or n.interrupted for n in self.nodes)
-
-    @property
     def exit_code(self) -> ExitStatus:
         """The most important node status by `exit_status.PRECEDENCE` (not the largest
         number); USAGE when a named region is on no node (and every node answered)."""
@@ -216,13 +211,13 @@ class FleetResult:
                 "data": env.get("data"), "errors": env.get("errors", []),
                 "warnings": env.get("warnings", []),
             })
-        missing = self.missing
         return {
             "address": self.address,
             "timeout_seconds": self.timeout,
-            "partial": self.partial,
+            # a node did not answer, or was interrupted: the answer lacks part of the fleet
+            "partial": any(n.outcome != ANSWERED or n.interrupted for n in self.nodes),
             "nodes_total": len(self.nodes),
-            "nodes_answered": len(self.nodes) - len(missing),
+            "nodes_answered": len(self.nodes) - len(self.missing),
             "nodes": nodes,
         }
 
