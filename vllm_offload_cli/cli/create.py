@@ -162,8 +162,7 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
               "rows (the size made is printed).")
 @click.option("--no-populate", is_flag=True, help="Do not pre-fault; memory is then allocated "
               "on first use.")
-@click.option("--hold", is_flag=True, help="Hold the region until SIGINT/SIGTERM, then remove "
-              "it.")
+@click.option("--hold", is_flag=True, help="Hold the region until SIGINT/SIGTERM, then remove it.")
 @click.option("--threads", type=click.IntRange(min=1), metavar="N",
               show_default="min(8, CPUs)", help="Pre-fault threads.")
 @click.option("--numa-node", metavar="NODES", help="Place the region's pages on this NUMA node "
@@ -184,9 +183,8 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
               "that an engine running as that user joins. Names or numbers; root only, unless "
               "it is yourself.")
 @click.option("--mode", default="0600", metavar="MODE", help="The region files' permission "
-              "bits, octal (as `install -m`): the owner must read and write them, and group or "
-              "other bits are refused, because an engine refuses to join a region others can "
-              "open.")
+              "bits, octal (as `install -m`): the owner's read and write, no group or other "
+              "bits (an engine refuses to join a region others can open).")
 @click.option("--vllm-layout", type=click.Choice(["auto", "segmented", "single-file"]),
               default="auto",
               help="Files as the joining vLLM makes them: segmented (.mmap, .mmap.1, ...: "
