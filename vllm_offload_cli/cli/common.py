@@ -137,17 +137,11 @@ class Invocation:
         if self.verbosity < 0 or self.json_output or not sys.stderr.isatty():
             yield lambda done, total: None
             return
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
+        from rich import progress as rp
 
-        with Progress("[progress.description]{task.description}", BarColumn(),
-                      DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                      TimeRemainingColumn(), console=self.terminal, transient=True) as bar:
+        with rp.Progress("[progress.description]{task.description}", rp.BarColumn(),
+                         rp.DownloadColumn(binary_units=True), rp.TransferSpeedColumn(),
+                         rp.TimeRemainingColumn(), console=self.terminal, transient=True) as bar:
             task = bar.add_task(description, total=total)
             yield lambda done, total: bar.update(task, completed=done, total=total)
 

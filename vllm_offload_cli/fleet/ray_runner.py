@@ -27,15 +27,16 @@ def _cannot_connect(address: str, why: object) -> OperationFailedError:
         f"{RAY_ADDRESS_ENV} (e.g. head:6379 or ray://head:10001)", code="ray_connect")
 
 
+# Ray's exception (by name: older releases lack some) -> the reason code a node gets
+_FAILURES = {"NodeDiedError": "node_died", "TaskUnschedulableError": "unschedulable",
+             "WorkerCrashedError": "worker_crashed", "TaskCancelledError": "cancelled",
+             "RayTaskError": "task_error"}
+
+
 def _failure(exc: BaseException, ray: Any) -> tuple[str, str]:
     """(reason_code, reason) for a task that did not return."""
-    exceptions = ray.exceptions
-    kinds = [("NodeDiedError", "node_died"), ("TaskUnschedulableError", "unschedulable"),
-             ("WorkerCrashedError", "worker_crashed"), ("TaskCancelledError", "cancelled"),
-             ("RayTaskError", "task_error")]
-    for name, code in kinds:
-        cls = getattr(exceptions, name, None)
-        if cls is not None and isinstance(exc, cls):
+    for name, code in _FAILURES.items():
+        if isinstance(exc, getattr(ray.exceptions, name, ())):
             first = str(exc).strip().splitlines()
             return code, f"{code.replace('_', ' ')}: {first[-1] if first else type(exc).__name__}"
     return "failed", f"{type(exc).__name__}: {exc}"
