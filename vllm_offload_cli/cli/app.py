@@ -14,11 +14,11 @@ from typing import Any
 import click
 
 from vllm_offload_cli import __version__
-from vllm_offload_cli.cli.common import ALIASES, Subcommand, common_params, envelope, print_json
+from vllm_offload_cli.cli.common import ALIASES, common_params, envelope, print_json
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 
-# name -> (module under vllm_offload_cli.cli, attribute): a Subcommand or a click group
+# name -> (module under vllm_offload_cli.cli, attribute): its click command or group
 COMMANDS: dict[str, tuple[str, str]] = {
     "benchmark": ("benchmark", "benchmark_cmd"),
     "create": ("create", "create"),
@@ -43,8 +43,7 @@ class CommandLine(click.Group):
             return None
         module_name, attribute = COMMANDS[name]
         module = importlib.import_module(f"vllm_offload_cli.cli.{module_name}")
-        target = getattr(module, attribute)
-        command: click.Command = target.command if isinstance(target, Subcommand) else target
+        command: click.Command = getattr(module, attribute)
         return command
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,

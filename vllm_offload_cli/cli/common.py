@@ -280,20 +280,14 @@ def run_command(command: str, values: dict[str, Any],
     ctx.exit(run_boundary(inv, lambda: body(inv, shm_dir)))
 
 
-@dataclass(frozen=True, kw_only=True)
-class Subcommand:
-    """A click command with the common options, and the body the fleet runs on each node."""
+class Subcommand(click.Command):
+    """A command with the common options, and the body the fleet runs on each node."""
 
-    command: click.Command
     body: Callable[..., Outcome]  # fn(inv, **own_options): parse, call the core, describe
-
-    @property
-    def name(self) -> str:
-        return str(self.command.name)
 
     def defaults(self) -> dict[str, Any]:
         """Each own option's value when it is not given, as the command line would pass it."""
-        with self.command.make_context(self.name, []) as ctx:
+        with self.make_context(str(self.name), []) as ctx:
             return {k: v for k, v in ctx.params.items() if k not in COMMON}
 
 
@@ -303,14 +297,15 @@ def subcommand(name: str, *, help: str | None = None
     list, the docstring its full help."""
 
     def build(fn: Callable[..., Outcome]) -> Subcommand:
-        cmd = click.command(name, short_help=help)(fn)
+        cmd = click.command(name, cls=Subcommand, short_help=help)(fn)
         cmd.params.extend(common_params())
+        cmd.body = fn
 
         def run(**values: Any) -> None:
             run_command(name, values, lambda inv, _: fn(inv, **values))
 
         cmd.callback = run
-        return Subcommand(command=cmd, body=fn)
+        return cmd
 
     return build
 
@@ -340,7 +335,7 @@ def envelope_of(sub: Subcommand, options: Mapping[str, Any], *, shm_dir: Path,
     """What `sub --json` prints (options not given take their defaults), built without
     printing it; a bug's traceback goes to stderr."""
     body, options = sub.body, {**sub.defaults(), **options}
-    inv = Invocation(command=sub.name, shm_dir=shm_dir, json_output=True, verbosity=verbosity,
+    inv = Invocation(command=str(sub.name), shm_dir=shm_dir, json_output=True, verbosity=verbosity,
                      out_file=io.StringIO())
     with _logging_to(inv):
         doc, _, bug = evaluate(inv, lambda: body(inv, **options))

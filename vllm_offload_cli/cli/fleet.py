@@ -66,7 +66,7 @@ _EXIT = ("Exit status: the most important node status (see EXIT STATUS); {PARTIA
          "node failed, was interrupted or did not answer and no node reported worse.")
 
 # The node-local subcommands a fleet command may run, by name.
-LOCAL: dict[str, Subcommand] = {s.name: s for s in (
+LOCAL: dict[str, Subcommand] = {str(s.name): s for s in (
     inspect_cli.inspect_cmd, gc.garbage_collect, verify.verify_rank_layout)}
 
 
@@ -115,8 +115,8 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
 def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: Render
                    ) -> click.Command:
     """A fleet command with the node-local command's own options (less `fixed` ones)."""
-    own = [p for p in local.command.params if p.name not in fixed and p.name not in COMMON]
-    name = f"fleet {local.name}"
+    own = [p for p in local.params if p.name not in fixed and p.name not in COMMON]
+    local_name = str(local.name)
 
     def run(**values: Any) -> None:
         address, timeout = values.pop("address"), values.pop("timeout")
@@ -125,7 +125,7 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: R
             if shm_dir is not None and not shm_dir.is_absolute():
                 raise InvalidInputError(f"--shm-dir {shm_dir} must be an absolute path: it "
                                         "is used on every node", code="usage")
-            result = run_fleet(local.name, {**values, **fixed}, shm_dir=shm_dir,
+            result = run_fleet(local_name, {**values, **fixed}, shm_dir=shm_dir,
                                address=address, timeout=timeout)
             for w in result.warnings(__version__):
                 inv.warn(w["code"], w["message"])
@@ -133,10 +133,10 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: R
                            errors=result.errors(),
                            render=lambda out: render(out, result, inv, values))
 
-        run_command(name, values, body)
+        run_command(f"fleet {local_name}", values, body)
 
     doc = inspect.cleandoc(doc) + "\n\n" + _EXIT
-    return click.Command(local.name, callback=run, params=[*own, *_fleet_params()],
+    return click.Command(local_name, callback=run, params=[*own, *_fleet_params()],
                          help=with_statuses(doc), short_help=doc.split("\n")[0])
 
 
