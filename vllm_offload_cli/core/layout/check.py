@@ -1,11 +1,10 @@
 """Live mode of `verify-rank-layout`: does an existing region hold what it claims?
 
-Checks one region's size against its geometry (the manifest's, or the operator's for
-a region vLLM made without one), its row stride, the live workers its manifest records
-and which slots were ever populated. The file is opened read-only without following
-links, and residency is read on a mapping never touched, so checking faults nothing in.
-A worker whose CPUs are on one NUMA node and whose slot's pages are on another copies
-every block across the socket link: a note (the bytes are right, only slow).
+Checks its size against its geometry (the manifest's, or the operator's for a region vLLM
+made without one), its row stride, the live workers its manifest records, which slots
+were ever populated and whether each worker's CPUs are on its slot's NUMA node (a note:
+remote is only slow). The file is opened read-only without following links, and
+residency is read on a mapping never touched, so checking faults nothing in.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ class WorkerPlacement:
 
 @dataclass(frozen=True, kw_only=True)
 class SlotReport:
-    """One slot across all rows. Residency counts the pages no other slot touches: a
-    page shared with a neighbour (counted apart) cannot say which of the two wrote."""
+    """One slot across all rows; residency counts its own pages and shared ones apart."""
 
     slot: int
     start: int
@@ -412,8 +410,7 @@ def _page_columns(g: Geometry) -> tuple[dict[int, list[int]], dict[int, list[int
 
 def _slot_nodes(fd: int, g: Geometry, rows: int, cols: list[int], resident: bytes,
                 topo: numa.Topology) -> dict[int, int] | None:
-    """Resident bytes per node of the page columns `cols` (a slot's own); sampled rows on
-    a multi-node host."""
+    """Resident bytes per node of a slot's own page columns `cols`; sampled if need be."""
     per_row = g.row_stride // PAGESIZE
     total = sum(resident[j::per_row][:rows].count(1) for j in cols) * PAGESIZE
     if topo.single_node:
