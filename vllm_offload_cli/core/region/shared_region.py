@@ -345,7 +345,7 @@ class SharedOffloadRegion:
         except FileExistsError:
             raise RegionBusyError(
                 f"{path} already exists without its region; a leftover of an earlier region? "
-                f"`vllm-offload gc {self.engine_id}` removes it once nothing uses it",
+                f"`{gc_command(self.shm_dir, self.engine_id)}` removes it once nothing uses it",
                 path=path, engine_id=self.engine_id, code="name_taken",
             ) from None
         self._segment_fds.append(fd)
