@@ -214,7 +214,7 @@ def _warn_lease_only(inv: Invocation, report: GcReport) -> None:
     pids = sorted({p for r in leased for p in r.hidden_pids})
     shown = shortened(pids, 5, " ...")
     names = shortened([r.engine_id for r in leased], 3)
-    verb = "would be" if report.dry_run else "was"
+    verb = "would be" if report.options.dry_run else "was"
     inv.warn("removed_on_lease_proof",
              f"{names} {verb} removed on the kernel's lease proof alone: pid(s) {shown} could "
              "not be inspected (permission denied) and could have had it open")
@@ -248,7 +248,7 @@ def _render(inv: Invocation, out: Out, report: GcReport, errors: list[dict[str, 
     """Every decision; with -q one summary line when something happened (quiet cron mail),
     the removals listed only when the system log missed them."""
     quiet = inv.verbosity < 0
-    verb = "Would remove" if report.dry_run else "Removed"
+    verb = "Would remove" if report.options.dry_run else "Removed"
     for e in errors:
         inv.err.print(f"Error: {e['message']}")
     if not quiet or unrecorded:  # the output is then the only record of the removals
@@ -292,18 +292,17 @@ def _kept_lines(report: GcReport, verb: str) -> list[str]:
 def _summary(report: GcReport) -> str:
     """The run in one line: the quiet output, and the system log's record of the run."""
     freed = format_bytes(report.freed_bytes)
-    head = f"Would free {freed}" if report.dry_run else f"Freed {freed}"
+    head = f"Would free {freed}" if report.options.dry_run else f"Freed {freed}"
     failed = f"; {len(report.errors)} removal(s) failed" if report.errors else ""
     late = (f"; {report.not_judged_files} region file(s) not judged in time "
-            f"(exit {int(ExitStatus.PARTIAL)})"
-            if report.not_judged else "")
+            f"(exit {int(ExitStatus.PARTIAL)})" if report.not_judged else "")
     if not report.listed_all:
         late += ("; the deadline came before every name was listed "
                  f"(exit {int(ExitStatus.PARTIAL)})")
-    dry = " (dry run: nothing was changed)" if report.dry_run else ""
+    dry = " (dry run: nothing was changed)" if report.options.dry_run else ""
+    counted = sum(t.files for t in report.counted)
     return (f"{head} from {len(report.removed)} region(s) in {report.shm_dir}; kept "
-            f"{len(report.kept) + sum(t.files for t in report.counted)} of "
-            f"{report.regions_seen + sum(t.files for t in report.counted)} seen"
+            f"{len(report.kept) + counted} of {report.regions_seen + counted} seen"
             f"{failed}{late}{dry}.")
 
 
@@ -324,7 +323,7 @@ def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) ->
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
-    real = not report.dry_run
+    real = not report.options.dry_run
     this_run = (1, len(report.removed) if real else 0, report.freed_bytes if real else 0,
                 len(report.refused), len(report.errors))  # in the order of TOTALS
     metrics.add_totals(registry, {
@@ -346,7 +345,7 @@ def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) ->
     gauge("vllm_offload_gc_duration_seconds", "How long the last run took.",
           report.duration_seconds)
     gauge("vllm_offload_gc_dry_run", "1 if the last run was a dry run (nothing removed).",
-          1 if report.dry_run else 0)
+          1 if report.options.dry_run else 0)
     gauge("vllm_offload_gc_regions_seen", "Regions the last run examined.",
           report.regions_seen)
     gauge("vllm_offload_gc_regions_removed", "Regions the last run removed (would remove, "

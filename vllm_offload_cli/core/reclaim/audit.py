@@ -60,20 +60,12 @@ def _quoted(text: str) -> str:
 
 def removal_line(r: RemovedRegion, *, command: str) -> str:
     """One removal as `key=value` fields: greppable, and every outside string quoted."""
-    uid = "unknown" if r.uid is None else str(r.uid)
-    fields = [
-        f"removed region engine_id={_quoted(r.engine_id)}",
-        f"uid={uid}",
-        f"size_bytes={r.bytes}",
-        f"freed_bytes={r.freed_bytes}",
-        f"files={len(r.paths)}",
-        f"path={_quoted(r.paths[0]) if r.paths else '-'}",
-        f"manifest={'yes' if r.manifest else 'no'}",
-        f"age_seconds={r.age_seconds:.0f}",
-        f"stale={_quoted(r.reason or 'no reason recorded')}",
-        f"command={_quoted(command)}",
-    ]
-    return " ".join(fields)
+    uid = "unknown" if r.uid is None else r.uid
+    return (f"removed region engine_id={_quoted(r.engine_id)} uid={uid} size_bytes={r.bytes} "
+            f"freed_bytes={r.freed_bytes} files={len(r.paths)} "
+            f"path={_quoted(r.paths[0]) if r.paths else '-'} "
+            f"manifest={'yes' if r.manifest else 'no'} age_seconds={r.age_seconds:.0f} "
+            f"stale={_quoted(r.reason or 'no reason recorded')} command={_quoted(command)}")
 
 
 def record_removals(removed: Sequence[RemovedRegion], *, summary: str | None = None

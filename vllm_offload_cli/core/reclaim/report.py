@@ -118,10 +118,6 @@ class GcReport:
         return bool(self.not_judged) or not self.listed_all
 
     @property
-    def dry_run(self) -> bool:
-        return self.options.dry_run
-
-    @property
     def freed_bytes(self) -> int:
         return sum(r.freed_bytes for r in self.removed)
 
