@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import replace
+from itertools import accumulate
 
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import STALE, RegionInfo, discover
@@ -49,14 +50,9 @@ def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
     # re-checks each removal against every process and the kernel's lease
     inv = discover(shm_dir, measure_residency=False, judge_uids=[me],
                    only=visibility.MayOpen(me, 0o600))
-    picked: list[RegionInfo] = []
-    freed = 0
-    for r in sorted(filter(_may_give_way, inv.regions),
-                    key=lambda r: -(r.age_seconds or 0.0)):
-        if freed >= short:
-            break
-        picked.append(r)
-        freed += r.allocated_bytes
+    oldest = sorted(filter(_may_give_way, inv.regions), key=lambda r: -(r.age_seconds or 0.0))
+    freed_before = accumulate((r.allocated_bytes for r in oldest), initial=0)
+    picked = [r for r, freed in zip(oldest, freed_before, strict=False) if freed < short]
     if not picked:
         return ()
     report = reclaim(replace(inv, regions=tuple(picked), orphan_manifests=()),

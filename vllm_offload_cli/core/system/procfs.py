@@ -35,9 +35,8 @@ def _why(exc: OSError) -> Unreadable:
 
 def strip_deleted(path: str) -> tuple[str, bool]:
     """'/dev/shm/x (deleted)' -> ('/dev/shm/x', True)."""
-    if path.endswith(DELETED_SUFFIX):
-        return path[: -len(DELETED_SUFFIX)], True
-    return path, False
+    stripped = path.removesuffix(DELETED_SUFFIX)
+    return stripped, stripped != path
 
 
 def parse_dev(text: str) -> int:
@@ -217,23 +216,22 @@ def fd_target(pid: int, fd: int) -> str | None:
         return None
 
 
+# Another process's open (or, root only, mapped) regular file `expect`, through its
+# /proc link: our own read-only descriptor of it, or its stat (which opens nothing).
+
 def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
-    """Our own read-only descriptor of another process's open regular file `expect`."""
     return open_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
 
 
 def stat_fd(pid: int, fd: int, expect: FileId) -> os.stat_result | None:
-    """Owner, mode and size of another process's open regular file `expect`; opens nothing."""
     return stat_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
 
 
 def stat_mapping(pid: int, start: int, end: int, expect: FileId) -> os.stat_result | None:
-    """The same for a mapping (/proc/PID/map_files, root only)."""
     return stat_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
 
 
 def open_mapping(pid: int, start: int, end: int, expect: FileId) -> int | None:
-    """Our own read-only descriptor of a file another process maps (root only)."""
     return open_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
 
 
