@@ -43,30 +43,24 @@ def measure(shm_dir: str | Path) -> Capacity:
 def check_fits(size_bytes: int, capacity: Capacity, *, shm_dir: str | Path,
                engine_id: str | None = None) -> None:
     """Raise InsufficientSpaceError naming the tightest limit and how to lift it."""
-    need = format_bytes(size_bytes)
-    if size_bytes > capacity.shm.free_bytes:
-        raise InsufficientSpaceError(
-            f"region needs {need} but {shm_dir} has only {format_bytes(capacity.shm.free_bytes)} "
-            f"free of {format_bytes(capacity.shm.total_bytes)}; free space with "
-            "`vllm-offload gc`, or enlarge the tmpfs (docker run --shm-size, a Kubernetes "
-            "emptyDir with medium: Memory and a sizeLimit, or mount -o remount,size=...)",
-            path=str(shm_dir), engine_id=engine_id, code="shm_full",
-        )
-    if capacity.cgroup_free_bytes is not None and size_bytes > capacity.cgroup_free_bytes:
-        raise InsufficientSpaceError(
-            f"region needs {need} but the memory cgroup allows only "
-            f"{format_bytes(capacity.cgroup_free_bytes)} more (limit "
-            f"{format_bytes(capacity.cgroup_limit_bytes)}); tmpfs pages count against the "
-            "container's memory limit, so raise that limit or shrink the region",
-            path=str(shm_dir), engine_id=engine_id, code="cgroup_limit",
-        )
-    if capacity.mem_available_bytes is not None and size_bytes > capacity.mem_available_bytes:
-        raise InsufficientSpaceError(
-            f"region needs {need} but only {format_bytes(capacity.mem_available_bytes)} of "
-            "memory is available on this host; shrink the region or free memory",
-            path=str(shm_dir), engine_id=engine_id, code="memory",
-        )
-
+    need, c = format_bytes(size_bytes), capacity
+    for free, code, why in (
+        (c.shm.free_bytes, "shm_full",
+         f"{shm_dir} has only {format_bytes(c.shm.free_bytes)} free of "
+         f"{format_bytes(c.shm.total_bytes)}; free space with `vllm-offload gc`, or enlarge the "
+         "tmpfs (docker run --shm-size, a Kubernetes emptyDir with medium: Memory and a "
+         "sizeLimit, or mount -o remount,size=...)"),
+        (c.cgroup_free_bytes, "cgroup_limit",
+         f"the memory cgroup allows only {format_bytes(c.cgroup_free_bytes)} more (limit "
+         f"{format_bytes(c.cgroup_limit_bytes)}); tmpfs pages count against the container's "
+         "memory limit, so raise that limit or shrink the region"),
+        (c.mem_available_bytes, "memory",
+         f"only {format_bytes(c.mem_available_bytes)} of memory is available on this host; "
+         "shrink the region or free memory"),
+    ):
+        if free is not None and size_bytes > free:
+            raise InsufficientSpaceError(f"region needs {need} but {why}", path=str(shm_dir),
+                                         engine_id=engine_id, code=code)
 
 def preflight(size_bytes: int, shm_dir: str | Path, *, engine_id: str | None = None) -> Capacity:
     capacity = measure(shm_dir)
