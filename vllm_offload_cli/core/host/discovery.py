@@ -7,6 +7,7 @@ writes, and nothing imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import heapq
@@ -286,11 +287,9 @@ def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.
                 if len(listing.manifests) > 4 * JUDGED_OTHERS:
                     listing.manifests.pop(engine_id)  # looked up by name if needed
                 continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            listing.file(n, engine_id, (parsed.segment, entry.path, st))
+            with contextlib.suppress(FileNotFoundError):  # removed since the listing
+                listing.file(n, engine_id, (parsed.segment, entry.path,
+                                            entry.stat(follow_symlinks=False)))
     for _, _, engine_id, judged in listing.others:
         listing.judged[engine_id].append(judged)
     if listing.overflow:
@@ -592,10 +591,8 @@ def _judge(run: _Run, engine_id: str, entries: list[_Entry]) -> RegionInfo | Non
     """One region, its files opened and judged; None when they all vanished."""
     judged: list[tuple[SegmentFile, bool]] = []
     for segment, path, _ in sorted(entries, key=lambda e: e[0]):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # vanished while we looked
             judged.append(_inspect_file(path, segment, run))
-        except FileNotFoundError:
-            continue  # vanished while we looked
     if not judged:
         return None
     segments = [seg for seg, _ in judged]
@@ -663,9 +660,8 @@ def _owned(segments: list[SegmentFile], owner: int | None
 def _files_problems(segments: list[SegmentFile], bare: SegmentFile | None, size: int,
                     geometry: Geometry | None) -> list[Problem]:
     """No bare file, a gap in the segment numbers, or a size the geometry does not describe."""
-    problems = []
-    if bare is None:
-        problems.append(Problem("missing_segment", "segment files exist without the bare .mmap"))
+    problems = [] if bare is not None else [
+        Problem("missing_segment", "segment files exist without the bare .mmap")]
     numbers = sorted(s.segment for s in segments)
     if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
         problems.append(Problem("segment_gap", f"segments {numbers} are not consecutive"))
@@ -707,19 +703,12 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
     parts = split_engine_id(engine_id)
     path = next(u.path for u in uses if u.path)
     size = max((u.size_hint or 0) for u in uses)
-    resident, refusal, uid, mode = None, None, None, None
+    uid, mode = None, None
     # its own stat (its owner above all), through a user: identity only, nothing read
     st = st or _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
     if st is not None:
         size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
-    fd_use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
-    if run.measure and fd_use is not None and fd_use.fd is not None:
-        fd = procfs.open_fd(fd_use.pid, fd_use.fd, fid)
-        if fd is not None:
-            try:
-                resident, refusal = _resident(fd)
-            finally:
-                os.close(fd)
+    resident, refusal = _resident_through(uses, fid) if run.measure else (None, None)
     parsed = parse_region_filename(os.path.basename(path))
     seg = SegmentFile(path=path, segment=0 if parsed is None else parsed.segment, file_id=fid,
                       size_bytes=size, uid=uid, mode=None, mtime=None,
@@ -737,6 +726,18 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
         manifest_path=None, holders=holders_of(uses, manifest), locked=False, state=LIVE,
         problems=(),
     )
+
+
+def _resident_through(uses: list[FileUse], fid: FileId) -> tuple[int | None, str | None]:
+    """An unlinked file's residency, measured through a holder's descriptor."""
+    use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
+    fd = None if use is None or use.fd is None else procfs.open_fd(use.pid, use.fd, fid)
+    if fd is None:
+        return None, None
+    try:
+        return _resident(fd)
+    finally:
+        os.close(fd)
 
 
 _T = TypeVar("_T")
