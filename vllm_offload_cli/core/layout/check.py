@@ -321,7 +321,8 @@ def _device_checks(workers: Sequence[AttachedWorker], problems: list[Problem],
         if len(set(pids)) < 2:
             continue
         ranks = tuple(w.rank for w in same)
-        if all(_device_based(w.rank_source) for w in same):
+        sources = [RANK_SOURCES.get(w.rank_source or "") for w in same]
+        if all(source is not None and source.device_based for source in sources):
             problems.append(Problem(
                 "device_shared", f"pids {joined(pids)} all report device index {device} and "
                 "derive their rank from it, so they compute the same slot", ranks=ranks,
@@ -470,11 +471,6 @@ def _with_status(s: SlotReport, problems: Iterable[Problem]) -> SlotReport:
     codes = tuple(dict.fromkeys(p.code for p in problems
                                 if p.slot == s.slot or s.slot in p.ranks))
     return replace(s, status=codes or (("unmeasurable",) if s.pages == 0 else ()))
-
-
-def _device_based(name: str | None) -> bool:
-    source = None if name is None else RANK_SOURCES.get(name)
-    return source is not None and source.device_based
 
 
 def _origin(w: AttachedWorker) -> str:
