@@ -32,9 +32,8 @@ def loads(data: bytes, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
     if depth > max_depth:
         raise UntrustedJsonError(f"nested deeper than {max_depth} levels")
     try:
-        text = data.decode("utf-8")
-        return json.loads(text, parse_constant=_no_constant, parse_int=_bounded_int,
-                          parse_float=_finite_float)
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant,
+                          parse_int=_bounded_int, parse_float=_finite_float)
     except UntrustedJsonError:
         raise
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
