@@ -58,10 +58,10 @@ def report_data(report: GcReport) -> dict[str, Any]:
             "orphan_manifests_removed", "temp_files_removed", "vanished", "not_found")},
         "failures": [e.to_dict("path", "engine_id") for e in report.errors],
         "regions_seen": report.regions_seen,
-        "not_judged": [t.to_dict() for t in report.not_judged],
+        "not_judged": jsonable(report.not_judged),
         "not_judged_files": report.not_judged_files,
         "listed_all": report.listed_all,
-        "others_counted": [t.to_dict() for t in report.counted],
+        "others_counted": jsonable(report.counted),
         "uninspectable_processes": report.uninspectable_processes,
         "visibility": {
             "blind_spots": [b.to_dict() for b in report.blind_spots],

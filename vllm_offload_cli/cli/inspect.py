@@ -78,8 +78,8 @@ def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None,
         "gc_would_free_bytes": sum(r.allocated_bytes for r in chain(inv.regions, *(
             rest or {}).values()) if r.state == "stale"),  # st_blocks, as gc counts
         # what this run counted instead of listing: its cost is bounded by what exists
-        "not_judged": [t.to_dict() for t in inv.not_judged],
-        "others_counted": [t.to_dict() for t in inv.counted],
+        "not_judged": jsonable(inv.not_judged),
+        "others_counted": jsonable(inv.counted),
         "held_unlisted": [{"pid": pid, "files": n} for pid, n in inv.unnamed_held],
     }
 

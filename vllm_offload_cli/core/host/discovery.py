@@ -165,10 +165,6 @@ class Tally:
     size_bytes: int  # apparent sizes: what their owners set
     allocated_bytes: int  # what they hold in memory (st_blocks)
 
-    def to_dict(self) -> dict[str, object]:
-        return {"uid": self.uid, "files": self.files, "size_bytes": self.size_bytes,
-                "allocated_bytes": self.allocated_bytes}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Inventory:
