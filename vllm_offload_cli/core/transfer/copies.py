@@ -193,13 +193,8 @@ def _halfway(sizes: list[int]) -> int:
 
 
 def _copy_many(dsts: list[Tensor], srcs: list[Tensor], non_blocking: bool) -> None:
-    """dsts[i].copy_(srcs[i]) for every i, in one C++ loop (torch < 2.2: from Python)."""
-    copy = getattr(import_torch(), "_foreach_copy_", None)
-    if copy is not None:
-        copy(dsts, srcs, non_blocking=non_blocking)
-        return
-    for d, s in zip(dsts, srcs, strict=True):
-        d.copy_(s, non_blocking=non_blocking)
+    """dsts[i].copy_(srcs[i]) for every i, in one C++ loop."""
+    import_torch()._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = False,
