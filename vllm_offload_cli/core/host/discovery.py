@@ -386,7 +386,7 @@ def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool
         if FileId.of(st) != FileId.of(lst):
             raise FileNotFoundError(path)  # replaced between lstat and open: rescan later
         resident = _resident(fd) if run.measure else (None, None)
-        locked = not locking.try_lock_exclusive(fd)
+        locked = not locking.try_lock(fd)
         probe = not locked and run.needs_probe(st)
         return _from_stat(path, segment, st, fsguard.stat_problems(
             st, allowed_uids=run.allowed_uids), resident,

@@ -73,7 +73,7 @@ from vllm_offload_cli.core.region.naming import (
     manifest_path,
     region_path,
 )
-from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 logger = logging.getLogger(__name__)
@@ -337,7 +337,7 @@ class _Run:
         try:
             for seg in sorted(r.segments, key=lambda s: s.segment):
                 try:
-                    fd = os.open(seg.path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
+                    fd = os.open(seg.path, os.O_RDONLY | UNTRUSTED_OPEN_FLAGS)
                 except FileNotFoundError:
                     self.vanished.append(r.engine_id)
                     return None
@@ -371,7 +371,7 @@ class _Run:
         if st.st_nlink != 1:
             return self._keep(r, LINK_COUNT, f"{name} has {st.st_nlink} hard links; removing "
                               "this name would not free it, and another name may be in use")
-        if not locking.try_lock_exclusive(fd):
+        if not locking.try_lock(fd):
             return self._lock_refused(r, FileId.of(st))
         return None
 
@@ -380,12 +380,12 @@ class _Run:
         that describes another inode (an earlier file of that name, or a live region's
         renamed onto it) stays: once the region is gone it is judged as an orphan."""
         try:
-            fd = os.open(held.manifest_path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
+            fd = os.open(held.manifest_path, os.O_RDONLY | UNTRUSTED_OPEN_FLAGS)
         except OSError:
             return  # absent (made by vLLM), or a symlink we leave alone
         st = os.fstat(fd)
         if (not stat.S_ISREG(st.st_mode) or not fsguard.uid_allowed(st.st_uid, self.owners)
-                or not locking.try_lock_exclusive(fd)):
+                or not locking.try_lock(fd)):
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
@@ -544,7 +544,7 @@ class _Run:
         """Unlinks a small file of ours older than --min-age, judged on its descriptor
         (never through a link); True when removed, or in a dry run when it would be."""
         try:
-            fd = os.open(path, os.O_RDONLY | fsguard.OPEN_EXISTING_FLAGS)
+            fd = os.open(path, os.O_RDONLY | UNTRUSTED_OPEN_FLAGS)
         except OSError:
             return False  # gone, or a symlink: never followed, never ours
         try:
@@ -563,7 +563,7 @@ class _Run:
     def _still_orphan(self, o: OrphanManifest, fd: int, st: os.stat_result) -> bool:
         """The inode discovery saw, locked (manifests are updated under LOCK_EX), with no
         region come back since, and not a live region's manifest renamed onto this name."""
-        return (FileId.of(st) == o.file_id and locking.try_lock_exclusive(fd)
+        return (FileId.of(st) == o.file_id and locking.try_lock(fd)
                 and not os.path.lexists(region_path(self.shm_dir, o.engine_id))
                 and _recorded_region(fd) not in self.known_inodes)
 

@@ -23,8 +23,6 @@ from vllm_offload_cli.core.base.errors import (
 from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 
-OPEN_EXISTING_FLAGS = UNTRUSTED_OPEN_FLAGS
-
 
 class EveryUid:
     """The type of EVERY_UID: a file of any owner counts (root looking at every user's)."""
@@ -142,7 +140,7 @@ def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None 
     `lease_wait` (the caller's budget for all its opens; by default 5 s for this one)."""
     wait = LeaseWait() if lease_wait is None else lease_wait
     try:
-        fd = wait.open(path, flags | OPEN_EXISTING_FLAGS)
+        fd = wait.open(path, flags | UNTRUSTED_OPEN_FLAGS)
     except FileNotFoundError:
         raise RegionNotFoundError(f"{path} does not exist", path=path,
                                   engine_id=engine_id) from None

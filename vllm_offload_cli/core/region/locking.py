@@ -22,11 +22,6 @@ def try_lock(fd: int, operation: int = fcntl.LOCK_EX) -> bool:
     return True
 
 
-def try_lock_exclusive(fd: int) -> bool:
-    """Take LOCK_EX without waiting; False when any other holder exists."""
-    return try_lock(fd, fcntl.LOCK_EX)
-
-
 def lock_waiting(fd: int, operation: int, *, timeout: float,
                  timed_out: Callable[[], Exception]) -> None:
     """flock(fd, operation) polled, not blocking in the kernel; `timed_out()` at `timeout`."""
