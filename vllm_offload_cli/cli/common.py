@@ -178,31 +178,26 @@ def _logging_to(inv: Invocation) -> Iterator[None]:
         logger.removeHandler(handler)
 
 
-def _error_envelope(inv: Invocation, code: str, message: str, exit_code: int
-                    ) -> dict[str, Any]:
-    return envelope(inv.command, ok=False, exit_code=exit_code, data={},
-                    errors=[{"code": code, "message": message}], warnings=inv.warnings)
-
-
 def evaluate(inv: Invocation, body: Callable[[], Outcome]
              ) -> tuple[dict[str, Any], Outcome | None, Exception | None]:
     """(envelope, outcome or None when it failed, the bug raised outside the error
     hierarchy) of `body` in the error boundary, printing nothing (the fleet's nodes too)."""
+    bug = None
     try:
         outcome = body()
     except errors.OffloadError as exc:
-        return _error_envelope(inv, exc.code, exc.message, exc.exit_status), None, None
+        code, message, status = exc.code, exc.message, exc.exit_status
     except KeyboardInterrupt:
-        return (_error_envelope(inv, "interrupted", "interrupted", ExitStatus.INTERRUPTED),
-                None, None)
+        code, message, status = "interrupted", "interrupted", ExitStatus.INTERRUPTED
     except Exception as exc:  # a bug: the caller keeps the traceback
-        doc = _error_envelope(inv, "internal_error", f"{type(exc).__name__}: {exc}",
-                              ExitStatus.FAILED)
-        return doc, None, exc
-    doc = envelope(inv.command, ok=outcome.exit_code == ExitStatus.SUCCESS,
-                   exit_code=outcome.exit_code,
-                   data=outcome.data, errors=outcome.errors, warnings=inv.warnings)
-    return doc, outcome, None
+        code, message, status = "internal_error", f"{type(exc).__name__}: {exc}", ExitStatus.FAILED
+        bug = exc
+    else:
+        return envelope(inv.command, ok=outcome.exit_code == ExitStatus.SUCCESS,
+                        exit_code=outcome.exit_code, data=outcome.data, errors=outcome.errors,
+                        warnings=inv.warnings), outcome, None
+    return envelope(inv.command, ok=False, exit_code=status, data={}, warnings=inv.warnings,
+                    errors=[{"code": code, "message": message}]), None, bug
 
 
 def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:

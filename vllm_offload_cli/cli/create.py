@@ -24,14 +24,6 @@ if TYPE_CHECKING:
     from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 
 
-class _Released(Exception):  # noqa: N818 - a signal, not an error
-    """SIGINT or SIGTERM arrived while holding the region."""
-
-
-def _release(signum: int, frame: FrameType | None) -> None:
-    raise _Released(signal.Signals(signum).name)
-
-
 def _layout(choice: str, segments: int | None, geometry: Geometry
             ) -> tuple[int, int, str, str | None, str | None]:
     """(segment files asked for, vLLM's smallest file, basis, vLLM version, warning).
@@ -280,15 +272,20 @@ def _created(region: SharedOffloadRegion, geometry: Geometry, hold: bool, basis:
 def _held(inv: Invocation, region: SharedOffloadRegion, data: dict[str, Any]) -> Outcome:
     """--hold: keep the region mapped until SIGINT or SIGTERM, then remove it."""
     previous: dict[int, Any] = {}
+
+    def release(signum: int, frame: FrameType | None) -> None:
+        data["released_by"] = signal.Signals(signum).name
+        raise KeyboardInterrupt
+
     try:
-        previous = {s: signal.signal(s, _release) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, release) for s in (signal.SIGINT, signal.SIGTERM)}
         if not inv.json_output:
             _render(inv.out, data)
             inv.out.print("Holding the region; press Ctrl-C (or send SIGTERM) to remove it.")
         while True:
             signal.pause()
-    except (_Released, KeyboardInterrupt) as why:
-        data["released_by"] = str(why) or "SIGINT"
+    except KeyboardInterrupt:
+        data.setdefault("released_by", "SIGINT")
     finally:
         try:
             region.cleanup()
