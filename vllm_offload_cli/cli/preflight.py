@@ -57,12 +57,10 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
         raise InvalidInputError("--size must be greater than 0", code="invalid_size")
     ids = [engine_id] if dp_size == 1 else [with_dp_rank(engine_id, k) for k in range(dp_size)]
     shm_dir = shm_dir_checked(inv)
-    results = []
     with startup_lock(shm_dir, timeout=30.0):
-        for eid in ids:
-            # capacity for all replicas together is checked below, once
-            results.append(claim(eid, shm_dir=shm_dir, token=None, dry_run=dry_run,
-                                 shape=RegionShape(size_bytes=size, num_segments=segments)))
+        # capacity for all replicas together is checked below, once
+        results = [claim(eid, shm_dir=shm_dir, token=None, dry_run=dry_run,
+                         shape=RegionShape(size_bytes=size, num_segments=segments)) for eid in ids]
         needed = size * sum(1 for r in results if r.action != "join")
         # a dry run has not freed the leftovers yet: count them as room
         reclaimable = sum(r.reclaimed_bytes for r in results if r.action == "would_reclaim")
