@@ -257,11 +257,8 @@ def _typed(ctx: click.Context, name: str) -> bool:
 
 def run_command(command: str, values: dict[str, Any],
                 body: Callable[[Invocation, Path | None], Outcome]) -> None:
-    """Exit with the status of `body(inv, the --shm-dir given or None)` in the error boundary.
-
-    The common options are taken out of `values`, those typed before the command name
-    too; a --shm-dir after the name wins over one before it.
-    """
+    """Exit with the status of `body(inv, the --shm-dir given or None)` in the error boundary;
+    the common options typed before the command name count too (a --shm-dir after wins)."""
     ctx = click.get_current_context()
     own = {name: values.pop(name) for name in COMMON if name in values}
     root = ctx.find_root()

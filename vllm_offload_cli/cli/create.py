@@ -27,11 +27,8 @@ if TYPE_CHECKING:
 def _layout(choice: str, segments: int | None, geometry: Geometry
             ) -> tuple[int, int, str, str | None, str | None]:
     """(segment files asked for, vLLM's smallest file, basis, vLLM version, warning).
-
-    `auto` reads what the CPU spec of the vLLM installed here makes (its code,
-    not its version); with no vLLM here it keeps the newest release's layout and
-    says so (the warning) where that excludes older releases.
-    """
+    `auto` reads the code of the vLLM installed here; without one it takes the newest
+    release's layout and warns where that excludes older releases."""
     from vllm_offload_cli.core.region.segments import (
         MIN_SEGMENT_BYTES,
         VLLM_CPU_SEGMENTS,
@@ -78,12 +75,8 @@ def _nodes(spec: str | None) -> tuple[int, ...] | None:
 
 
 def _segments(requested: int, geometry: Geometry) -> int:
-    """Exactly the file count asked for, never less.
-
-    vLLM makes no file under 1 GiB and gives each `cdiv(num_blocks, n)` rows, so
-    some counts cannot be made at some sizes; those are refused with the ones
-    that can, rather than quietly lowered.
-    """
+    """Exactly the file count asked for: one vLLM cannot make (no file under 1 GiB, each
+    `cdiv(num_blocks, n)` rows) is refused with the counts that can be, never lowered."""
     from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, split
 
     def files(n: int) -> int:

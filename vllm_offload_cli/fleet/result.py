@@ -144,10 +144,8 @@ class FleetResult:
         number); USAGE when a named region is on no node (and every node answered)."""
         if not self.nodes:
             return ExitStatus.FAILED
-        statuses = [n.merge_status() for n in self.nodes]
-        if self.on_no_node() is not None:
-            statuses.append(ExitStatus.USAGE)
-        return most_important(statuses)
+        nowhere = [] if self.on_no_node() is None else [ExitStatus.USAGE]
+        return most_important([n.merge_status() for n in self.nodes] + nowhere)
 
     def on_no_node(self) -> list[str] | None:
         """Named engine_ids that every node lacks (every node answered); None when there is
