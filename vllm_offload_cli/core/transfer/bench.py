@@ -1,12 +1,8 @@
 """The measurement behind `vllm-offload benchmark`: copy workers against a plain memcpy.
 
-For each block size a scratch region is created and pre-faulted. Per block-id pattern
-and direction, each of `repeat` rounds times PIPELINE_DEPTH jobs in flight (as an
-engine keeps them), from the first submit to the last completion, between two plain
-copies of the same bytes (_Baseline). The ratio is the median of each round's
-worker/baseline ratio, so a burst of load elsewhere on the host hits both sides of one
-round. GB/s figures are the best round, the median beside. Each (size, pattern) ends
-with a byte-for-byte check; the scratch region is removed whatever happens.
+Each round times PIPELINE_DEPTH jobs in flight between two plain copies of the same bytes;
+the ratio is the median of the rounds' worker/baseline ratios, so a burst of load
+elsewhere on the host hits both sides of a round.
 """
 
 from __future__ import annotations
@@ -172,10 +168,9 @@ def resolve_device(requested: str) -> str:
     if requested not in ("auto", "cpu", "cuda"):
         raise InvalidInputError(f"device must be auto, cpu or cuda, got {requested!r}",
                                 code="invalid_device")
-    available = torch.cuda.is_available()
     if requested == "auto":
-        return "cuda" if available else "cpu"
-    if requested == "cuda" and not available:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
         build = torch.version.cuda
         why = (f"this torch {torch.__version__} is a CPU-only build" if build is None
                else f"torch {torch.__version__} (CUDA {build}) finds no usable GPU")
@@ -192,12 +187,8 @@ def _rates(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
 
 
 class _Baseline:
-    """A plain copy of `nbytes` between two contiguous buffers, in either direction.
-
-    On CPU: the first bytes of the benchmark's device tensor and the last of its region
-    mapping, the memory a contiguous job moves (scratch buffers would copy at their own
-    speed). On CUDA: a pinned host buffer and the GPU.
-    """
+    """A plain copy between two contiguous buffers: on CPU the memory a contiguous job
+    moves (the device tensor's first bytes, the mapping's last), on CUDA pinned <-> GPU."""
 
     def __init__(self, host: Tensor, dev: Tensor, cuda: bool) -> None:
         self.host = host
@@ -391,9 +382,8 @@ class _Bench:
                                          blocks_per_transfer=n, transfer_bytes=n * block,
                                          store=store, load=load, verified=verified))
                 worker.shutdown()
-                worker = None
         finally:
-            if worker is not None:
+            if worker is not None:  # a no-op after a clean shutdown
                 worker.shutdown(cancel_pending=True)
             self.drop(region)
         return region, rows

@@ -1,21 +1,8 @@
-"""How a job's bytes move: fixed rules by the job's shape alone (so every host and run
-copies alike), the same issuing code for CUDA and CPU tensors. Per KV tensor:
-
-* slice   - source and destination are one run each: one slice copy;
-* gather  - the destinations are one run of rows under GATHER_MAX_ROW_BYTES: one
-            `index_select` into it;
-* scatter - the sources are one run of rows (in any order): one `index_copy_` from
-            it, over the widest words the rows' alignment allows;
-* batched - anything else: one piece per run of both sides (per block where rows are
-            not adjacent), every tensor's pieces in one `torch._foreach_copy_` call.
-
-Indexed kernels need both sides on one device, so a GPU tensor and host memory use
-slice or batched (one cudaMemcpyAsync per piece, as vLLM's swap_blocks). On CPU a
-batched call's pieces run one after another, so half may go to a helper thread.
-
-Rows are copied as words, never computed with, so a complex or float word carries any
-bit pattern unchanged; each process proves that once on its own torch build before it
-uses 16-byte words (`complex_copies_exact`).
+"""How a job's bytes move: fixed rules read off the block ids alone (every host copies a
+job alike), the same code for CUDA and CPU tensors; `TensorPair.rule` says which. Indexed
+kernels need both sides on one device, so GPU <-> host is slice or batched (one
+cudaMemcpyAsync per piece, as vLLM's swap_blocks). Rows move as words never computed
+with; 16-byte words only where `complex_copies_exact` proves them bit-exact.
 """
 
 from __future__ import annotations
@@ -148,8 +135,10 @@ class TensorPair:
         return self._views[(id(tensor), part)]
 
     def rule(self, job: CopyJob) -> str:
-        """How this tensor's part of `job` is copied: slice, gather, scatter or batched."""
-        if job.one_run and (self.one_device or self.dense):
+        """slice: one run on both sides; gather: destinations one run of small rows
+        (index_select); scatter: sources one run (index_copy_); else batched (one piece per
+        run, or per block where rows are not adjacent, all in one _foreach_copy_ call)."""
+        if job.runs[2].size == 1 and (self.one_device or self.dense):
             return "slice"
         if self.one_device and job.dst_one_run and self.row_bytes < GATHER_MAX_ROW_BYTES:
             return "gather"
@@ -166,9 +155,9 @@ def _pieces(pair: TensorPair, job: CopyJob, dsts: list[Tensor], srcs: list[Tenso
     src, dst = pair.sides(job.direction)
     firsts_src, firsts_dst, lengths = job.runs
     if not pair.dense or lengths.size == job.num_blocks:
-        order = job.by_region
-        src_ids = job.src_ids if order is None else job.src_ids[order]
-        dst_ids = job.dst_ids if order is None else job.dst_ids[order]
+        src_ids, dst_ids = job.src_ids, job.dst_ids
+        if job.direction is Direction.LOAD:  # walk the region (the source) upwards
+            src_ids, dst_ids = src_ids[job.by_source], dst_ids[job.by_source]
         src_rows = pair.rows(src, in_parts=in_parts)
         srcs += src_rows.pick(src_ids)
         dsts += pair.rows(dst, in_parts=in_parts).pick(dst_ids)
@@ -186,8 +175,6 @@ def _pieces(pair: TensorPair, job: CopyJob, dsts: list[Tensor], srcs: list[Tenso
 
 def _halfway(sizes: list[int]) -> int:
     """The piece index that splits `sizes` into two halves of about equal bytes."""
-    if not sizes:
-        return 0
     ends = list(itertools.accumulate(sizes))  # C loops: a job has thousands of pieces
     return min(bisect.bisect_left(ends, ends[-1] / 2) + 1, len(sizes))
 

@@ -1,9 +1,5 @@
-"""A copy job: its block lists checked, ordered by destination, and its runs found.
-
-Validation runs on the caller's thread before any byte moves: a bad block id must be
-an exception at submit, never a corrupted region later. The work is a few numpy array
-operations per job, not a Python loop per block; the ids are copied at submit, so a
-caller may reuse its id buffers at once.
+"""A copy job: its block lists checked at submit (a bad id is an exception then, never a
+corrupted region later), copied (the caller may reuse its buffers), ordered by destination.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ def _refuse(what: str, must: str) -> InvalidInputError:
 
 
 def as_block_ids(values: Any, *, what: str) -> Ids:
-    """Any sequence of integer block ids (list, range, tensor, numpy array) as a fresh 1-D
-    int64 numpy array."""
+    """Integer block ids (list, range, tensor, numpy array...) as a fresh 1-D int64 array."""
     torch = import_torch()
     if not isinstance(values, torch.Tensor):
         return _sequence_ids(values, what)
@@ -77,8 +72,7 @@ def _sequence_ids(values: Any, what: str) -> Ids:
 
 def _check_range(ids: Ids, limit: int, *, label: str, holder: str,
                  ascending: bool = False) -> None:
-    """Ascending ids are bounded by their ends; positions are searched only to explain a
-    failure."""
+    """Ascending ids are bounded by their ends; positions are searched only on failure."""
     if ids.size == 0:
         return
     low, high = (int(ids[0]), int(ids[-1])) if ascending else (int(ids.min()), int(ids.max()))
@@ -160,42 +154,29 @@ class CopyJob:
         return self.src_ids[starts], self.dst_ids[starts], lengths
 
     @property
-    def one_run(self) -> bool:
-        """Is the whole job one run on both sides?"""
-        return int(self.runs[2].size) == 1
-
-    @property
     def dst_one_run(self) -> bool:
-        """Are the destinations one run of consecutive blocks (they are distinct and
-        ascending, so the ends tell)?"""
+        """Are the destinations one run (distinct and ascending: the ends tell)?"""
         n = self.num_blocks
         return n == 0 or int(self.dst_ids[-1]) - int(self.dst_ids[0]) == n - 1
 
     @cached_property
-    def _by_source(self) -> Ids:
+    def by_source(self) -> Ids:
         """The pair positions ordered by source id."""
         import numpy as np
 
         return np.argsort(self.src_ids, kind="stable")
 
     @property
-    def by_region(self) -> Ids | None:
-        """Pair positions in ascending order of the region's blocks; None where the pairs
-        already are (a store: its destinations are the region's)."""
-        return None if self.direction is Direction.STORE else self._by_source
-
-    @property
     def src_one_run(self) -> bool:
         """Are the sources, in some order, one run of distinct consecutive blocks?"""
         n, ids = self.num_blocks, self.src_ids
         return n < 2 or (int(ids.max()) - int(ids.min()) == n - 1
-                         and bool((_diff(ids[self._by_source]) == 1).all()))
+                         and bool((_diff(ids[self.by_source]) == 1).all()))
 
     @cached_property
     def dst_by_source(self) -> torch.Tensor:
-        """Destination ids in source order (for a job whose sources are one run), as an
-        int64 CPU tensor."""
-        return cast("torch.Tensor", import_torch().from_numpy(self.dst_ids[self._by_source]))
+        """Destination ids in source order, as an int64 CPU tensor."""
+        return cast("torch.Tensor", import_torch().from_numpy(self.dst_ids[self.by_source]))
 
     @cached_property
     def src(self) -> torch.Tensor:

@@ -1,12 +1,7 @@
-"""Lanes: where one direction's jobs run, in submission order, and the results they report.
-
-Both lanes run the same copy function (transfer.copies). A ThreadLane (CPU tensors)
-copies its jobs one after another on one thread, so a later job to the same block
-wins. A StreamLane (CUDA tensors) queues them at submit on its own stream, after the
-caller's current stream (a store never reads blocks that queued kernels still write),
-and completes them by events, polled in order. Every job ends as exactly one
-TransferResult, success or failure, in submission order; a failed job does not stop
-its lane.
+"""Lanes: where one direction's jobs run, in order (a later job to the same block wins),
+each ending as exactly one TransferResult; a failed job does not stop its lane. A
+StreamLane queues after the caller's current stream: a store never reads blocks that
+queued kernels still write.
 """
 
 from __future__ import annotations
@@ -88,13 +83,14 @@ class ResultSink:
             return self._cond.wait_for(lambda: not wanted & self._in_flight, timeout)
 
 
-def _result(job: CopyJob, nbytes: int, seconds: float, method: str,
+def _result(job: CopyJob, block_bytes: int, seconds: float, method: str,
             error: BaseException | str | None) -> TransferResult:
     if isinstance(error, BaseException):
         logger.warning("%s job %d failed: %s", job.direction.value, job.job_id, error)
         error = f"{type(error).__name__}: {error}"
     return TransferResult(job_id=job.job_id, direction=job.direction, success=error is None,
-                          bytes=nbytes, seconds=seconds if error is None else 0.0,
+                          bytes=job.num_blocks * block_bytes,
+                          seconds=seconds if error is None else 0.0,
                           blocks=job.num_blocks, method=method if error is None else "",
                           error=error)
 
@@ -123,29 +119,27 @@ class ThreadLane:
         return self._sink.wait(job_ids, timeout)
 
     def close(self, cancel: bool) -> None:
-        """Finish what is queued (with `cancel`, report what has not started as cancelled,
-        in order), then stop the threads."""
+        """Finish what is queued (`cancel`: report what has not started as cancelled)."""
         self._cancel = self._cancel or cancel
         self._thread.shutdown()
         self._helper.shutdown()
 
     def _run(self, job: CopyJob) -> None:
-        nbytes = job.num_blocks * self._block_bytes
         if self._cancel:
-            self._sink.add(_result(job, nbytes, 0.0, "", CANCELLED))
+            self._sink.add(_result(job, self._block_bytes, 0.0, "", CANCELLED))
             return
         start = time.perf_counter()
         try:
             method, error = self._copy(job, self._helper), None
         except Exception as exc:  # reported as the job's result; the lane carries on
             method, error = "", exc
-        self._sink.add(_result(job, nbytes, time.perf_counter() - start, method, error))
+        self._sink.add(_result(job, self._block_bytes, time.perf_counter() - start, method,
+                               error))
 
 
 @dataclass(eq=False, kw_only=True)
 class _Queued:
     job: CopyJob
-    nbytes: int
     start: Any = None  # torch.cuda.Event
     end: Any = None
     method: str = ""
@@ -168,7 +162,7 @@ class StreamLane:
 
     def submit(self, job: CopyJob) -> None:
         torch = import_torch()
-        entry = _Queued(job=job, nbytes=job.num_blocks * self._block_bytes)
+        entry = _Queued(job=job)
         stream = self.stream
         with torch.cuda.device(self._device):
             try:
@@ -210,7 +204,7 @@ class StreamLane:
         if entry.error is None:
             with contextlib.suppress(Exception):
                 seconds = entry.start.elapsed_time(entry.end) / 1e3
-        return _result(entry.job, entry.nbytes, seconds, entry.method, entry.error)
+        return _result(entry.job, self._block_bytes, seconds, entry.method, entry.error)
 
     def wait(self, job_ids: set[int], timeout: float | None) -> bool:
         def done() -> bool | None:

@@ -1,11 +1,7 @@
-"""Page-lock a region for the GPU's copy engines with cudaHostRegister, as vLLM does.
-
-Pinned memory lets cudaMemcpyAsync run on the copy engines, truly asynchronously;
-pageable memory is staged through a driver buffer. Like vLLM we register in chunks of
-at most 64 GiB that end on row boundaries, and when registration fails we carry on
-pageable with a warning. Each call runs on a short-lived thread: a failed CUDA runtime
-call leaves a per-thread "last error" that torch would raise later from an unrelated
-kernel launch on the engine's own thread.
+"""Page-lock a region for the GPU's copy engines with cudaHostRegister, as vLLM does (in
+row-aligned chunks of at most 64 GiB; on failure, pageable with a warning). Each call runs
+on a short-lived thread: a failed runtime call leaves a per-thread "last error" that torch
+would raise later from an unrelated kernel launch on the engine's thread.
 """
 
 from __future__ import annotations

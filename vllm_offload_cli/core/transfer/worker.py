@@ -1,9 +1,5 @@
-"""CopyWorker: moves KV blocks between device tensors and one worker's slot of a region.
-
-Every submitted job is reported exactly once by `get_finished()`, in submission order
-per direction; block lists are validated before any byte moves. CUDA and CPU tensors
-are copied by the same code (transfer.copies); only the lane they run on differs.
-"""
+"""CopyWorker: moves KV blocks between device tensors and one worker's slot of a region;
+every job is reported once by `get_finished()`, in submission order per direction."""
 
 from __future__ import annotations
 
