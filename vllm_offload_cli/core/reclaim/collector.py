@@ -136,12 +136,12 @@ def reclaim(
         run.blind = visibility.assess(
             (), namespace_waived=options.shm_private_to_namespace).effective
         run.regions(inventory.regions)
-        if not run.blind and not run.expired:  # pid-based judgements need the whole host
-            try:
+        # pid-based judgements need the whole host; what the deadline leaves waits for the
+        # next run, counted where it can be
+        if not run.blind and not run.expired:
+            with contextlib.suppress(deadline.DeadlineExpiredError):
                 run.orphan_manifests(inventory.orphan_manifests)
                 run.temp_files(None if engine_ids is None else set(engine_ids))
-            except deadline.DeadlineExpiredError:
-                pass  # what is left waits for the next run; counted where it can be
         run.settle()
     finally:
         run.close()
