@@ -43,9 +43,7 @@ class AuditResult:
 
 def command_line() -> str:
     """This process's command line as an operator would type it."""
-    if not sys.argv:
-        return IDENT
-    prog = os.path.basename(sys.argv[0])
+    prog = os.path.basename(sys.argv[0]) if sys.argv else ""
     if prog in ("__main__.py", "-m", "") or prog.startswith("python"):
         prog = IDENT
     return shlex.join([prog, *sys.argv[1:]])
@@ -53,9 +51,7 @@ def command_line() -> str:
 
 def _quoted(text: str) -> str:
     text = printable(text)
-    if len(text) > _MAX_FIELD:
-        text = text[:_MAX_FIELD - 3] + "..."
-    return json.dumps(text)
+    return json.dumps(text if len(text) <= _MAX_FIELD else text[:_MAX_FIELD - 3] + "...")
 
 
 def removal_line(r: RemovedRegion, *, command: str) -> str:
