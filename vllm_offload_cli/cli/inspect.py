@@ -202,43 +202,42 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     """
     fmt, output = _output_options(inv, fmt, output, prometheus,
                                   filtered=bool(states) or check)
-    with deadline.within(timeout):
-        seen = _look(shm_dir_checked(inv), engine_ids, {s.value for s in states}, everything,
-                     no_residency, shm_private_to_namespace)
+    with deadline.within(timeout):  # placement is measured only for the regions listed
+        found = discover(shm_dir_checked(inv), engine_ids=engine_ids or None,
+                         measure_residency=not no_residency,
+                         shm_private_to_namespace=shm_private_to_namespace)
+        missing = [e for e in dict.fromkeys(engine_ids) if not found.find(e)]
+        found, unsafe = split_unsafe(found, {s.value for s in states})
+        listed, rest = metrics.per_owner(found.regions, lambda r: r.uid, everything)
+        placed = None if no_residency else observe_all(listed)
     warn_useless_waiver(inv, shm_private_to_namespace)
-    data = _data(seen, _warn_unseen(inv, seen.found, seen.placed))
-    flagged, unlisted = _flagged(seen)
+    shown = dataclasses.replace(found, regions=tuple(listed))
+    data = {**inventory_data(shown, placed, rest),
+            "measurement_errors": _warn_unseen(inv, found, placed), "not_found": missing,
+            "unsafe_entries": [{"engine_id": r.engine_id, "paths": r.paths,
+                                "problems": [jsonable(p) for p in r.problems]}
+                               for r in unsafe]}
+    flagged, code = _checked(listed, unsafe, rest, missing, check)
     if check:
         data["check"] = {"flagged": flagged}  # the aggregated say theirs in their states
     if fmt is Format.prometheus:
-        metrics.emit(_registry(seen.shown, seen.rest, seen.placed, data["measurement_errors"],
-                               len(seen.unsafe)), output)
+        metrics.emit(_registry(shown, rest, placed, data["measurement_errors"], len(unsafe)),
+                     output)
         if output is not None:
             data["output"] = str(output)
     elif fmt is Format.json:
         inv.json_output = True
-    code = most_important([ExitStatus.USAGE if seen.missing else ExitStatus.SUCCESS,
-                           ExitStatus.PROBLEMS_FOUND if check and (flagged or unlisted)
-                           else ExitStatus.SUCCESS])
-    table = fmt is not Format.prometheus and bool(seen.found.regions or not seen.missing) \
+    table = fmt is not Format.prometheus and bool(found.regions or not missing) \
         and not (check and inv.verbosity < 0)
-    return _outcome(inv, seen, data, code, table=table, wide=wide,
+    return _outcome(inv, data, code, table=table, wide=wide,
                     wrote=output if prometheus is None else None)  # --prometheus is quiet
 
 
-def _flagged(seen: _Seen) -> tuple[list[str], bool]:
-    """The listed regions --check flags (stale, a problem, no region), and whether any
-    of those summed per owner is."""
-    flagged = [r.engine_id for r in seen.listed if r.state == "stale" or r.problems]
-    return flagged + [r.engine_id for r in seen.unsafe], any(
-        r.state == "stale" or r.problems for rs in seen.rest.values() for r in rs)
-
-
-def _outcome(inv: Invocation, seen: _Seen, data: dict[str, Any], code: ExitStatus, *,
-             table: bool, wide: bool, wrote: Path | None) -> Outcome:
+def _outcome(inv: Invocation, data: dict[str, Any], code: ExitStatus, *, table: bool,
+             wide: bool, wrote: Path | None) -> Outcome:
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
-                  f"in {seen.found.shm_dir}; `vllm-offload inspect` lists them all"}
-                 for engine_id in seen.missing]
+                  f"in {data['shm_dir']}; `vllm-offload inspect` lists them all"}
+                 for engine_id in data["not_found"]]
 
     def render(out: Out) -> None:
         if table:
@@ -251,41 +250,19 @@ def _outcome(inv: Invocation, seen: _Seen, data: dict[str, Any], code: ExitStatu
     return Outcome(data=data, exit_code=code, errors=not_found, render=render)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Seen:
-    """One run's regions: `found` (in the states asked for), of which `listed` are shown
-    one by one and `rest` summed per owner; names that are no region; ids not found."""
+def _checked(listed: list[RegionInfo], unsafe: list[RegionInfo],
+             rest: dict[int | None, list[RegionInfo]], missing: list[str], check: bool
+             ) -> tuple[list[str], ExitStatus]:
+    """What --check flags (a listed region stale or with a problem, a name that is no
+    region), and the exit status, which also counts the regions summed per owner."""
+    def flags(r: RegionInfo) -> bool:
+        return r.state == "stale" or bool(r.problems)
 
-    found: Inventory
-    listed: list[RegionInfo]
-    rest: dict[int | None, list[RegionInfo]]
-    unsafe: list[RegionInfo]
-    missing: list[str]
-    placed: dict[str, Placement] | None
-
-    @property
-    def shown(self) -> Inventory:
-        return dataclasses.replace(self.found, regions=tuple(self.listed))
-
-
-def _look(shm_dir: str, engine_ids: tuple[str, ...], states: set[str], everything: bool,
-          no_residency: bool, waiver: bool) -> _Seen:
-    """Discover, then measure placement only for the regions that will be listed."""
-    found = discover(shm_dir, engine_ids=engine_ids or None, measure_residency=not no_residency,
-                     shm_private_to_namespace=waiver)
-    missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
-    found, unsafe = split_unsafe(found, states)
-    listed, rest = metrics.per_owner(found.regions, lambda r: r.uid, everything)
-    placed = None if no_residency else observe_all(listed)
-    return _Seen(found, listed, rest, unsafe, missing, placed)
-
-
-def _data(seen: _Seen, refusals: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {**inventory_data(seen.shown, seen.placed, seen.rest),
-            "measurement_errors": refusals, "not_found": seen.missing,
-            "unsafe_entries": [{"engine_id": r.engine_id, "paths": r.paths,
-                                "problems": [jsonable(p) for p in r.problems]}
-                               for r in seen.unsafe]}
+    flagged = [r.engine_id for r in listed if flags(r)] + [r.engine_id for r in unsafe]
+    unlisted = any(flags(r) for r in chain(*rest.values()))
+    return flagged, most_important([
+        ExitStatus.USAGE if missing else ExitStatus.SUCCESS,
+        ExitStatus.PROBLEMS_FOUND if check and (flagged or unlisted) else ExitStatus.SUCCESS])
 
 
 def _output_options(inv: Invocation, fmt: Format, output: Path | None,
@@ -571,109 +548,94 @@ def region_inode(r: RegionInfo) -> str:
     return "0" if fid is None else str(fid.ino)
 
 
-def _created_at(r: RegionInfo) -> float | None:
-    """When the region was made: its manifest says; else its oldest segment's mtime."""
+def _created_at(r: RegionInfo, _: Placement | None) -> float | None:
+    """Its manifest's creation time, else its oldest segment's mtime."""
     if r.manifest is not None:
         return r.manifest.created_at
-    mtimes = [s.mtime for s in r.segments if s.mtime is not None]
-    return min(mtimes) if mtimes else None
+    return min((s.mtime for s in r.segments if s.mtime is not None), default=None)
 
 
 _KEY = ("engine_id", "base_engine_id", "inode")  # a region's labels
+# a listed region's gauges: (name, help, its value; None: no sample)
+_REGION_GAUGES: tuple[tuple[str, str, Callable[[RegionInfo, Placement | None], Any]], ...] = (
+    ("size_bytes", "Bytes of the region's files.", lambda r, _: r.size_bytes),
+    ("resident_bytes", "Resident bytes (mincore).", lambda r, _: r.resident_bytes),
+    ("holders", "Processes mapping or holding the region.", lambda r, _: len(r.holders)),
+    ("created_timestamp_seconds", "When the region was created (Unix time; its manifest's, "
+     "else the oldest file modification time).", _created_at),
+    ("dp_rank", "The region's data-parallel rank (the _dpN suffix of its engine_id); absent "
+     "for a region without one.", lambda r, _: r.dp_rank),
+    ("problems", "Problems found in the region.", lambda r, _: len(r.problems)),
+    ("linked", "1 if the region still has a name.", lambda r, _: int(r.linked)),
+    ("huge_page_bytes", "Bytes mapped with huge pages.",
+     lambda _, p: None if p is None else p.huge_page_bytes),
+)
 
 
 def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None = None,
               placed: dict[str, Placement] | None = None,
               refusals: dict[str, dict[str, Any]] | None = None, unsafe: int = 0) -> Any:
-    """Gauges by region; a textfile written once a minute stays true (no ages, no empty
-    labels: a region without a DP rank has no `vllm_offload_region_dp_rank` sample).
-
-    Every listed region is its own series: `inode` (of its first file) tells apart two
-    regions of one engine_id (a restarted replica's named file beside its unlinked
-    ghost); the regions in `rest` are summed per owner (`vllm_offload_owner_*`), so
-    the per-state counts are the sums of the region and owner state series."""
+    """Gauges; a textfile written once a minute stays true (no ages, no empty labels).
+    Each listed region is its own series (`inode` tells apart a restarted replica's file
+    from its unlinked ghost); those in `rest` are summed per owner, so the per-state
+    counts are the sums of the region and owner state series."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
 
     def gauge(name: str, doc: str, labels: tuple[str, ...] = _KEY) -> Any:
-        return Gauge(name, doc, labels, registry=registry)
+        return Gauge(f"vllm_offload_{name}", doc, labels, registry=registry)
 
-    _region_series(found.regions, placed, gauge)
+    _region_series(found.regions, placed or {}, gauge)
     _owner_series(owner_totals(rest or {}), gauge)
-    count = gauge("vllm_offload_regions", "Regions by state.", ("state",))
-    summed = [r for rs in (rest or {}).values() for r in rs]
+    count = gauge("regions", "Regions by state.", ("state",))
+    summed = [*found.regions, *chain(*(rest or {}).values())]
     for s in STATES:
-        count.labels(s).set(sum(r.state == s for r in (*found.regions, *summed)))
-    gauge("vllm_offload_shm_total_bytes", "Size of the shm filesystem.", ()).set(
-        found.shm.total_bytes)
-    gauge("vllm_offload_shm_free_bytes", "Free bytes of the shm filesystem.", ()).set(
-        found.shm.free_bytes)
-    gauge("vllm_offload_uninspectable_processes", "Processes whose /proc could not be read.",
-          ()).set(found.uninspectable_processes)
-    errors = gauge("vllm_offload_measurement_errors", "Regions whose measurement (residency: "
-                   "mincore; numa: move_pages) a refused system call left unmade: a seccomp "
-                   "filter or policy.", ("what",))
+        count.labels(s).set(sum(r.state == s for r in summed))
+    errors = gauge("measurement_errors", "Regions whose measurement (residency: mincore; "
+                   "numa: move_pages) a refused system call left unmade: a seccomp filter or "
+                   "policy.", ("what",))
     for what in MEASUREMENTS:
         errors.labels(what).set((refusals or {}).get(what, {}).get("regions", 0))
-    gauge("vllm_offload_unsafe_entries", "Names like a region's that are no regular file "
-          "(a symlink, a FIFO): never removed by gc, to be checked by hand.", ()).set(unsafe)
-    gauge("vllm_offload_orphan_manifests", "Manifests whose region is gone.", ()).set(
-        len(found.orphan_manifests))
+    for name, doc, value in (
+            ("shm_total_bytes", "Size of the shm filesystem.", found.shm.total_bytes),
+            ("shm_free_bytes", "Free bytes of the shm filesystem.", found.shm.free_bytes),
+            ("uninspectable_processes", "Processes whose /proc could not be read.",
+             found.uninspectable_processes),
+            ("unsafe_entries", "Names like a region's that are no regular file (a symlink, "
+             "a FIFO): never removed by gc, to be checked by hand.", unsafe),
+            ("orphan_manifests", "Manifests whose region is gone.",
+             len(found.orphan_manifests))):
+        gauge(name, doc, ()).set(value)
     return registry
 
 
-def _region_series(regions: Sequence[RegionInfo], placed: dict[str, Placement] | None,
+def _region_series(regions: Sequence[RegionInfo], placed: dict[str, Placement],
                    gauge: Callable[..., Any]) -> None:
-    """The series of each listed region, labelled engine_id, base_engine_id, inode."""
-    size = gauge("vllm_offload_region_size_bytes", "Bytes of the region's files.")
-    resident = gauge("vllm_offload_region_resident_bytes", "Resident bytes (mincore).")
-    holders = gauge("vllm_offload_region_holders", "Processes mapping or holding the region.")
-    created = gauge("vllm_offload_region_created_timestamp_seconds",
-                    "When the region was created (Unix time; its manifest's, else the oldest "
-                    "file modification time).")
-    dp_rank = gauge("vllm_offload_region_dp_rank", "The region's data-parallel rank (the "
-                    "_dpN suffix of its engine_id); absent for a region without one.")
-    state = gauge("vllm_offload_region_state", "1 for the region's current state.",
-                  (*_KEY, "state"))
-    problems = gauge("vllm_offload_region_problems", "Problems found in the region.")
-    linked = gauge("vllm_offload_region_linked", "1 if the region still has a name.")
-    numa_bytes = gauge("vllm_offload_region_numa_bytes", "Resident bytes on each NUMA node.",
-                       (*_KEY, "node"))
-    huge = gauge("vllm_offload_region_huge_page_bytes", "Bytes mapped with huge pages.")
-    for r in regions:
-        key = (r.engine_id, r.base_engine_id, region_inode(r))
-        size.labels(*key).set(r.size_bytes)
-        if r.resident_bytes is not None:
-            resident.labels(*key).set(r.resident_bytes)
-        holders.labels(*key).set(len(r.holders))
-        when = _created_at(r)
-        if when is not None:
-            created.labels(*key).set(when)
-        if r.dp_rank is not None:
-            dp_rank.labels(*key).set(r.dp_rank)
+    keyed = [((r.engine_id, r.base_engine_id, region_inode(r)), r, placed.get(r.paths[0]))
+             for r in regions]
+    for name, doc, value in _REGION_GAUGES:
+        g = gauge(f"region_{name}", doc)
+        for key, r, p in keyed:
+            if (v := value(r, p)) is not None:
+                g.labels(*key).set(v)
+    state = gauge("region_state", "1 for the region's current state.", (*_KEY, "state"))
+    numa = gauge("region_numa_bytes", "Resident bytes on each NUMA node.", (*_KEY, "node"))
+    for key, r, p in keyed:
         for s in STATES:
             state.labels(*key, s).set(1 if r.state == s else 0)
-        problems.labels(*key).set(len(r.problems))
-        linked.labels(*key).set(1 if r.linked else 0)
-        p = None if placed is None else placed.get(r.paths[0])
-        if p is not None:
-            for node, b in (p.numa_nodes or {}).items():
-                numa_bytes.labels(*key, str(node)).set(b)
-            if p.huge_page_bytes is not None:
-                huge.labels(*key).set(p.huge_page_bytes)
+        for node, b in ((p and p.numa_nodes) or {}).items():
+            numa.labels(*key, str(node)).set(b)
 
 
 def _owner_series(totals: list[dict[str, Any]], gauge: Callable[..., Any]) -> None:
     """Per owner (uid, `unknown` when unreadable), its regions past the listed ones."""
     past = f"of this owner past the first {metrics.LISTED_PER_OWNER}, not listed as regions"
-    regions = gauge("vllm_offload_owner_regions", f"Regions {past}, by state.",
-                    ("uid", "state"))
-    size = gauge("vllm_offload_owner_size_bytes", f"Bytes of the regions {past}.", ("uid",))
-    resident = gauge("vllm_offload_owner_resident_bytes", f"Resident bytes of the regions "
-                     f"{past}.", ("uid",))
-    problems = gauge("vllm_offload_owner_problems", f"Problems of the regions {past}.",
+    regions = gauge("owner_regions", f"Regions {past}, by state.", ("uid", "state"))
+    size = gauge("owner_size_bytes", f"Bytes of the regions {past}.", ("uid",))
+    resident = gauge("owner_resident_bytes", f"Resident bytes of the regions {past}.",
                      ("uid",))
+    problems = gauge("owner_problems", f"Problems of the regions {past}.", ("uid",))
     for t in totals:
         uid = "unknown" if t["uid"] is None else str(t["uid"])
         for s, n in t["states"].items():
