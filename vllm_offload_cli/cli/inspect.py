@@ -105,21 +105,16 @@ MEASUREMENTS = ("residency", "numa")
 
 def measurement_errors(inv: Inventory, placed: dict[str, Placement] | None
                        ) -> dict[str, dict[str, Any]]:
-    """Per measurement a refused system call left unmade (a seccomp filter without mincore
-    or move_pages): {regions, message}, so it shows instead of a silent `-`."""
-    found: dict[str, list[str]] = {}
-    for r in inv.regions:
-        if r.resident_error is not None:
-            found.setdefault("residency", []).append(r.resident_error)
-        p = None if placed is None else placed.get(r.paths[0])
-        if p is not None and p.error is not None:
-            found.setdefault("numa", []).append(p.error)
-    return {what: {"regions": len(msgs), "message": msgs[0]} for what, msgs in found.items()}
+    """Per measurement a refused system call (seccomp) left unmade: {regions, message}."""
+    found = {"residency": [r.resident_error for r in inv.regions if r.resident_error is not None],
+             "numa": [p.error for p in (placed or {}).values() if p.error is not None]}
+    return {what: {"regions": len(msgs), "message": msgs[0]} for what, msgs in found.items()
+            if msgs}
 
 
 def vllm_layout(r: RegionInfo) -> str | None:
-    """`segmented` or `single-file` (which vLLM can join it): the manifest's, else the
-    files'; None for a released name's bare file (the first of several, or the only one)."""
+    """Which vLLM layout can join it: the manifest's, else the files'; None for a released
+    name's bare file."""
     if r.manifest is not None:
         return r.manifest.vllm_layout
     if any(s.segment > 0 for s in r.segments):
@@ -129,20 +124,14 @@ def vllm_layout(r: RegionInfo) -> str | None:
 
 def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
                  ) -> dict[str, Any]:
-    doc = r.to_dict()
-    doc["vllm_layout"] = vllm_layout(r)
-    doc["evidence"] = evidence(r, now)
+    doc = {**r.to_dict(), "vllm_layout": vllm_layout(r), "evidence": evidence(r, now)}
     if placed is None:  # --no-residency: placement was not observed
-        doc.update(numa_nodes=None, huge_page_bytes=None, placement=None)
-        return doc
-    p = placed.get(r.paths[0])
-    if p is not None:
+        return {**doc, "numa_nodes": None, "huge_page_bytes": None, "placement": None}
+    if (p := placed.get(r.paths[0])) is not None:
         pd = jsonable(p)
         del pd["error"]  # said once for all regions, in measurement_errors
-        doc["numa_nodes"] = pd.pop("numa_nodes")
-        doc["huge_page_bytes"] = pd.pop("huge_page_bytes")
-        doc["placement"] = {**pd, "requested": None if r.manifest is None
-                            else r.manifest.placement}
+        doc.update(numa_nodes=pd.pop("numa_nodes"), huge_page_bytes=pd.pop("huge_page_bytes"),
+                   placement={**pd, "requested": r.manifest and r.manifest.placement})
     return doc
 
 
@@ -206,7 +195,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
         found = discover(shm_dir_checked(inv), engine_ids=engine_ids or None,
                          measure_residency=not no_residency,
                          shm_private_to_namespace=shm_private_to_namespace)
-        missing = [e for e in dict.fromkeys(engine_ids) if not found.find(e)]
+        missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
         found, unsafe = split_unsafe(found, {s.value for s in states})
         listed, rest = metrics.per_owner(found.regions, lambda r: r.uid, everything)
         placed = None if no_residency else observe_all(listed)
@@ -288,29 +277,26 @@ def _output_options(inv: Invocation, fmt: Format, output: Path | None,
 
 def _warn_unseen(inv: Invocation, found: Inventory, placed: dict[str, Placement] | None
                  ) -> dict[str, dict[str, Any]]:
-    """Say what this run could not see (blind spots, processes it may not inspect,
-    refused measurements); returns the refusals, for JSON and metrics."""
+    """Say what this run could not see; returns the refused measurements."""
     for spot in found.visibility.effective:
         inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
                  "`unknown`, not `stale`")
-    if found.uninspectable_processes:
-        inv.warn("uninspectable_processes",
-                 f"{found.uninspectable_processes} process(es) could not be inspected "
-                 "(permission denied); regions they use may show fewer holders")
     counted = sum(t.files for t in (*found.not_judged, *found.counted))
-    if counted:
-        inv.warn("counted_not_listed", f"{counted} region file(s) of other users were "
-                 "counted per owner, not looked at one by one (JSON: not_judged, "
-                 "others_counted)")
     held = sum(n for _, n in found.unnamed_held)
-    if held:
-        inv.warn("held_not_listed", f"{held} file(s) on the shm filesystem held by "
-                 f"{len(found.unnamed_held)} process(es) were counted, not looked up "
-                 "(JSON: held_unlisted)")
     refusals = measurement_errors(found, placed)
-    for what, e in refusals.items():
-        inv.warn("measurement_refused", f"{what} of {e['regions']} region(s) not measured: "
-                 f"{e['message']} ({residency.REFUSED_HINT})")
+    for code, n, message in (
+            ("uninspectable_processes", found.uninspectable_processes,
+             f"{found.uninspectable_processes} process(es) could not be inspected (permission "
+             "denied); regions they use may show fewer holders"),
+            ("counted_not_listed", counted, f"{counted} region file(s) of other users were "
+             "counted per owner, not looked at one by one (JSON: not_judged, others_counted)"),
+            ("held_not_listed", held, f"{held} file(s) on the shm filesystem held by "
+             f"{len(found.unnamed_held)} process(es) were counted, not looked up (JSON: "
+             "held_unlisted)"),
+            *(("measurement_refused", 1, f"{what} of {e['regions']} region(s) not measured: "
+               f"{e['message']} ({residency.REFUSED_HINT})") for what, e in refusals.items())):
+        if n:
+            inv.warn(code, message)
     return refusals
 
 
@@ -320,17 +306,16 @@ def _unsafe(r: RegionInfo) -> bool:
 
 def split_unsafe(found: Inventory, states: Collection[str] = ()
                  ) -> tuple[Inventory, list[RegionInfo]]:
-    """Names like a region's whose files are none regular (a symlink, a FIFO): no region,
-    never stale (gc never removes them), but a problem to show: (regions, those). With
-    `states`, only regions in those states are kept."""
+    """(the regions, in `states` if given; names like a region's whose files are none
+    regular, a symlink or a FIFO: never stale, never removed by gc, shown as a problem)."""
     return dataclasses.replace(found, regions=tuple(
         r for r in found.regions if not _unsafe(r) and (not states or r.state in states))), [
         r for r in found.regions if _unsafe(r)]
 
 
 def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
-    """Why the region is in its state: who made it and whether it lives, the holders
-    its manifest recorded and whether they exited, when anything last happened to it."""
+    """Why the region is in its state: its creator, the holders its manifest recorded,
+    whether they live, when anything last happened to it."""
     m = r.manifest
     attached = [] if m is None else [
         {"pid": a.pid, "rank": a.rank, "alive": ProcessRef(a.pid, a.start_ticks).alive()}
@@ -340,7 +325,9 @@ def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
         times += [m.created_at, *(a.attached_at for a in m.attachments if a.attached_at)]
     last = max(times, default=None)
     alive = None if m is None else m.creator_alive()
-    parts = [_holders_said(r), *_creator_said(r, alive, attached)]
+    parts = [f"held by pid {', '.join(str(h.pid) for h in r.holders[:5])}" if r.holders
+             else "no process maps it, has it open or holds its lock",
+             *_creator_said(r, alive, attached)]
     if last is not None:
         parts.append(f"last activity {format_age(now - last)} ago")
     return {"creator_pid": None if m is None else m.creator_pid, "creator_alive": alive,
@@ -349,15 +336,8 @@ def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
             "summary": "; ".join(parts)}
 
 
-def _holders_said(r: RegionInfo) -> str:
-    if r.holders:
-        return f"held by pid {', '.join(str(h.pid) for h in r.holders[:5])}"
-    return "no process maps it, has it open or holds its lock"
-
-
 def _creator_said(r: RegionInfo, alive: bool | None, attached: list[dict[str, Any]]
                   ) -> list[str]:
-    """Its creator and whether it lives; how many recorded holders exited."""
     if r.manifest is None:
         return ["no manifest (made by vLLM itself?): its creator is not recorded"]
     said = [f"creator pid {r.manifest.creator_pid} {'is alive' if alive else 'exited'}"]
@@ -406,11 +386,9 @@ def _holders_text(r: dict[str, Any], wide: bool) -> str:
     if not wide:
         more = ",..." if len(holders) > 1 else ""
         return f"{len(holders)} ({cell_text(holders[0].get('pid'))}{more})"
-    parts = []
-    for h in holders:
-        rank = "" if h.get("rank") is None else f" r{cell_text(h['rank'])}"
-        parts.append(f"{cell_text(h.get('pid'))} {cell_text(h.get('name') or '?')}{rank}")
-    return ", ".join(parts)
+    return ", ".join(f"{cell_text(h.get('pid'))} {cell_text(h.get('name') or '?')}"
+                     + ("" if h.get("rank") is None else f" r{cell_text(h['rank'])}")
+                     for h in holders)
 
 
 def _layout_text(r: dict[str, Any]) -> str:
@@ -495,17 +473,15 @@ def footer(data: dict[str, Any]) -> str:
     """'/dev/shm: 55.0 GiB free of 64.0 GiB; 3 region(s), 1 stale; gc would free 1.0 GiB'."""
     regions = dict_items(data.get("regions"))
     summed = dict_items(data.get("aggregated"))  # owners' regions past those listed
-    states: list[dict[str, Any]] = [a["states"] for a in summed
-                                    if isinstance(a.get("states"), dict)]
 
     def count(state: str) -> int | float:
         return sum(1 for r in regions if r.get("state") == state) + sum(
-            _number(c.get(state)) or 0 for c in states)
+            _number(a["states"].get(state)) or 0 for a in summed
+            if isinstance(a.get("states"), dict))
 
     total = len(regions) + sum(_number(a.get("regions")) or 0 for a in summed)
     stale, unknown = count("stale"), count("unknown")
-    shm = data.get("shm")
-    shm = shm if isinstance(shm, dict) else {}
+    shm = data["shm"] if isinstance(data.get("shm"), dict) else {}
     free = _number(data.get("gc_would_free_bytes"))
     return (f"{cell_text(data.get('shm_dir'))}: {format_bytes(_number(shm.get('free_bytes')))} "
             f"free of {format_bytes(_number(shm.get('total_bytes')))}; {total} "
@@ -516,9 +492,8 @@ def footer(data: dict[str, Any]) -> str:
 
 def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
                  why: bool = False) -> None:
-    """inspect's table, from its JSON data: one line per region at any width (and per
-    owner whose regions are summed), problem codes in the row, sentences below, the shm
-    directory's footer."""
+    """inspect's table from its JSON data (so a fleet's nodes show alike): one line per
+    region and per owner whose regions are summed, sentences below, the footer."""
     regions = dict_items(data.get("regions"))
     summed = dict_items(data.get("aggregated"))
     lines = []
