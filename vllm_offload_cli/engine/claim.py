@@ -1,11 +1,5 @@
-"""Identity, reclaim and pre-flight: what an engine process does before it maps a region.
-
-Every rank (and `vllm-offload preflight`) runs it under one start-up lock, so
-exactly one process reclaims a leftover. A region held by another engine (same
-engine_id, another token) is refused naming the pid, never joined; one exactly
-`stale` is removed by gc's own rules (no minimum age: the lock keeps our ranks
-out), any other state never; the new bytes are checked against the limits first.
-"""
+"""Identity, reclaim and pre-flight: what an engine process does before it maps a region,
+under one start-up lock per user (docs/architecture.md, "engine hook")."""
 
 from __future__ import annotations
 

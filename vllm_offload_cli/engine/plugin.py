@@ -1,11 +1,9 @@
 """The `vllm.general_plugins` entry point: make the hardened specs known to vLLM.
 
-vLLM calls it in every process before devices exist, and an exception would
-abort the engine: so it is idempotent, imports vLLM only inside the call and
-never raises (it logs) unless `VLLM_OFFLOAD_STRICT=1`. It gives the engine its
-token in the first process, registers our `VLLM_*` names before vLLM validates
-them, and sends our records to vLLM's logger. A vLLM not understood
-(`vllm_rules`) gets one warning and runs as plain vLLM.
+vLLM calls it in every process, and an exception would abort the engine: so it is
+idempotent, imports vLLM only inside the call and never raises (it logs) unless
+`VLLM_OFFLOAD_STRICT=1`. It also sets the engine token, registers our `VLLM_*` names
+and sends our records to vLLM's logger.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """One engine process's hold on its region: claim, open through the core, check the slot.
-
-Opened before vLLM, under the start-up lock right after the claim, so vLLM only
-ever joins a file this engine made or was pre-provisioned for. The hold keeps a
-shared flock and a manifest attachment (with the token) for `inspect` and `gc`.
-"""
+Opened before vLLM, so vLLM only joins; the hold keeps a shared flock and a manifest
+attachment (with the token) so `inspect` and `gc` can prove the region alive."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Room for a new region: a crashed engine's leftovers give way, a live one's never do.
-
-A restarted engine gets a fresh engine_id (vLLM's are UUIDs), so its crashed
-predecessor's region in a pod-sized tmpfs is not under its name, and the
-capacity check would refuse for ever. So the start-up removes this user's
-leftovers that gc would (`stale`, linked, not persistent), oldest first and only
-as many as needed, through the collector's own audited removal.
-`VLLM_OFFLOAD_RECLAIM_FOR_ROOM=0` (or `preflight --no-reclaim-for-room`) turns it off.
-"""
+"""Room for a new region: this user's stale leftovers of other engine_ids give way, oldest
+first and only as many as needed, by gc's own verdict and removal; a live one's never do.
+A restarted engine has a fresh engine_id: without this, its predecessor's leftover would
+refuse it (exit 5) for ever. `VLLM_OFFLOAD_RECLAIM_FOR_ROOM=0` turns it off."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Does the region under a name have the shape an engine is about to ask for?
-
-A joiner of another size hangs, of another geometry reads its neighbours' KV
-bytes, of another segment count finds no files: so the claim compares size
-always, segments and geometry where both sides know them.
-"""
+"""Does the region under a name have the shape an engine asks for? A joiner of another
+size hangs, of another geometry reads its neighbours' KV bytes, of another segment
+count finds no files."""
 
 from __future__ import annotations
 

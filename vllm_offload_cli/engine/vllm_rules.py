@@ -1,14 +1,9 @@
 """How the vLLM in use makes its region: a table per release, confirmed by signatures.
 
-Releases differ in how many files a region has (0.33's CPU spec splits it),
-which slot each worker takes (0.31 folds the device index) and whether the
-names are unlinked after a barrier. RELEASES has one row per release of the
-support matrix; CI checks each row against that release's code. A vLLM is
-understood (else `UnsupportedVllm`: the hook stands aside, never guesses) when
-its release has a row, the region constructor takes vLLM's five positional
-parameters and exactly the row's keywords, the specs have the methods we
-override, and the row's constants are integers (the loaded module's, else the
-source's). vLLM is read with `ast`, never imported, so `create` can ask too.
+RELEASES holds what differs per release (files, slots, barrier); CI checks each row
+against that release's code. A vLLM not understood (docs/architecture.md) is
+`UnsupportedVllm`: the hook stands aside, never guesses. vLLM is read with `ast`,
+never imported, so `create` can ask too.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""vLLM's offloading specs, started through the engine hook (this module imports vLLM).
+"""vLLM's offloading specs with the start-up steps around `super()` (imports vLLM).
 
-Each subclasses vLLM's spec and runs the start-up steps around `super()`: vLLM
-still builds its region object, but joins a file the hook made under the
-start-up lock (exact size, no stale bytes, no other engine), with the files and
-slots the vLLM in use will ask for (`vllm_rules`). Holds close when vLLM shuts
-the worker or manager down, else at exit. Known refusals stop the engine;
-anything unexpected is logged and vLLM starts plain, unless
+vLLM still builds its region object, but joins a file the hook made under the start-up
+lock, with the files and slots of the vLLM in use (`vllm_rules`). Known refusals stop
+the engine; anything unexpected is logged and vLLM starts plain, unless
 `kv_connector_extra_config["vllm_offload_strict"]` is true.
 """
 

@@ -1,9 +1,5 @@
-"""Processes: identity and state from /proc/PID/stat, the rest through psutil.
-
-A pid alone is not an identity (pids are reused); (pid, start time in clock
-ticks, the unit of /proc/PID/stat and of older manifests) is. A zombie has
-exited: it holds no mapping, descriptor or lock, whatever its stat still says.
-"""
+"""Processes: identity from /proc/PID/stat, the rest through psutil. A pid is reused, so
+(pid, start time in clock ticks) is the identity; a zombie has exited."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Hand-written /proc readers for what psutil has no reader for.
-
-Mappings and descriptors are matched by (device, inode): psutil gives paths and
-drops deleted or non-regular files. A process's start is read in clock ticks
-from one read of /proc/PID/stat (psutil's wall-clock start drifts with boot time).
-A process that vanished reads as `GONE`, one that refuses us as `DENIED`.
-"""
+"""Hand-written /proc readers for what psutil has no reader for: matching by (device,
+inode), start times in clock ticks, locks, status. A vanished process reads as `GONE`,
+one that refuses us as `DENIED`."""
 
 from __future__ import annotations
 
