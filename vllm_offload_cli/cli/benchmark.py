@@ -96,18 +96,13 @@ def benchmark_cmd(inv: Invocation, device: str, size: int, cpu_page_size: tuple[
     end, also on Ctrl-C or SIGTERM.
     """
     require(COPY, what="vllm-offload benchmark")
-    from vllm_offload_cli.core.transfer.bench import (
-        BenchConfig,
-        passive_openmp,
-        resolve_device,
-        run_benchmark,
-    )
+    from vllm_offload_cli.core.transfer import bench
 
-    passive_openmp()  # before torch loads
+    bench.passive_openmp()  # before torch loads
     shm_dir = shm_dir_checked(inv)
     blocks = _block_sizes(cpu_page_size)
-    resolved = resolve_device(device)
-    config = BenchConfig(
+    resolved = bench.resolve_device(device)
+    config = bench.BenchConfig(
         shm_dir=shm_dir, device=resolved, size_bytes=size, block_sizes=blocks,
         world_size=world_size, blocks_per_transfer=blocks_per_transfer, repeat=repeat,
         patterns=pattern or PATTERNS,
@@ -115,7 +110,7 @@ def benchmark_cmd(inv: Invocation, device: str, size: int, cpu_page_size: tuple[
     inv.info(f"benchmarking on {resolved}, block sizes "
              f"{', '.join(format_bytes(b) for b in blocks)}")
     with _sigterm_interrupts(), inv.progress("benchmark", 1) as update:
-        report = run_benchmark(config, progress=update)
+        report = bench.run_benchmark(config, progress=update)
     return Outcome(data=report.to_dict(), render=lambda out: _render(out, report))
 
 

@@ -190,25 +190,23 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
     call of SPLIT_MIN_BYTES or more); returns the rules used, e.g. "slice+batched/2" (/2:
     split over two threads). On CUDA the copies are queued on the current stream."""
     torch = import_torch()
-    if job.num_blocks == 0:
+    n = job.num_blocks
+    if n == 0:
         return "none"
     used: list[str] = []
     dsts: list[Tensor] = []
     srcs: list[Tensor] = []
     sizes: list[int] = []
-    n = job.num_blocks
+    s, d = int(job.src_ids.min()), int(job.dst_ids[0])  # where a slice, gather, scatter start
     for pair in pairs:
         rule = pair.rule(job)
         src, dst = pair.sides(job.direction)
         if rule == "slice":
-            s, d = int(job.src_ids[0]), int(job.dst_ids[0])
             dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
         elif rule == "gather":
-            first = int(job.dst_ids[0])
-            torch.index_select(src, 0, job.src, out=dst[first:first + n])
+            torch.index_select(src, 0, job.src, out=dst[d:d + n])
         elif rule == "scatter":
-            first = int(job.src_ids.min())
-            dst.index_copy_(0, job.dst_by_source, src[first:first + n])
+            dst.index_copy_(0, job.dst_by_source, src[s:s + n])
         else:
             _pieces(pair, job, dsts, srcs, sizes, in_parts=helper is not None)
         if rule not in used:

@@ -51,7 +51,6 @@ def as_block_ids(values: Any, *, what: str) -> Ids:
 def _sequence_ids(values: Any, what: str) -> Ids:
     import numpy as np
 
-    ids: Any
     if isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__len__"):
         raise _refuse(what, f"a sequence of integer block ids, got {type(values).__name__}")
     if len(values) == 0:

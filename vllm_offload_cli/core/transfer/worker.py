@@ -60,12 +60,10 @@ def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
 
 class CopyWorker:
     """Store (device -> region) and load (region -> device) KV blocks asynchronously.
-
-    `device_tensors`: one tensor per KV tensor, shape (num_device_blocks, ...), any dtype;
-    a block is one row. Each gets the next page of this worker's slot (`layout="worker"`,
-    vLLM's default) or of every row (`"canonical"`), or the given `region_views`. On CUDA
-    the region is pinned unless `pin=False` (a failure is a warning: `pin_warning`).
-    """
+    `device_tensors`: one per KV tensor, (num_device_blocks, ...), any dtype. Each gets the
+    next page of this worker's slot (`layout="worker"`, vLLM's default), of every row
+    ("canonical"), or the given `region_views`. On CUDA the region is pinned unless
+    `pin=False` (a failure is a warning: `pin_warning`)."""
 
     def __init__(self, region: SharedOffloadRegion, device_tensors: Sequence[torch.Tensor], *,
                  layout: str = "worker", region_views: Sequence[torch.Tensor] | None = None,
@@ -187,11 +185,9 @@ class CopyWorker:
         on timeout. Their results still come from the next get_finished()."""
         wanted = set(job_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
-        for lane in self._lanes.values():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not lane.wait(wanted, left):
-                return False
-        return True
+        return all(lane.wait(wanted, None if deadline is None
+                             else max(0.0, deadline - time.monotonic()))
+                   for lane in self._lanes.values())
 
     def shutdown(self, cancel_pending: bool = False) -> None:
         """Finish (or, on CPU, cancel) queued jobs, release the views and unpin; idempotent.
