@@ -1,9 +1,7 @@
 """node_exporter textfile output, and what bounds it, shared by `inspect` and `gc`.
 
-prometheus_client does the exposition format (imported only when asked for);
-the write is ours: its `write_to_textfile` opens a predictable `PATH.PID.TID`
-that follows a planted symlink, so an unguessable temporary file is created
-`O_EXCL|O_NOFOLLOW` beside the target, then renamed over it.
+The write is ours, not prometheus_client's `write_to_textfile`, whose predictable
+`PATH.PID.TID` follows a planted symlink.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ if TYPE_CHECKING:
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-# Of each owner but the caller, the first LISTED_PER_OWNER regions are shown one by one
-# and the rest summed per owner: what inspect and gc print and write is bounded by the
-# number of owners, never by how many files one of them makes (issue 30).
+# of each owner but the caller, the first LISTED_PER_OWNER regions are listed, the rest
+# summed: output grows with the number of owners, not with the files one of them makes
 LISTED_PER_OWNER = 32
 
 _T = TypeVar("_T")
@@ -60,26 +57,20 @@ _PREVIOUS_MAX_BYTES = 1 << 20
 
 
 def previous_totals(output: Path, names: Iterable[str]) -> dict[str, float]:
-    """The `*_total` counters this command wrote into `output` last time, so they keep
-    counting across runs (increase() needs counters). Read only from a small regular file
-    of this user, not through a link; a missing, unparsable, negative or infinite one
-    starts again at 0, which increase() reads as a counter reset."""
+    """The `*_total` counters last written into `output`, so they keep counting across
+    runs; read only from a small regular file of this user, not through a link. Anything
+    else starts again at 0, which increase() reads as a counter reset."""
     wanted = set(names)
     try:
-        fd = os.open(output, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return {}
-    try:
-        st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
-                or st.st_size > _PREVIOUS_MAX_BYTES):
-            return {}
-        with os.fdopen(fd, "rb", closefd=False) as f:
+        with open(os.open(output, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC),
+                  "rb") as f:
+            st = os.fstat(f.fileno())
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                    or st.st_size > _PREVIOUS_MAX_BYTES):
+                return {}
             text = f.read(_PREVIOUS_MAX_BYTES).decode("utf-8", "replace")
     except OSError:
         return {}
-    finally:
-        os.close(fd)
     from prometheus_client.parser import text_string_to_metric_families
 
     found: dict[str, float] = {}
@@ -95,8 +86,8 @@ def previous_totals(output: Path, names: Iterable[str]) -> dict[str, float]:
 
 
 def add_totals(registry: CollectorRegistry, totals: Mapping[str, tuple[str, float]]) -> None:
-    """Counters `{name_total: (help, value)}` without `_created` samples: a textfile
-    rewritten every minute has no process start to report."""
+    """Counters `{name_total: (help, value)}` without `_created` samples (no process
+    start to report)."""
     from prometheus_client.core import CounterMetricFamily
 
     class Totals:
@@ -123,30 +114,29 @@ def _random_hex(nbytes: int) -> str:
     return os.urandom(nbytes).hex()
 
 
+def _bad_output(output: Path, why: str) -> InvalidInputError:
+    return InvalidInputError(f"cannot write {output}: {why}", path=str(output),
+                             code="bad_output")
+
+
 def check_writable(output: Path) -> None:
     """Refuse (exit 2) unless `output` can be written: its directory exists and takes a
-    new file (not read-only, permitted), and the name is not a directory or a link."""
+    new file, and the name is not a directory or a link."""
     if not output.parent.is_dir():
-        raise InvalidInputError(f"cannot write {output}: directory {output.parent} does not "
-                                "exist", path=str(output), code="bad_output")
+        raise _bad_output(output, f"directory {output.parent} does not exist")
     try:
-        st = os.lstat(output)
+        if not stat.S_ISREG(os.lstat(output).st_mode):
+            raise _bad_output(output, "it exists and is not a regular file")
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise InvalidInputError(f"cannot write {output}: {exc.strerror}", path=str(output),
-                                code="bad_output") from exc
-    else:
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidInputError(f"cannot write {output}: it exists and is not a regular "
-                                    "file", path=str(output), code="bad_output")
+        raise _bad_output(output, exc.strerror or str(exc)) from exc
     probe = _temp_name(output)
     try:
         os.close(os.open(probe, _CREATE, 0o600))
     except OSError as exc:
-        raise InvalidInputError(f"cannot write {output}: {exc.strerror} (creating a file in "
-                                f"{output.parent})", path=str(output),
-                                code="bad_output") from exc
+        raise _bad_output(output, f"{exc.strerror} (creating a file in {output.parent})"
+                          ) from exc
     with contextlib.suppress(OSError):
         os.unlink(probe)
 
@@ -161,8 +151,7 @@ def emit(registry: CollectorRegistry, output: Path | None) -> None:
         sys.stdout.flush()
         return
     if not output.parent.is_dir():
-        raise InvalidInputError(f"cannot write {output}: directory {output.parent} does not "
-                                "exist", path=str(output), code="bad_output")
+        raise _bad_output(output, f"directory {output.parent} does not exist")
     try:
         write_atomically(output, text)
     except OSError as exc:
@@ -174,8 +163,8 @@ def emit(registry: CollectorRegistry, output: Path | None) -> None:
 
 
 def write_atomically(output: Path, data: bytes) -> None:
-    """A fresh file with an unguessable name beside `output` (O_EXCL|O_NOFOLLOW: nothing
-    planted there is followed or reused), written, flushed, then renamed over it."""
+    """Written to a fresh file with an unguessable name beside `output` (O_EXCL|O_NOFOLLOW:
+    nothing planted is followed or reused), then renamed over it."""
     tmp = _temp_name(output)
     fd = os.open(tmp, _CREATE, 0o644)
     try:
