@@ -43,18 +43,7 @@ from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE
 from vllm_offload_cli.core.system.processes import ProcessRef
 
-
-class State(str, enum.Enum):
-    """A region's state, as --state takes it."""
-
-    live = "live"
-    creating = "creating"
-    persistent = "persistent"
-    stale = "stale"
-    unknown = "unknown"
-
-
-STATES = tuple(s.value for s in State)
+STATES = ("live", "creating", "persistent", "stale", "unknown")  # a region's, as --state takes
 
 
 class Format(str, enum.Enum):
@@ -98,9 +87,6 @@ def owner_totals(rest: dict[int | None, list[RegionInfo]]) -> list[dict[str, Any
                     "problems": dict(Counter(p.code for r in regions for p in r.problems)),
                     "holders": len({h.pid for r in regions for h in r.holders})})
     return out
-
-
-MEASUREMENTS = ("residency", "numa")
 
 
 def measurement_errors(inv: Inventory, placed: dict[str, Placement] | None
@@ -160,7 +146,7 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 @click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
               help=with_statuses("Give up after this long (exit {FAILED}): seconds, or 90s, "
                                  "5m, 2h."))
-@click.option("--state", "-s", "states", type=EnumChoice(State), multiple=True,
+@click.option("--state", "-s", "states", type=click.Choice(STATES), multiple=True,
               help="Only regions in this state (repeatable); the table, JSON and --check "
               "see only those.")
 @click.option("--check", is_flag=True, help=with_statuses(
@@ -170,24 +156,21 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                 output: Path | None, prometheus: Path | None, no_residency: bool, wide: bool,
                 everything: bool, shm_private_to_namespace: bool, timeout: float,
-                states: tuple[State, ...], check: bool) -> Outcome:
+                states: tuple[str, ...], check: bool) -> Outcome:
     """List every region: named files and unlinked ones still mapped, with segments grouped.
 
-    A region is `live` when any process maps it, holds it open or holds its lock;
-    `creating` while its creator is alive and not done; otherwise `persistent` if
+    A region is `live` when a process maps it, holds it open or holds its lock;
+    `creating` while its creator is alive and not done; else `persistent` if
     `create` pre-provisioned it, `unknown` when a holder could be hidden from this
-    run (another PID namespace, hidepid, processes it may not inspect), else `stale`
-    (leaked, or a create that died).
-    Names, process names and manifest fields are shown with control characters
-    escaped (\\xNN); --json keeps them raw (JSON escapes them). A named ENGINE_ID
-    that matches no region is an error (exit {USAGE}), the others are still shown.
-    Your own regions are always listed; of every other owner the first 32 (the
-    largest judged first) are, and the rest summed in one row per owner (--all
-    lists them all). With -v the table says why each stale or unknown region is so:
-    its creator's pid and whether it lives, the recorded holders and whether they
-    exited, and when anything last happened to it; the footer says what gc would free.
-    Exit status {FAILED} when --timeout passes first; with --check, {PROBLEMS_FOUND}
-    when a region shown is stale or has a problem (for scripts and health checks).
+    run (another PID namespace, hidepid, processes it may not inspect), else `stale`.
+    Names are shown with control characters escaped (\\xNN); --json keeps them raw.
+    A named ENGINE_ID that matches no region is an error (exit {USAGE}), the others
+    are still shown. Your own regions are always listed; of every other owner the
+    first 32 (largest first), the rest summed in one row (--all lists them all).
+    With -v the table says why each stale or unknown region is so (its creator, the
+    recorded holders, its last activity) and what gc would free. Exit {FAILED} when
+    --timeout passes first; with --check, {PROBLEMS_FOUND} when a region shown is
+    stale or has a problem.
     """
     fmt, output = _output_options(inv, fmt, output, prometheus,
                                   filtered=bool(states) or check)
@@ -196,7 +179,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                          measure_residency=not no_residency,
                          shm_private_to_namespace=shm_private_to_namespace)
         missing = [e for e in dict.fromkeys(engine_ids or ()) if not found.find(e)]
-        found, unsafe = split_unsafe(found, {s.value for s in states})
+        found, unsafe = split_unsafe(found, set(states))
         listed, rest = metrics.per_owner(found.regions, lambda r: r.uid, everything)
         placed = None if no_residency else observe_all(listed)
     warn_useless_waiver(inv, shm_private_to_namespace)
@@ -264,14 +247,15 @@ def _output_options(inv: Invocation, fmt: Format, output: Path | None,
                                     "give one of them", code="usage")
         fmt, output = Format.prometheus, prometheus
         metrics.check_writable(output)
-    if output is not None and fmt is not Format.prometheus:
-        raise InvalidInputError("--output goes with --format prometheus", code="usage")
-    if fmt is Format.prometheus and inv.json_output and output is None:
-        raise InvalidInputError("--json with --format prometheus needs --output FILE",
-                                code="usage")
-    if fmt is Format.prometheus and filtered:
-        raise InvalidInputError("--state and --check go with the table and JSON; the "
-                                "textfile always has every region", code="usage")
+    textfile = fmt is Format.prometheus
+    for refused, message in (
+            (output is not None and not textfile, "--output goes with --format prometheus"),
+            (textfile and inv.json_output and output is None,
+             "--json with --format prometheus needs --output FILE"),
+            (textfile and filtered, "--state and --check go with the table and JSON; the "
+             "textfile always has every region")):
+        if refused:
+            raise InvalidInputError(message, code="usage")
     return fmt, output
 
 
@@ -570,7 +554,7 @@ def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None 
     errors = gauge("measurement_errors", "Regions whose measurement (residency: mincore; "
                    "numa: move_pages) a refused system call left unmade: a seccomp filter or "
                    "policy.", ("what",))
-    for what in MEASUREMENTS:
+    for what in ("residency", "numa"):
         errors.labels(what).set((refusals or {}).get(what, {}).get("regions", 0))
     for name, doc, value in (
             ("shm_total_bytes", "Size of the shm filesystem.", found.shm.total_bytes),
