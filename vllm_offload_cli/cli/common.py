@@ -40,12 +40,9 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *,
     lines = [list(headers), *(list(r) for r in rows)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
     aligned = set(right)
-    out = []
-    for line in lines:
-        cells = [c.rjust(w) if i in aligned else c.ljust(w)
-                 for i, (c, w) in enumerate(zip(line, widths, strict=True))]
-        out.append("  ".join(cells).rstrip())
-    return "\n".join(out)
+    return "\n".join("  ".join(c.rjust(w) if i in aligned else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(line, widths, strict=True))
+                               ).rstrip() for line in lines)
 
 
 @dataclass(frozen=True)
@@ -292,11 +289,7 @@ def subcommand(name: str, *, help: str | None = None
         cmd = click.command(name, cls=Subcommand, short_help=help)(fn)
         cmd.params.extend(common_params())
         cmd.body = fn
-
-        def run(**values: Any) -> None:
-            run_command(name, values, lambda inv, _: fn(inv, **values))
-
-        cmd.callback = run
+        cmd.callback = lambda **values: run_command(name, values, lambda inv, _: fn(inv, **values))
         return cmd
 
     return build
