@@ -31,7 +31,6 @@ from vllm_offload_cli.core.host.procscan import flock_holders
 from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
-from vllm_offload_cli.core.reclaim.report import RemovedRegion
 from vllm_offload_cli.core.region import capacity, fsguard
 from vllm_offload_cli.core.region.locking import lock_waiting
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
@@ -72,7 +71,7 @@ class ClaimResult:
     free_bytes: int | None = None  # tightest limit after the reclaim (None: not checked)
     notes: tuple[str, ...] = ()
     # other engine_ids' stale leftovers removed (or, dry, to be) to make room (engine.room)
-    reclaimed_for_room: tuple[RemovedRegion, ...] = ()
+    reclaimed_for_room: tuple[gc_report.RemovedRegion, ...] = ()
 
 
 STARTUP_LOCK_NAME = "startup.lock"
@@ -211,11 +210,8 @@ def claim(
     shape: RegionShape | None = None,
 ) -> ClaimResult:
     """Make the name `engine_id` safe to create or join; call under `startup_lock`.
-
-    `identity=False` (no shared token) joins any live region as vLLM would, but
-    still reclaims only what is provably stale. A region of another `shape` (default:
-    `size_bytes`) is exit 4 when held, exit 6 when persistent, reclaimed when stale.
-    """
+    `identity=False` (no shared token) joins any live region as vLLM would; only a stale
+    one is reclaimed. Another `shape` (default: `size_bytes`) is exit 4 held, 6 persistent."""
     validate_engine_id(engine_id)
     want = shape if shape is not None or size_bytes is None else RegionShape(
         size_bytes=size_bytes)

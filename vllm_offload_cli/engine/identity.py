@@ -1,11 +1,7 @@
-"""Which processes are "this engine": a token every process of one `vllm serve` shares.
-
-An engine_id names a region, not who started it (two replicas may pin one id).
-The plugin sets a random token in the first process's environment before any
-worker is spawned; attachments record it. A worker forked after that does not
-show it in /proc/PID/environ, so every process that knows the token also holds
-a beacon: a memfd named after it, inherited by forks, seen in /proc/PID/fd.
-"""
+"""Which processes are "this engine": a random token the plugin sets in the first process's
+environment, inherited by every worker (an engine_id names a region, not who started it).
+A fork does not show it in /proc/PID/environ, so every process that knows it also holds
+a beacon: a memfd named after it, inherited by forks, seen in /proc/PID/fd."""
 
 from __future__ import annotations
 
