@@ -17,7 +17,7 @@ import pytest
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
 from vllm_offload_cli.core.transfer.jobs import Direction, make_job
-from vllm_offload_cli.core.transfer.lanes import ResultSink, StreamLane
+from vllm_offload_cli.core.transfer.worker import ResultSink, StreamLane
 
 torch = import_torch()
 

@@ -34,18 +34,13 @@ PATTERNS = ("contiguous", "device-scattered", "scattered")
 
 
 def _block_sizes(values: tuple[str, ...]) -> tuple[int, ...]:
-    sizes: list[int] = []
-    for part in ",".join(values or [DEFAULT_SIZES]).split(","):
-        if part.strip():
-            size = parse_size(part, what="--cpu-page-size")
-            if size <= 0:
-                raise InvalidInputError("--cpu-page-size must be greater than 0",
-                                        code="invalid_size")
-            if size not in sizes:
-                sizes.append(size)
+    parts = [p for p in ",".join(values or [DEFAULT_SIZES]).split(",") if p.strip()]
+    sizes = tuple(dict.fromkeys(parse_size(p, what="--cpu-page-size") for p in parts))
     if not sizes:
         raise InvalidInputError("--cpu-page-size needs at least one size", code="invalid_size")
-    return tuple(sizes)
+    if min(sizes) <= 0:
+        raise InvalidInputError("--cpu-page-size must be greater than 0", code="invalid_size")
+    return sizes
 
 
 @contextmanager
@@ -99,11 +94,10 @@ def benchmark_cmd(inv: Invocation, device: str, size: int, cpu_page_size: tuple[
     from vllm_offload_cli.core.transfer import bench
 
     bench.passive_openmp()  # before torch loads
-    shm_dir = shm_dir_checked(inv)
     blocks = _block_sizes(cpu_page_size)
     resolved = bench.resolve_device(device)
     config = bench.BenchConfig(
-        shm_dir=shm_dir, device=resolved, size_bytes=size, block_sizes=blocks,
+        shm_dir=shm_dir_checked(inv), device=resolved, size_bytes=size, block_sizes=blocks,
         world_size=world_size, blocks_per_transfer=blocks_per_transfer, repeat=repeat,
         patterns=pattern or PATTERNS,
         populate_threads=threads or max(1, min(8, os.cpu_count() or 1)), huge_pages=huge_pages)
@@ -143,8 +137,7 @@ def _render(out: Out, report: BenchReport) -> None:
              *_figures(r.store), *_figures(r.load), r.store.method, r.load.method]
             for r in report.rows]
     lines.append(text_table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9)))
-    huge = report.huge_pages
-    if huge is not None:
+    if (huge := report.huge_pages) is not None:
         if not huge.available or huge.huge is None or (q := huge.ratios) is None:
             lines.append(f"Huge pages not measured: {huge.reason}")
         else:
@@ -152,8 +145,7 @@ def _render(out: Out, report: BenchReport) -> None:
                          f"pre-fault {q['prefault']:.2f}x, store {q['store']:.2f}x, load "
                          f"{q['load']:.2f}x ({format_bytes(huge.huge.huge_page_bytes)} mapped "
                          "huge)")
-    target = report.target
-    if target:
+    if target := report.target:
         verdicts = "; ".join(
             f"{name} >= {v['ratio']:g}x {'met' if v['met'] else 'NOT met'} "
             f"(worst {v['min_ratio']:.2f}x)" for name, v in target["patterns"].items())

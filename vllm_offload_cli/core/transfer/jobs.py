@@ -69,7 +69,7 @@ def _sequence_ids(values: Any, what: str) -> Ids:
     return np.array(ids, dtype=np.int64)
 
 
-def _check_range(ids: Ids, limit: int, *, label: str, holder: str,
+def _check_range(ids: Ids, holder: str, limit: int, *, label: str,
                  ascending: bool = False) -> None:
     """Ascending ids are bounded by their ends; positions are searched only on failure."""
     if ids.size == 0:
@@ -100,14 +100,11 @@ def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any
                                 "destination blocks; they are copied pairwise",
                                 code="length_mismatch")
     sides = [("the device cache", device_blocks), ("the region", region_blocks)]
-    if direction is Direction.LOAD:
-        sides.reverse()
-    (src_holder, src_limit), (dst_holder, dst_limit) = sides
-    _check_range(src, src_limit, label=f"{prefix}: source", holder=src_holder)
+    src_side, dst_side = sides if direction is Direction.STORE else sides[::-1]
+    _check_range(src, *src_side, label=f"{prefix}: source")
     # destinations are unique, so ordering the pairs by them changes nothing but reveals runs
     ascending = dst.size < 2 or int(_diff(dst).min()) > 0
-    _check_range(dst, dst_limit, label=f"{prefix}: destination", holder=dst_holder,
-                 ascending=ascending)
+    _check_range(dst, *dst_side, label=f"{prefix}: destination", ascending=ascending)
     if not ascending:
         order = np.argsort(dst)  # any order of equal ids will do: they are refused
         dst, src = dst[order], src[order]
