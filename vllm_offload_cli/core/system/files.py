@@ -58,10 +58,9 @@ def stat_proc_link(path: str, expect: FileId | None = None) -> os.stat_result | 
 
 def open_proc_link(path: str, expect: FileId | None = None, flags: int = os.O_RDONLY
                    ) -> int | None:
-    """A descriptor of the regular file behind a /proc magic link; else None.
-    O_PATH resolves the link without opening what is behind it (no FIFO can block
-    us); judged on that descriptor, then reopened through our own /proc/self/fd,
-    the file opened is the inode judged, whatever the other process does meanwhile."""
+    """A descriptor of the regular file behind a /proc magic link; else None. Resolved
+    with O_PATH (nothing behind it opens or blocks), judged, then reopened through our
+    own /proc/self/fd: the file opened is the inode judged, whatever happens meanwhile."""
     try:
         pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:

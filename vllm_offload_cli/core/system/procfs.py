@@ -146,11 +146,9 @@ def fd_stats(pid: int, skip: Collection[int] = ()
 
 
 def may_write(pid: int, fids: Collection[FileId]) -> bool | Unreadable:
-    """Whether a process holds any of these files in a way that can write them: a
-    descriptor opened for writing (fdinfo `flags`), or a mapping that may write
-    (smaps `VmFlags` `mw`). The kernel keeps these; the process cannot fake them.
-    smaps walks page tables, so it is read only up to the last mapping of the files
-    that maps shows, and not at all for a holder of descriptors only."""
+    """Whether a process holds any of these files in a way that can write them, by the
+    kernel's record: a descriptor opened for writing (fdinfo) or a mapping that may write
+    (smaps `mw`). smaps, a page-table walk, is read only up to the files' last mapping."""
     try:
         with os.scandir(f"{PROC}/{pid}/fd") as entries:
             for entry in entries:
