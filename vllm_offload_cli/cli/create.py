@@ -18,6 +18,13 @@ from vllm_offload_cli.core.base.text import shortened
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
 from vllm_offload_cli.core.region.naming import with_dp_rank
+from vllm_offload_cli.core.region.segments import (
+    MIN_SEGMENT_BYTES,
+    VLLM_CPU_SEGMENTS,
+    effective_segments,
+    layout_of,
+    split,
+)
 from vllm_offload_cli.core.system.numa import parse_cpulist
 
 if TYPE_CHECKING:
@@ -29,12 +36,6 @@ def _layout(choice: str, segments: int | None, geometry: Geometry
     """(segment files asked for, vLLM's smallest file, basis, vLLM version, warning).
     `auto` reads the code of the vLLM installed here; without one it takes the newest
     release's layout and warns where that excludes older releases."""
-    from vllm_offload_cli.core.region.segments import (
-        MIN_SEGMENT_BYTES,
-        VLLM_CPU_SEGMENTS,
-        effective_segments,
-    )
-
     if segments is not None and choice != "auto":
         raise InvalidInputError("give one of --segments and --vllm-layout", code="usage")
     if segments is not None:
@@ -77,8 +78,6 @@ def _nodes(spec: str | None) -> tuple[int, ...] | None:
 def _segments(requested: int, geometry: Geometry) -> int:
     """Exactly the file count asked for: one vLLM cannot make (no file under 1 GiB, each
     `cdiv(num_blocks, n)` rows) is refused with the counts that can be, never lowered."""
-    from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, split
-
     def files(n: int) -> int:
         return len(split(geometry.num_blocks, geometry.row_stride, n))
 
@@ -239,8 +238,6 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
 def _created(region: SharedOffloadRegion, geometry: Geometry, hold: bool, basis: str,
              version: str | None) -> dict[str, Any]:
     """What `create` made: the JSON data, also what the text says."""
-    from vllm_offload_cli.core.region.segments import layout_of
-
     stats = region.populate_stats
     return {
         "engine_id": region.engine_id,
