@@ -209,8 +209,7 @@ def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
             outcome.render(inv.out)
     if bug is not None:
         raise bug
-    code: int = doc["exit_code"]
-    return code
+    return int(doc["exit_code"])
 
 
 # -- common options -------------------------------------------------------------
