@@ -35,26 +35,20 @@ _beacon: tuple[str, int] | None = None  # (token, fd), held for the life of the 
 def engine_token(environ: MutableMapping[str, str] | None = None) -> str:
     """This engine's token; made (and exported to children) when absent or malformed.
     For the process's own environment it also holds the token's beacon."""
+    global _beacon
     env = os.environ if environ is None else environ
     token = env.get(ENGINE_TOKEN_ENV)
     if token is None or not valid_token(token):
         token = env[ENGINE_TOKEN_ENV] = secrets.token_hex(16)
-    if environ is None:
-        _hold_beacon(token)
+    if environ is None and (_beacon is None or _beacon[0] != token):
+        try:  # close-on-exec: an exec'd child of this engine has the token in its environment
+            fd = os.memfd_create(BEACON_PREFIX + token, os.MFD_CLOEXEC)
+        except (AttributeError, OSError):  # no memfd here: the environment is the only proof
+            return token
+        if _beacon is not None:
+            os.close(_beacon[1])
+        _beacon = (token, fd)
     return token
-
-
-def _hold_beacon(token: str) -> None:
-    global _beacon
-    if _beacon is not None and _beacon[0] == token:
-        return
-    try:  # close-on-exec: an exec'd child of this engine has the token in its environment
-        fd = os.memfd_create(BEACON_PREFIX + token, os.MFD_CLOEXEC)
-    except (AttributeError, OSError):  # no memfd here: the environment is the only proof
-        return
-    if _beacon is not None:
-        os.close(_beacon[1])
-    _beacon = (token, fd)
 
 
 def read_token(pid: int) -> tuple[str | None, bool]:

@@ -62,7 +62,11 @@ class RegionHold:
         self.region = region
         self.claimed = claimed
         self.creator = region.creator  # this process made the file
-        m = _own_manifest(region)
+        try:  # the manifest of this very file, if it has one of ours
+            m, _ = manifest_io.read_matching(region.manifest_path, region.identity,
+                                             owner_uid=os.geteuid())
+        except (OffloadError, OSError):
+            m = None
         self.pre_provisioned = m is not None and m.persistent and m.complete
         # what inspect, verify and gc need once the names are released: carried by
         # every process of the engine, gone with the last of them
@@ -92,16 +96,6 @@ class RegionHold:
     def _close_at_exit(self) -> None:
         if os.getpid() == self._pid:  # a forked child inherits the handler, not the hold
             self.close()
-
-
-def _own_manifest(region: SharedOffloadRegion) -> manifest_io.Manifest | None:
-    """The manifest of this very file, if it has one of ours."""
-    try:
-        m, _ = manifest_io.read_matching(region.manifest_path, region.identity,
-                                         owner_uid=os.geteuid())
-    except (OffloadError, OSError):
-        return None
-    return m
 
 
 def check_slot(region: SharedOffloadRegion, token: str | None, *, replicated: bool) -> None:

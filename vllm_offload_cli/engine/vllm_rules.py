@@ -105,10 +105,8 @@ def vllm_root() -> Path | None:
             spec = importlib.util.find_spec("vllm")
         except (ImportError, ValueError):  # a broken or half-loaded `vllm` in sys.modules
             return None
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        paths = list(spec.submodule_search_locations)
-    return Path(paths[0]).parent
+        paths = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(paths[0]).parent if paths else None
 
 
 def read_rules(root: Path | None = None) -> VllmRules:
