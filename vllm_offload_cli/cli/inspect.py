@@ -89,18 +89,8 @@ def owner_totals(rest: dict[int | None, list[RegionInfo]]) -> list[dict[str, Any
     return out
 
 
-def measurement_errors(inv: Inventory, placed: dict[str, Placement] | None
-                       ) -> dict[str, dict[str, Any]]:
-    """Per measurement a refused system call (seccomp) left unmade: {regions, message}."""
-    found = {"residency": [r.resident_error for r in inv.regions if r.resident_error is not None],
-             "numa": [p.error for p in (placed or {}).values() if p.error is not None]}
-    return {what: {"regions": len(msgs), "message": msgs[0]} for what, msgs in found.items()
-            if msgs}
-
-
 def vllm_layout(r: RegionInfo) -> str | None:
-    """Which vLLM layout can join it: the manifest's, else the files'; None for a released
-    name's bare file."""
+    """The vLLM layout that joins it: the manifest's, else the files' (None: a bare file)."""
     if r.manifest is not None:
         return r.manifest.vllm_layout
     if any(s.segment > 0 for s in r.segments):
@@ -201,15 +191,10 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
         inv.json_output = True
     table = fmt is not Format.prometheus and bool(found.regions or not missing) \
         and not (check and inv.verbosity < 0)
-    return _outcome(inv, data, code, table=table, wide=wide,
-                    wrote=output if prometheus is None else None)  # --prometheus is quiet
-
-
-def _outcome(inv: Invocation, data: dict[str, Any], code: ExitStatus, *, table: bool,
-             wide: bool, wrote: Path | None) -> Outcome:
+    wrote = output if prometheus is None else None  # --prometheus is quiet
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
-                  f"in {data['shm_dir']}; `vllm-offload inspect` lists them all"}
-                 for engine_id in data["not_found"]]
+                  f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
+                 for engine_id in missing]
 
     def render(out: Out) -> None:
         if table:
@@ -225,8 +210,7 @@ def _outcome(inv: Invocation, data: dict[str, Any], code: ExitStatus, *, table: 
 def _checked(listed: list[RegionInfo], unsafe: list[RegionInfo],
              rest: dict[int | None, list[RegionInfo]], missing: list[str], check: bool
              ) -> tuple[list[str], ExitStatus]:
-    """What --check flags (a listed region stale or with a problem, a name that is no
-    region), and the exit status, which also counts the regions summed per owner."""
+    """--check's flagged ids, and the exit status (which counts the summed regions too)."""
     def flags(r: RegionInfo) -> bool:
         return r.state == "stale" or bool(r.problems)
 
@@ -239,8 +223,7 @@ def _checked(listed: list[RegionInfo], unsafe: list[RegionInfo],
 
 def _output_options(inv: Invocation, fmt: Format, output: Path | None,
                     prometheus: Path | None, *, filtered: bool) -> tuple[Format, Path | None]:
-    """The format and the textfile: --prometheus FILE is --format prometheus --output FILE;
-    every combination that cannot mean one thing is refused before anything is read."""
+    """(format, textfile): what cannot mean one thing is refused before anything is read."""
     if prometheus is not None:  # one way to write a textfile, as gc writes its own
         if output is not None or fmt is not Format.table:
             raise InvalidInputError("--prometheus FILE is --format prometheus --output FILE: "
@@ -261,13 +244,16 @@ def _output_options(inv: Invocation, fmt: Format, output: Path | None,
 
 def _warn_unseen(inv: Invocation, found: Inventory, placed: dict[str, Placement] | None
                  ) -> dict[str, dict[str, Any]]:
-    """Say what this run could not see; returns the refused measurements."""
+    """Say what this run could not see; returns the measurements a refused system call
+    (seccomp) left unmade: {residency|numa: {regions, message}}."""
     for spot in found.visibility.effective:
         inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
                  "`unknown`, not `stale`")
     counted = sum(t.files for t in (*found.not_judged, *found.counted))
     held = sum(n for _, n in found.unnamed_held)
-    refusals = measurement_errors(found, placed)
+    unmade = {"residency": [e for e in (r.resident_error for r in found.regions) if e is not None],
+              "numa": [p.error for p in (placed or {}).values() if p.error is not None]}
+    refusals = {what: {"regions": len(m), "message": m[0]} for what, m in unmade.items() if m}
     for code, n, message in (
             ("uninspectable_processes", found.uninspectable_processes,
              f"{found.uninspectable_processes} process(es) could not be inspected (permission "
@@ -290,16 +276,14 @@ def _unsafe(r: RegionInfo) -> bool:
 
 def split_unsafe(found: Inventory, states: Collection[str] = ()
                  ) -> tuple[Inventory, list[RegionInfo]]:
-    """(the regions, in `states` if given; names like a region's whose files are none
-    regular, a symlink or a FIFO: never stale, never removed by gc, shown as a problem)."""
+    """(regions in `states`, names whose files are none regular: never stale, never gc'd)."""
     return dataclasses.replace(found, regions=tuple(
         r for r in found.regions if not _unsafe(r) and (not states or r.state in states))), [
         r for r in found.regions if _unsafe(r)]
 
 
 def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
-    """Why the region is in its state: its creator, the holders its manifest recorded,
-    whether they live, when anything last happened to it."""
+    """Why the region is in its state: its creator, recorded holders, last activity."""
     m = r.manifest
     attached = [] if m is None else [
         {"pid": a.pid, "rank": a.rank, "alive": ProcessRef(a.pid, a.start_ticks).alive()}
@@ -339,8 +323,6 @@ def owner_name(uid: int | None) -> str:
     name = fsguard.user_name(uid)
     return str(uid) if name is None else printable(name)
 
-
-# -- the table: built from the JSON dicts, so `fleet inspect` shows nodes' answers alike --
 
 TABLE_HEADERS = ["ENGINE ID", "DP", "STATE", "OWNER", "SIZE", "RESIDENT", "LAYOUT", "NUMA",
                  "AGE", "HOLDERS", "PROBLEMS"]
@@ -407,8 +389,7 @@ def _bytes_text(value: object) -> str:
 
 def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
                owner: Callable[[int | None], str] | None = None) -> list[str]:
-    """One table row of a region's JSON dict; every cell printable. `refused`: residency
-    was refused (`?`, not `-`); `owner`: how a uid is shown (a fleet shows the number)."""
+    """A region's JSON dict as a row; `refused` residency shows `?`, not `-`."""
     name = cell_text(r.get("engine_id"))
     uid = r.get("uid")
     uid = uid if is_int(uid) else None
@@ -439,9 +420,8 @@ def owner_row(a: dict[str, Any], *, owner: Callable[[int | None], str] | None = 
 
 def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: str = ""
                  ) -> list[str]:
-    """The sentences under the table: each problem, and with `why` what made a region
-    stale or unknown."""
-    # dict.fromkeys: a dp_collision names both regions of one engine_id in one sentence
+    """Each problem's sentence (a dp_collision's once for both regions), and with `why`
+    what made a region stale or unknown."""
     lines = list(dict.fromkeys(f"  {prefix}{cell_text(r.get('engine_id'))}: "
                                f"{cell_text(p.get('message'))}"
                                for r in regions for p in dict_items(r.get("problems"))))
@@ -508,13 +488,12 @@ def region_inode(r: RegionInfo) -> str:
 
 
 def _created_at(r: RegionInfo, _: Placement | None) -> float | None:
-    """Its manifest's creation time, else its oldest segment's mtime."""
     if r.manifest is not None:
         return r.manifest.created_at
     return min((s.mtime for s in r.segments if s.mtime is not None), default=None)
 
 
-_KEY = ("engine_id", "base_engine_id", "inode")  # a region's labels
+_KEY = ("engine_id", "base_engine_id", "inode")  # inode: two regions of one engine_id
 # a listed region's gauges: (name, help, its value; None: no sample)
 _REGION_GAUGES: tuple[tuple[str, str, Callable[[RegionInfo, Placement | None], Any]], ...] = (
     ("size_bytes", "Bytes of the region's files.", lambda r, _: r.size_bytes),
@@ -534,10 +513,8 @@ _REGION_GAUGES: tuple[tuple[str, str, Callable[[RegionInfo, Placement | None], A
 def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None = None,
               placed: dict[str, Placement] | None = None,
               refusals: dict[str, dict[str, Any]] | None = None, unsafe: int = 0) -> Any:
-    """Gauges; a textfile written once a minute stays true (no ages, no empty labels).
-    Each listed region is its own series (`inode` tells apart a restarted replica's file
-    from its unlinked ghost); those in `rest` are summed per owner, so the per-state
-    counts are the sums of the region and owner state series."""
+    """Gauges that stay true in a textfile written every minute (no ages, no empty labels);
+    the regions in `rest` are summed per owner."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()

@@ -12,15 +12,12 @@ import math
 import os
 import stat
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from vllm_offload_cli.core.base.errors import (
-    InsufficientSpaceError,
-    InvalidInputError,
-    OperationFailedError,
-)
+from vllm_offload_cli.core.base import errors
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -38,13 +35,12 @@ def per_owner(items: Iterable[_T], uid: Callable[[_T], int | None], everything: 
               ) -> tuple[list[_T], dict[int | None, list[_T]]]:
     """(listed, the rest by owner): the caller's own items and the first LISTED_PER_OWNER
     of every other owner (in the given order) are listed; `everything` lists all."""
-    me = os.geteuid()
+    me, seen = os.geteuid(), Counter[int | None]()
     listed: list[_T] = []
     rest: dict[int | None, list[_T]] = {}
-    seen: dict[int | None, int] = {}
     for item in items:
         owner = uid(item)
-        seen[owner] = seen.get(owner, 0) + 1
+        seen[owner] += 1
         if everything or owner == me or seen[owner] <= LISTED_PER_OWNER:
             listed.append(item)
         else:
@@ -86,8 +82,7 @@ def previous_totals(output: Path, names: Iterable[str]) -> dict[str, float]:
 
 
 def add_totals(registry: CollectorRegistry, totals: Mapping[str, tuple[str, float]]) -> None:
-    """Counters `{name_total: (help, value)}` without `_created` samples (no process
-    start to report)."""
+    """Counters `{name_total: (help, value)}` without `_created` samples (no process start)."""
     from prometheus_client.core import CounterMetricFamily
 
     class Totals:
@@ -114,8 +109,8 @@ def _random_hex(nbytes: int) -> str:
     return os.urandom(nbytes).hex()
 
 
-def _bad_output(output: Path, why: str) -> InvalidInputError:
-    return InvalidInputError(f"cannot write {output}: {why}", path=str(output),
+def _bad_output(output: Path, why: str) -> errors.InvalidInputError:
+    return errors.InvalidInputError(f"cannot write {output}: {why}", path=str(output),
                              code="bad_output")
 
 
@@ -156,10 +151,10 @@ def emit(registry: CollectorRegistry, output: Path | None) -> None:
         write_atomically(output, text)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # exit 5, not "the operation failed"
-            raise InsufficientSpaceError(f"cannot write {output}: {exc.strerror}",
-                                         path=str(output)) from exc
-        raise OperationFailedError(f"cannot write {output}: {exc.strerror}",
-                                   path=str(output)) from exc
+            raise errors.InsufficientSpaceError(f"cannot write {output}: {exc.strerror}",
+                                                path=str(output)) from exc
+        raise errors.OperationFailedError(f"cannot write {output}: {exc.strerror}",
+                                          path=str(output)) from exc
 
 
 def write_atomically(output: Path, data: bytes) -> None:
