@@ -13,26 +13,13 @@ from typing import Any
 
 import click
 
-from vllm_offload_cli.cli import metrics
-from vllm_offload_cli.cli.common import (
-    Invocation,
-    Out,
-    Outcome,
-    shm_dir_checked,
-    subcommand,
-    text_table,
-    warn_useless_waiver,
-)
+from vllm_offload_cli.cli import common, metrics
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.cli.params import Duration, EnumChoice
-from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.core.base import deadline, exit_status
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
-from vllm_offload_cli.core.base.exit_status import (
-    ExitStatus,
-    most_important,
-    statuses_in_doc,
-    with_statuses,
-)
+from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important, with_statuses
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_age, format_bytes, is_int
@@ -142,7 +129,7 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 @click.option("--check", is_flag=True, help=with_statuses(
     "Exit {PROBLEMS_FOUND} when a region shown is stale or has a problem, {SUCCESS} "
     "otherwise, like `fuser -s`; with -q nothing is printed on stdout."))
-@statuses_in_doc
+@exit_status.statuses_in_doc
 def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
                 output: Path | None, prometheus: Path | None, no_residency: bool, wide: bool,
                 everything: bool, shm_private_to_namespace: bool, timeout: float,
@@ -172,7 +159,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
         found, unsafe = split_unsafe(found, set(states))
         listed, rest = metrics.per_owner(found.regions, lambda r: r.uid, everything)
         placed = None if no_residency else observe_all(listed)
-    warn_useless_waiver(inv, shm_private_to_namespace)
+    common.warn_useless_waiver(inv, shm_private_to_namespace)
     shown = dataclasses.replace(found, regions=tuple(listed))
     data = {**inventory_data(shown, placed, rest),
             "measurement_errors": _warn_unseen(inv, found, placed), "not_found": missing,
@@ -465,7 +452,7 @@ def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
         lines.append(f"No offload regions in {cell_text(data.get('shm_dir'))}.")
     else:
         refused = "residency" in (data.get("measurement_errors") or {})
-        lines.append(text_table(TABLE_HEADERS, [
+        lines.append(common.text_table(TABLE_HEADERS, [
             *(region_row(r, wide=wide, refused=refused) for r in regions),
             *(owner_row(a) for a in summed)], right=TABLE_RIGHT))
         lines += region_notes(regions, why=why)

@@ -163,16 +163,13 @@ def write_atomically(output: Path, data: bytes) -> None:
     tmp = _temp_name(output)
     fd = os.open(tmp, _CREATE, 0o644)
     try:
-        with os.fdopen(fd, "wb", closefd=False) as f:
+        with open(fd, "wb") as f:
             f.write(data)
-        os.fchmod(fd, 0o644)  # node_exporter runs as its own user: it must read it
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
+            f.flush()
+            os.fchmod(fd, 0o644)  # node_exporter runs as its own user: it must read it
+            os.fsync(fd)
         os.replace(tmp, output)
     except BaseException:
-        if fd >= 0:
-            os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)  # ours: created O_EXCL above
         raise
