@@ -25,8 +25,13 @@ from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.region.geometry import default_row_stride
 from vllm_offload_cli.core.transfer import CopyWorker, Direction, TransferResult, copies
-from vllm_offload_cli.core.transfer.copies import TensorPair, as_words, copy_job, word_width
-from vllm_offload_cli.core.transfer.jobs import make_job
+from vllm_offload_cli.core.transfer.copies import (
+    TensorPair,
+    as_words,
+    copy_job,
+    make_job,
+    word_width,
+)
 
 torch = import_torch()
 

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from vllm_offload_cli.core.base.extras import import_torch
-from vllm_offload_cli.core.transfer.copies import TensorPair, copy_job
-from vllm_offload_cli.core.transfer.jobs import Direction, make_job
+from vllm_offload_cli.core.transfer.copies import Direction, TensorPair, copy_job, make_job
 from vllm_offload_cli.core.transfer.worker import ResultSink, StreamLane
 
 torch = import_torch()

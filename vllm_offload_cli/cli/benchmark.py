@@ -4,10 +4,10 @@ torch and the copy path load inside the command only, so `--help` stays fast."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import click
@@ -43,18 +43,14 @@ def _block_sizes(values: tuple[str, ...]) -> tuple[int, ...]:
     return sizes
 
 
-@contextmanager
+@contextlib.contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl-C, so the scratch region is removed either way."""
-    try:
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    except ValueError:  # not the main thread: nothing to install
+    with contextlib.ExitStack() as restore:
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to install
+            previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+            restore.callback(signal.signal, signal.SIGTERM, previous)
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @subcommand("benchmark", help="Measure pre-fault, store and load throughput of the copy "

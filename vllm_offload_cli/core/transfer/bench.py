@@ -435,10 +435,9 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
         raise InvalidInputError("repeat must be at least 1", code="invalid_repeat")
     if not config.block_sizes:
         raise InvalidInputError("give at least one block size", code="invalid_size")
-    for pattern in config.patterns:
-        if pattern not in PATTERNS:
-            raise InvalidInputError(f"unknown pattern {pattern!r}; choose from "
-                                    f"{', '.join(PATTERNS)}", code="invalid_pattern")
+    if unknown := [p for p in config.patterns if p not in PATTERNS]:
+        raise InvalidInputError(f"unknown pattern {unknown[0]!r}; choose from "
+                                f"{', '.join(PATTERNS)}", code="invalid_pattern")
     bench = _Bench(config, progress)
     bench.total = bench.plan_total()  # also validates every size before any region exists
     rows: list[BenchRow] = []

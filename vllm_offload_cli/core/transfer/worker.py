@@ -1,10 +1,9 @@
-"""CopyWorker: moves KV blocks between device tensors and one worker's slot of a region;
-every job is reported once by `get_finished()`, in submission order per direction.
+"""CopyWorker: moves KV blocks between device tensors and one worker's slot of a region.
 
-A lane runs one direction's jobs in order (a later job to the same block wins), each
-ending as exactly one TransferResult; a failed job does not stop its lane. A StreamLane
-queues after the caller's current stream: a store never reads blocks that queued kernels
-still write.
+Its lanes run each direction's jobs in order (a later job to the same block wins), each
+reported once by `get_finished()`; a failed job does not stop its lane. A StreamLane
+queues after the caller's current stream: a store never reads blocks that kernels queued
+there still write.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailed
 from vllm_offload_cli.core.base.extras import COPY, import_torch, require
 from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.transfer import pinning
-from vllm_offload_cli.core.transfer.copies import TensorPair, as_words, copy_job, word_width
-from vllm_offload_cli.core.transfer.jobs import CopyJob, Direction, make_job
+from vllm_offload_cli.core.transfer.copies import CopyJob, Direction, TensorPair, copy_job, make_job
 
 if TYPE_CHECKING:
     import torch
@@ -319,8 +317,8 @@ class CopyWorker:
         self._lock = threading.Lock()
         self._closed = False
         self._sink = ResultSink()
-        self._pairs = [self._pair(dev, reg) for dev, reg in zip(rows, self.region_views,
-                                                                strict=True)]
+        self._pairs = [TensorPair.of(dev, reg) for dev, reg in zip(rows, self.region_views,
+                                                                   strict=True)]
         if self.device.type == "cuda" and pin:
             self._pin(region)
         self._lanes: dict[Direction, ThreadLane | StreamLane] = {
@@ -348,11 +346,6 @@ class CopyWorker:
                 raise _refused(f"region view {i} must be int8 of shape ({region.num_chunks}, "
                                f"{r.shape[1]}), got {view.dtype} {tuple(view.shape)}")
         return views
-
-    def _pair(self, dev: torch.Tensor, reg: torch.Tensor) -> TensorPair:
-        width = word_width(dev, reg)
-        return TensorPair(device=as_words(dev, width), region=as_words(reg, width),
-                          row_bytes=dev.shape[1], one_device=dev.device == reg.device)
 
     def _copy(self, job: CopyJob, helper: Executor | None) -> str:
         return copy_job(self._pairs, job, non_blocking=self.device.type == "cuda",
