@@ -29,7 +29,6 @@ import ray
 from ray.cluster_utils import Cluster
 from scale_fixtures import HOLDER, median_time  # benchmarks/, beside this script
 
-from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.fleet import run_fleet
 from vllm_offload_cli.core.region import SharedOffloadRegion
 
@@ -85,7 +84,7 @@ def main() -> None:
                             args.repeat)
         fleet = median_time(lambda: run("fleet", "inspect", "--address", cluster.address,
                                         "--json"), args.repeat)
-        options = {"engine_ids": None, "fmt": inspect_cli.Format.table, "output": None,
+        options = {"engine_ids": None, "fmt": "table", "output": None,
                    "no_residency": False}
         ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
         try:

@@ -31,7 +31,7 @@ from vllm_offload_cli.fleet.result import (
     answered,
 )
 
-INSPECT: dict[str, Any] = {"engine_ids": None, "fmt": inspect_cli.Format.table, "output": None,
+INSPECT: dict[str, Any] = {"engine_ids": None, "fmt": "table", "output": None,
                            "no_residency": False}
 GC: dict[str, Any] = {"engine_ids": None, "dry_run": True, "min_age": 0.0,
                       "include_persistent": False, "all_users": False, "prometheus": None}

@@ -257,7 +257,7 @@ fleet_app = Group(
     "the ray extra).")
 
 fleet_app.add_command(_fleet_command(
-    inspect_cli.inspect_cmd, {"fmt": inspect_cli.Format.table, "output": None,
+    inspect_cli.inspect_cmd, {"fmt": "table", "output": None,
                               "timeout": NODE_TIMEOUT},
     """inspect on every node: one table with a NODE column.
 

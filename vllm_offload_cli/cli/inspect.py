@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
@@ -15,7 +14,7 @@ import click
 
 from vllm_offload_cli.cli import common, metrics
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.cli.params import Duration, EnumChoice
+from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base import deadline, exit_status
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
@@ -31,12 +30,6 @@ from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE
 from vllm_offload_cli.core.system.processes import ProcessRef
 
 STATES = ("live", "creating", "persistent", "stale", "unknown")  # a region's, as --state takes
-
-
-class Format(str, enum.Enum):
-    table = "table"
-    json = "json"
-    prometheus = "prometheus"
 
 
 def inventory_data(inv: Inventory, placed: dict[str, Placement] | None = None,
@@ -100,23 +93,20 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 
 @subcommand("inspect")
 @click.argument("engine_ids", nargs=-1, metavar="[ENGINE_ID]...")
-@click.option("--format", "-f", "fmt", type=EnumChoice(Format), default=Format.table.value,
-              help="Output format.")
+@click.option("--format", "-f", "fmt", type=click.Choice(["table", "json", "prometheus"]),
+              default="table", help="Output format.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
               help="With --format prometheus: write this node_exporter textfile atomically.")
-@click.option("--prometheus", type=click.Path(dir_okay=False, path_type=Path),
-              metavar="FILE", help="Write the region metrics to this node_exporter textfile, "
-              "atomically: the option gc has (--format prometheus --output FILE, checked "
-              "before anything is looked at).")
+@click.option("--prometheus", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="--format prometheus --output FILE, as gc has it: checked first, silent.")
 @click.option("--no-residency", is_flag=True, help="Skip what costs time per region: the "
               "mincore residency scan and the holders' NUMA and huge-page placement (RESIDENT, "
               "NUMA and their JSON fields are then null).")
 @click.option("--wide", "-w", is_flag=True, help="Table: every holder (pid, name, rank) "
               "instead of the count and the first pid.")
-@click.option("--all", "-a", "everything", is_flag=True, help=f"List every region one by "
-              f"one: by default, of each owner but you, the regions past the first "
-              f"{metrics.LISTED_PER_OWNER} are summed in one row, one JSON `aggregated` entry "
-              "and per-owner series.")
+@click.option("--all", "-a", "everything", is_flag=True, help=f"List every region: by default "
+              f"those of another owner past its first {metrics.LISTED_PER_OWNER} are summed "
+              "(one row, one JSON `aggregated` entry, per-owner series).")
 @click.option("--shm-private-to-namespace", is_flag=True, help="The shm directory is used "
               "only inside this PID namespace: trust this namespace's /proc (regions are not "
               "shown `unknown` for it).")
@@ -130,7 +120,7 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
     "Exit {PROBLEMS_FOUND} when a region shown is stale or has a problem, {SUCCESS} "
     "otherwise, like `fuser -s`; with -q nothing is printed on stdout."))
 @exit_status.statuses_in_doc
-def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
+def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: str,
                 output: Path | None, prometheus: Path | None, no_residency: bool, wide: bool,
                 everything: bool, shm_private_to_namespace: bool, timeout: float,
                 states: tuple[str, ...], check: bool) -> Outcome:
@@ -164,19 +154,18 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: Format,
     data = {**inventory_data(shown, placed, rest),
             "measurement_errors": _warn_unseen(inv, found, placed), "not_found": missing,
             "unsafe_entries": [{"engine_id": r.engine_id, "paths": r.paths,
-                                "problems": [jsonable(p) for p in r.problems]}
-                               for r in unsafe]}
+                                "problems": jsonable(r.problems)} for r in unsafe]}
     flagged, code = _checked(listed, unsafe, rest, missing, check)
     if check:
         data["check"] = {"flagged": flagged}  # the aggregated say theirs in their states
-    if fmt is Format.prometheus:
+    if fmt == "prometheus":
         metrics.emit(_registry(shown, rest, placed, data["measurement_errors"], len(unsafe)),
                      output)
         if output is not None:
             data["output"] = str(output)
-    elif fmt is Format.json:
+    elif fmt == "json":
         inv.json_output = True
-    table = fmt is not Format.prometheus and bool(found.regions or not missing) \
+    table = fmt != "prometheus" and bool(found.regions or not missing) \
         and not (check and inv.verbosity < 0)
     wrote = output if prometheus is None else None  # --prometheus is quiet
     not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
@@ -208,16 +197,16 @@ def _checked(listed: list[RegionInfo], unsafe: list[RegionInfo],
         ExitStatus.PROBLEMS_FOUND if check and (flagged or unlisted) else ExitStatus.SUCCESS])
 
 
-def _output_options(inv: Invocation, fmt: Format, output: Path | None,
-                    prometheus: Path | None, *, filtered: bool) -> tuple[Format, Path | None]:
+def _output_options(inv: Invocation, fmt: str, output: Path | None,
+                    prometheus: Path | None, *, filtered: bool) -> tuple[str, Path | None]:
     """(format, textfile): what cannot mean one thing is refused before anything is read."""
     if prometheus is not None:  # one way to write a textfile, as gc writes its own
-        if output is not None or fmt is not Format.table:
+        if output is not None or fmt != "table":
             raise InvalidInputError("--prometheus FILE is --format prometheus --output FILE: "
                                     "give one of them", code="usage")
-        fmt, output = Format.prometheus, prometheus
+        fmt, output = "prometheus", prometheus
         metrics.check_writable(output)
-    textfile = fmt is Format.prometheus
+    textfile = fmt == "prometheus"
     for refused, message in (
             (output is not None and not textfile, "--output goes with --format prometheus"),
             (textfile and inv.json_output and output is None,

@@ -6,7 +6,6 @@ usage error (exit 2, `usage` in the JSON envelope), never the raw text.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -40,20 +39,6 @@ class Duration(Size):
 
     name = "duration"
     parse = staticmethod(parse_duration)
-
-
-class EnumChoice(click.Choice):  # type: ignore[type-arg]
-    """One of an enum's values (`single-file`, not the member name); gives the member."""
-
-    def __init__(self, enum_type: type[enum.Enum]) -> None:
-        super().__init__([str(m.value) for m in enum_type])
-        self.enum_type = enum_type
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> enum.Enum:
-        if isinstance(value, self.enum_type):
-            return value
-        return self.enum_type(super().convert(value, param, ctx))
 
 
 class ParsedChoice(click.Choice):  # type: ignore[type-arg]
