@@ -64,14 +64,13 @@ class ResultSink:
         self._in_flight: set[int] = set()
         self._ready: list[TransferResult] = []
 
-    def expect(self, job_id: int) -> None:
+    def expect(self, job_id: int) -> bool:
+        """Put `job_id` in flight; False if it is, or finished but was not collected yet."""
         with self._cond:
+            if job_id in self._in_flight or any(r.job_id == job_id for r in self._ready):
+                return False
             self._in_flight.add(job_id)
-
-    def known(self, job_id: int) -> bool:
-        """In flight, or finished but not yet collected."""
-        with self._cond:
-            return job_id in self._in_flight or any(r.job_id == job_id for r in self._ready)
+            return True
 
     def add(self, result: TransferResult) -> None:
         with self._cond:
@@ -141,8 +140,7 @@ class ThreadLane:
             method, error = self._copy(job, self._helper), None
         except Exception as exc:  # reported as the job's result; the lane carries on
             method, error = "", exc
-        self._sink.add(_result(job, self._block_bytes, time.perf_counter() - start, method,
-                               error))
+        self._sink.add(_result(job, self._block_bytes, time.perf_counter() - start, method, error))
 
 
 @dataclass(eq=False, kw_only=True)
@@ -381,10 +379,9 @@ class CopyWorker:
         with self._lock:
             if self._closed:
                 raise OperationFailedError("the copy worker is shut down; it takes no more jobs")
-            if self._sink.known(job_id):
+            if not self._sink.expect(job_id):
                 raise InvalidInputError(f"job id {job_id} is still in flight or its result "
                                         "was not collected yet", code="duplicate_job_id")
-            self._sink.expect(job_id)
             self._lanes[direction].submit(job)
 
     def get_finished(self) -> list[TransferResult]:
