@@ -438,7 +438,8 @@ def test_the_textfile_temporary_is_exclusive(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Even a guessed name is never reused: O_EXCL fails, nothing is written there."""
     output = tmp_path / "out.prom"
-    monkeypatch.setattr(metrics, "_random_hex", lambda _n: "guessed")
+    monkeypatch.setattr(metrics, "_temp_name",
+                        lambda out: out.parent / f".{out.name}.guessed.tmp")
     planted = tmp_path / ".out.prom.guessed.tmp"
     planted.symlink_to(tmp_path / "victim")
     with pytest.raises(OSError) as caught:

@@ -220,8 +220,7 @@ def _output_options(inv: Invocation, fmt: str, output: Path | None,
 
 def _warn_unseen(inv: Invocation, found: Inventory, placed: dict[str, Placement] | None
                  ) -> dict[str, dict[str, Any]]:
-    """Say what this run could not see; returns the measurements a refused system call
-    (seccomp) left unmade: {residency|numa: {regions, message}}."""
+    """Say what this run could not see; returns what seccomp left unmeasured, per measurement."""
     for spot in found.visibility.effective:
         inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
                  "`unknown`, not `stale`")
@@ -294,10 +293,8 @@ def _creator_said(r: RegionInfo, alive: bool | None, attached: list[dict[str, An
 
 def owner_name(uid: int | None) -> str:
     """The user name of `uid` as `ls -l` shows it; the number when it has none."""
-    if uid is None:
-        return "-"
-    name = fsguard.user_name(uid)
-    return str(uid) if name is None else printable(name)
+    name = None if uid is None else fsguard.user_name(uid)
+    return printable(name) if name is not None else "-" if uid is None else str(uid)
 
 
 TABLE_HEADERS = ["ENGINE ID", "DP", "STATE", "OWNER", "SIZE", "RESIDENT", "LAYOUT", "NUMA",
@@ -336,9 +333,8 @@ def _holders_text(r: dict[str, Any], wide: bool) -> str:
 def _layout_text(r: dict[str, Any]) -> str:
     """`segmented/3` (files), `single-file`, or `-` where it cannot be told."""
     layout = r.get("vllm_layout")
-    if layout == SEGMENTED:
-        return f"{layout}/{len(r.get('paths') or ())}"
-    return "-" if layout is None else cell_text(layout)
+    return f"{layout}/{len(r.get('paths') or ())}" if layout == SEGMENTED else (
+        "-" if layout is None else cell_text(layout))
 
 
 def _numa_text(r: dict[str, Any]) -> str:
@@ -396,8 +392,7 @@ def owner_row(a: dict[str, Any], *, owner: Callable[[int | None], str] | None = 
 
 def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: str = ""
                  ) -> list[str]:
-    """Each problem's sentence (a dp_collision's once for both regions), and with `why`
-    what made a region stale or unknown."""
+    """Each problem's sentence (a dp_collision's once), with `why` the stale and unknown's."""
     lines = list(dict.fromkeys(f"  {prefix}{cell_text(r.get('engine_id'))}: "
                                f"{cell_text(p.get('message'))}"
                                for r in regions for p in dict_items(r.get("problems"))))
@@ -432,8 +427,7 @@ def footer(data: dict[str, Any]) -> str:
 
 def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
                  why: bool = False) -> None:
-    """inspect's table from its JSON data (so a fleet's nodes show alike): one line per
-    region and per owner whose regions are summed, sentences below, the footer."""
+    """inspect's table from its JSON data (so a fleet's nodes show alike)."""
     regions = dict_items(data.get("regions"))
     summed = dict_items(data.get("aggregated"))
     lines = []
@@ -463,12 +457,6 @@ def region_inode(r: RegionInfo) -> str:
     return "0" if fid is None else str(fid.ino)
 
 
-def _created_at(r: RegionInfo, _: Placement | None) -> float | None:
-    if r.manifest is not None:
-        return r.manifest.created_at
-    return min((s.mtime for s in r.segments if s.mtime is not None), default=None)
-
-
 _KEY = ("engine_id", "base_engine_id", "inode")  # inode: two regions of one engine_id
 # a listed region's gauges: (name, help, its value; None: no sample)
 _REGION_GAUGES: tuple[tuple[str, str, Callable[[RegionInfo, Placement | None], Any]], ...] = (
@@ -476,7 +464,8 @@ _REGION_GAUGES: tuple[tuple[str, str, Callable[[RegionInfo, Placement | None], A
     ("resident_bytes", "Resident bytes (mincore).", lambda r, _: r.resident_bytes),
     ("holders", "Processes mapping or holding the region.", lambda r, _: len(r.holders)),
     ("created_timestamp_seconds", "When the region was created (Unix time; its manifest's, "
-     "else the oldest file modification time).", _created_at),
+     "else the oldest file modification time).", lambda r, _: r.manifest.created_at
+     if r.manifest else min((s.mtime for s in r.segments if s.mtime is not None), default=None)),
     ("dp_rank", "The region's data-parallel rank (the _dpN suffix of its engine_id); absent "
      "for a region without one.", lambda r, _: r.dp_rank),
     ("problems", "Problems found in the region.", lambda r, _: len(r.problems)),
@@ -489,8 +478,7 @@ _REGION_GAUGES: tuple[tuple[str, str, Callable[[RegionInfo, Placement | None], A
 def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None = None,
               placed: dict[str, Placement] | None = None,
               refusals: dict[str, dict[str, Any]] | None = None, unsafe: int = 0) -> Any:
-    """Gauges that stay true in a textfile written every minute (no ages, no empty labels);
-    the regions in `rest` are summed per owner."""
+    """Gauges that stay true in a textfile rewritten every minute: no ages, no empty labels."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()

@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-# of each owner but the caller, the first LISTED_PER_OWNER regions are listed, the rest
-# summed: output grows with the number of owners, not with the files one of them makes
+# listed of each other owner, the rest summed: output grows with owners, not their files
 LISTED_PER_OWNER = 32
 
 _T = TypeVar("_T")
@@ -33,8 +32,7 @@ _T = TypeVar("_T")
 
 def per_owner(items: Iterable[_T], uid: Callable[[_T], int | None], everything: bool = False
               ) -> tuple[list[_T], dict[int | None, list[_T]]]:
-    """(listed, the rest by owner): the caller's own items and the first LISTED_PER_OWNER
-    of every other owner (in the given order) are listed; `everything` lists all."""
+    """(listed, the rest by owner): the caller's own, and the first of every other owner."""
     me, seen = os.geteuid(), Counter[int | None]()
     listed: list[_T] = []
     rest: dict[int | None, list[_T]] = {}
@@ -102,11 +100,7 @@ def new_registry() -> CollectorRegistry:
 def _temp_name(output: Path) -> Path:
     # node_exporter reads only *.prom: a killed writer's leftover is never scraped;
     # os.urandom, not secrets (which loads hmac and OpenSSL into every gc and inspect)
-    return output.parent / f".{output.name}.{_random_hex(8)}.tmp"
-
-
-def _random_hex(nbytes: int) -> str:
-    return os.urandom(nbytes).hex()
+    return output.parent / f".{output.name}.{os.urandom(8).hex()}.tmp"
 
 
 def _bad_output(output: Path, why: str) -> errors.InvalidInputError:
@@ -115,8 +109,7 @@ def _bad_output(output: Path, why: str) -> errors.InvalidInputError:
 
 
 def check_writable(output: Path) -> None:
-    """Refuse (exit 2) unless `output` can be written: its directory exists and takes a
-    new file, and the name is not a directory or a link."""
+    """Refuse (exit 2) unless `output` can be written, as a regular file, not a link."""
     if not output.parent.is_dir():
         raise _bad_output(output, f"directory {output.parent} does not exist")
     try:
@@ -158,8 +151,7 @@ def emit(registry: CollectorRegistry, output: Path | None) -> None:
 
 
 def write_atomically(output: Path, data: bytes) -> None:
-    """Written to a fresh file with an unguessable name beside `output` (O_EXCL|O_NOFOLLOW:
-    nothing planted is followed or reused), then renamed over it."""
+    """Via a fresh file beside `output` (O_EXCL|O_NOFOLLOW: nothing planted is followed)."""
     tmp = _temp_name(output)
     fd = os.open(tmp, _CREATE, 0o644)
     try:
