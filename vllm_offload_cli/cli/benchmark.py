@@ -12,14 +12,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from vllm_offload_cli.cli.common import (
-    Invocation,
-    Out,
-    Outcome,
-    shm_dir_checked,
-    subcommand,
-    text_table,
-)
+from vllm_offload_cli.cli import common
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
 from vllm_offload_cli.cli.params import Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.extras import COPY, require
@@ -132,7 +126,7 @@ def _render(out: Out, report: BenchReport) -> None:
     rows = [[format_bytes(r.block_bytes), r.pattern, r.mode, str(r.blocks_per_transfer),
              *_figures(r.store), *_figures(r.load), r.store.method, r.load.method]
             for r in report.rows]
-    lines.append(text_table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9)))
+    lines.append(common.text_table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9)))
     if (huge := report.huge_pages) is not None:
         if not huge.available or huge.huge is None or (q := huge.ratios) is None:
             lines.append(f"Huge pages not measured: {huge.reason}")

@@ -20,11 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_offload_cli.core.base.errors import (
-    DeviceUnavailableError,
-    InvalidInputError,
-    OperationFailedError,
-)
+from vllm_offload_cli.core.base import errors
+from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.region.geometry import default_row_stride
@@ -172,7 +169,7 @@ def resolve_device(requested: str) -> str:
         build = torch.version.cuda
         why = (f"this torch {torch.__version__} is a CPU-only build" if build is None
                else f"torch {torch.__version__} (CUDA {build}) finds no usable GPU")
-        raise DeviceUnavailableError(
+        raise errors.DeviceUnavailableError(
             f"--device cuda: no CUDA device is available ({why}); run with --device cpu, or "
             "on a host with an NVIDIA GPU and a CUDA build of torch", code="no_device")
     return requested

@@ -106,7 +106,7 @@ def _check_range(ids: Ids, holder: str, limit: int, *, label: str,
 
 
 def make_job(job_id: int, direction: Direction, src_blocks: Any, dst_blocks: Any, *,
-                  device_blocks: int, region_blocks: int) -> CopyJob:
+             device_blocks: int, region_blocks: int) -> CopyJob:
     """Validate one job's block lists and order its pairs by destination."""
     import numpy as np
 
