@@ -263,14 +263,16 @@ def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
     attached = [] if m is None else [
         {"pid": a.pid, "rank": a.rank, "alive": ProcessRef(a.pid, a.start_ticks).alive()}
         for a in m.attachments]
-    times = [s.mtime for s in r.segments if s.mtime is not None]
-    if m is not None:
-        times += [m.created_at, *(a.attached_at for a in m.attachments if a.attached_at)]
-    last = max(times, default=None)
+    last = _last_activity(r)
     alive = None if m is None else m.creator_alive()
+    gone = [a for a in attached if not a["alive"]]
     parts = [f"held by pid {', '.join(str(h.pid) for h in r.holders[:5])}" if r.holders
              else "no process maps it, has it open or holds its lock",
-             *_creator_said(r, alive, attached)]
+             "no manifest (made by vLLM itself?): its creator is not recorded" if m is None
+             else f"creator pid {m.creator_pid} {'is alive' if alive else 'exited'}"]
+    if attached:
+        parts.append(f"{len(gone)} of {len(attached)} recorded holder(s) exited" + (
+            f" (pid {', '.join(str(a['pid']) for a in gone[:5])})" if gone else ""))
     if last is not None:
         parts.append(f"last activity {format_age(now - last)} ago")
     return {"creator_pid": None if m is None else m.creator_pid, "creator_alive": alive,
@@ -279,16 +281,12 @@ def evidence(r: RegionInfo, now: float) -> dict[str, Any]:
             "summary": "; ".join(parts)}
 
 
-def _creator_said(r: RegionInfo, alive: bool | None, attached: list[dict[str, Any]]
-                  ) -> list[str]:
-    if r.manifest is None:
-        return ["no manifest (made by vLLM itself?): its creator is not recorded"]
-    said = [f"creator pid {r.manifest.creator_pid} {'is alive' if alive else 'exited'}"]
-    gone = [a for a in attached if not a["alive"]]
-    if attached:
-        said.append(f"{len(gone)} of {len(attached)} recorded holder(s) exited" + (
-            f" (pid {', '.join(str(a['pid']) for a in gone[:5])})" if gone else ""))
-    return said
+def _last_activity(r: RegionInfo) -> float | None:
+    m = r.manifest
+    times = [s.mtime for s in r.segments if s.mtime is not None]
+    if m is not None:
+        times += [m.created_at, *(a.attached_at for a in m.attachments if a.attached_at)]
+    return max(times, default=None)
 
 
 def owner_name(uid: int | None) -> str:

@@ -67,16 +67,12 @@ def previous_totals(output: Path, names: Iterable[str]) -> dict[str, float]:
         return {}
     from prometheus_client.parser import text_string_to_metric_families
 
-    found: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if (family.type == "counter" and sample.name in wanted and not sample.labels
-                        and math.isfinite(sample.value) and sample.value >= 0):
-                    found[sample.name] = sample.value
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if f.type == "counter" and s.name in wanted and not s.labels
+                and math.isfinite(s.value) and s.value >= 0}
     except ValueError:  # not the exposition format: start again
         return {}
-    return found
 
 
 def add_totals(registry: CollectorRegistry, totals: Mapping[str, tuple[str, float]]) -> None:
