@@ -159,8 +159,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: str,
     if check:
         data["check"] = {"flagged": flagged}  # the aggregated say theirs in their states
     if fmt == "prometheus":
-        metrics.emit(_registry(shown, rest, placed, data["measurement_errors"], len(unsafe)),
-                     output)
+        metrics.emit(_registry(shown, rest, placed, data), output)
         if output is not None:
             data["output"] = str(output)
     elif fmt == "json":
@@ -406,14 +405,12 @@ def footer(data: dict[str, Any]) -> str:
     """'/dev/shm: 55.0 GiB free of 64.0 GiB; 3 region(s), 1 stale; gc would free 1.0 GiB'."""
     regions = dict_items(data.get("regions"))
     summed = dict_items(data.get("aggregated"))  # owners' regions past those listed
-
-    def count(state: str) -> int | float:
-        return sum(1 for r in regions if r.get("state") == state) + sum(
-            _number(a["states"].get(state)) or 0 for a in summed
-            if isinstance(a.get("states"), dict))
-
+    count: Counter[Any] = Counter(r.get("state") for r in regions)
+    for states in (a.get("states") for a in summed):
+        if isinstance(states, dict):
+            count.update({s: _number(n) or 0 for s, n in states.items()})
     total = len(regions) + sum(_number(a.get("regions")) or 0 for a in summed)
-    stale, unknown = count("stale"), count("unknown")
+    stale, unknown = count["stale"], count["unknown"]
     shm = data["shm"] if isinstance(data.get("shm"), dict) else {}
     free = _number(data.get("gc_would_free_bytes"))
     return (f"{cell_text(data.get('shm_dir'))}: {format_bytes(_number(shm.get('free_bytes')))} "
@@ -473,10 +470,10 @@ _REGION_GAUGES: tuple[tuple[str, str, Callable[[RegionInfo, Placement | None], A
 )
 
 
-def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None = None,
-              placed: dict[str, Placement] | None = None,
-              refusals: dict[str, dict[str, Any]] | None = None, unsafe: int = 0) -> Any:
-    """Gauges that stay true in a textfile rewritten every minute: no ages, no empty labels."""
+def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]],
+              placed: dict[str, Placement] | None, data: dict[str, Any]) -> Any:
+    """Gauges that stay true in a textfile rewritten every minute: no ages, no empty labels;
+    `data` (the JSON) has the owners' totals and what was refused."""
     from prometheus_client import Gauge
 
     registry = metrics.new_registry()
@@ -485,23 +482,24 @@ def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]] | None 
         return Gauge(f"vllm_offload_{name}", doc, labels, registry=registry)
 
     _region_series(found.regions, placed or {}, gauge)
-    _owner_series(owner_totals(rest or {}), gauge)
+    _owner_series(data["aggregated"], gauge)
     count = gauge("regions", "Regions by state.", ("state",))
-    summed = [*found.regions, *chain(*(rest or {}).values())]
+    summed = [*found.regions, *chain(*rest.values())]
     for s in STATES:
         count.labels(s).set(sum(r.state == s for r in summed))
     errors = gauge("measurement_errors", "Regions whose measurement (residency: mincore; "
                    "numa: move_pages) a refused system call left unmade: a seccomp filter or "
                    "policy.", ("what",))
     for what in ("residency", "numa"):
-        errors.labels(what).set((refusals or {}).get(what, {}).get("regions", 0))
+        errors.labels(what).set(data["measurement_errors"].get(what, {}).get("regions", 0))
     for name, doc, value in (
             ("shm_total_bytes", "Size of the shm filesystem.", found.shm.total_bytes),
             ("shm_free_bytes", "Free bytes of the shm filesystem.", found.shm.free_bytes),
             ("uninspectable_processes", "Processes whose /proc could not be read.",
              found.uninspectable_processes),
             ("unsafe_entries", "Names like a region's that are no regular file (a symlink, "
-             "a FIFO): never removed by gc, to be checked by hand.", unsafe),
+             "a FIFO): never removed by gc, to be checked by hand.",
+             len(data["unsafe_entries"])),
             ("orphan_manifests", "Manifests whose region is gone.",
              len(found.orphan_manifests))):
         gauge(name, doc, ()).set(value)
