@@ -419,14 +419,14 @@ def test_manifests_exchanged_between_a_live_and_a_stale_region_stay(
 # -- finding 8: output files ------------------------------------------------------------
 
 def test_the_textfile_is_never_written_through_a_planted_symlink(tmp_path: Path) -> None:
-    from prometheus_client import Gauge
+    from prometheus_client import CollectorRegistry, Gauge
 
     output = tmp_path / "vllm_offload.prom"
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     # prometheus_client's own writer used exactly this name
     (tmp_path / f"{output.name}.{os.getpid()}.{threading.get_ident()}").symlink_to(victim)
-    registry = metrics.new_registry()
+    registry = CollectorRegistry()
     Gauge("x_bytes", "x", registry=registry).set(1)
     metrics.emit(registry, output)
     assert victim.read_text() == "precious\n"

@@ -320,9 +320,9 @@ def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) ->
     """Gauges of this run and its exit status `code` (an unwritable textfile cannot report
     itself: the previous one stays, its timestamp ageing), and `*_total` counters carried
     over from the file's `previous` values."""
-    from prometheus_client import Gauge
+    from prometheus_client import CollectorRegistry, Gauge
 
-    registry = metrics.new_registry()
+    registry = CollectorRegistry()
     real = not report.options.dry_run
     this_run = (1, len(report.removed) if real else 0, report.freed_bytes if real else 0,
                 len(report.refused), len(report.errors))  # in the order of TOTALS

@@ -474,9 +474,9 @@ def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]],
               placed: dict[str, Placement] | None, data: dict[str, Any]) -> Any:
     """Gauges that stay true in a textfile rewritten every minute: no ages, no empty labels;
     `data` (the JSON) has the owners' totals and what was refused."""
-    from prometheus_client import Gauge
+    from prometheus_client import CollectorRegistry, Gauge
 
-    registry = metrics.new_registry()
+    registry = CollectorRegistry()
 
     def gauge(name: str, doc: str, labels: tuple[str, ...] = _KEY) -> Any:
         return Gauge(f"vllm_offload_{name}", doc, labels, registry=registry)

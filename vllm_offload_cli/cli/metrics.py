@@ -87,12 +87,6 @@ def add_totals(registry: CollectorRegistry, totals: Mapping[str, tuple[str, floa
     registry.register(Totals())
 
 
-def new_registry() -> CollectorRegistry:
-    from prometheus_client import CollectorRegistry
-
-    return CollectorRegistry()
-
-
 def _temp_name(output: Path) -> Path:
     # node_exporter reads only *.prom: a killed writer's leftover is never scraped;
     # os.urandom, not secrets (which loads hmac and OpenSSL into every gc and inspect)
