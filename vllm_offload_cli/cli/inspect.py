@@ -220,15 +220,14 @@ def _output_options(inv: Invocation, fmt: str, output: Path | None,
 def _warn_unseen(inv: Invocation, found: Inventory, placed: dict[str, Placement] | None
                  ) -> dict[str, dict[str, Any]]:
     """Say what this run could not see; returns what seccomp left unmeasured, per measurement."""
-    for spot in found.visibility.effective:
-        inv.warn(spot.code, f"{spot.message}: regions nobody visibly holds are shown "
-                 "`unknown`, not `stale`")
     counted = sum(t.files for t in (*found.not_judged, *found.counted))
     held = sum(n for _, n in found.unnamed_held)
     unmade = {"residency": [e for e in (r.resident_error for r in found.regions) if e is not None],
               "numa": [p.error for p in (placed or {}).values() if p.error is not None]}
     refusals = {what: {"regions": len(m), "message": m[0]} for what, m in unmade.items() if m}
     for code, n, message in (
+            *((spot.code, 1, f"{spot.message}: regions nobody visibly holds are shown "
+               "`unknown`, not `stale`") for spot in found.visibility.effective),
             ("uninspectable_processes", found.uninspectable_processes,
              f"{found.uninspectable_processes} process(es) could not be inspected (permission "
              "denied); regions they use may show fewer holders"),
@@ -337,9 +336,7 @@ def _layout_text(r: dict[str, Any]) -> str:
 def _numa_text(r: dict[str, Any]) -> str:
     """Resident share per node, then the huge-page share if any: 'n0:62%,n1:38%,thp:100%'."""
     nodes = r.get("numa_nodes")
-    if not isinstance(nodes, dict):
-        return "-"
-    shares = {str(n): _number(b) or 0 for n, b in nodes.items()}
+    shares = {str(n): _number(b) or 0 for n, b in nodes.items()} if isinstance(nodes, dict) else {}
     total = sum(shares.values())
     if not total:
         return "-"
