@@ -95,7 +95,7 @@ def _temp_name(output: Path) -> Path:
 
 def _bad_output(output: Path, why: str) -> errors.InvalidInputError:
     return errors.InvalidInputError(f"cannot write {output}: {why}", path=str(output),
-                             code="bad_output")
+                                    code="bad_output")
 
 
 def check_writable(output: Path) -> None:
@@ -132,12 +132,10 @@ def emit(registry: CollectorRegistry, output: Path | None) -> None:
         raise _bad_output(output, f"directory {output.parent} does not exist")
     try:
         write_atomically(output, text)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # exit 5, not "the operation failed"
-            raise errors.InsufficientSpaceError(f"cannot write {output}: {exc.strerror}",
-                                                path=str(output)) from exc
-        raise errors.OperationFailedError(f"cannot write {output}: {exc.strerror}",
-                                          path=str(output)) from exc
+    except OSError as exc:  # no room: exit 5, not "the operation failed"
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise (errors.InsufficientSpaceError if full else errors.OperationFailedError)(
+            f"cannot write {output}: {exc.strerror}", path=str(output)) from exc
 
 
 def write_atomically(output: Path, data: bytes) -> None:
