@@ -110,12 +110,10 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 @click.option("--shm-private-to-namespace", is_flag=True, help="The shm directory is used "
               "only inside this PID namespace: trust this namespace's /proc (regions are not "
               "shown `unknown` for it).")
-@click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
-              help=with_statuses("Give up after this long (exit {FAILED}): seconds, or 90s, "
-                                 "5m, 2h."))
-@click.option("--state", "-s", "states", type=click.Choice(STATES), multiple=True,
-              help="Only regions in this state (repeatable); the table, JSON and --check "
-              "see only those.")
+@click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s", help=with_statuses(
+    "Give up after this long (exit {FAILED}): seconds, or 90s, 5m, 2h."))
+@click.option("--state", "-s", "states", type=click.Choice(STATES), multiple=True, help="Only "
+              "regions in this state (repeatable); the table, JSON and --check see only those.")
 @click.option("--check", is_flag=True, help=with_statuses(
     "Exit {PROBLEMS_FOUND} when a region shown is stale or has a problem, {SUCCESS} "
     "otherwise, like `fuser -s`; with -q nothing is printed on stdout."))
