@@ -137,8 +137,7 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: str,
     --timeout passes first; with --check, {PROBLEMS_FOUND} when a region shown is
     stale or has a problem.
     """
-    fmt, output = _output_options(inv, fmt, output, prometheus,
-                                  filtered=bool(states) or check)
+    fmt, output = _output_options(inv, fmt, output, prometheus, filtered=bool(states) or check)
     with deadline.within(timeout):  # placement is measured only for the regions listed
         found = discover(shm_dir_checked(inv), engine_ids=engine_ids or None,
                          measure_residency=not no_residency,
@@ -495,8 +494,7 @@ def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]],
             ("unsafe_entries", "Names like a region's that are no regular file (a symlink, "
              "a FIFO): never removed by gc, to be checked by hand.",
              len(data["unsafe_entries"])),
-            ("orphan_manifests", "Manifests whose region is gone.",
-             len(found.orphan_manifests))):
+            ("orphan_manifests", "Manifests whose region is gone.", len(found.orphan_manifests))):
         gauge(name, doc, ()).set(value)
     return registry
 
@@ -524,8 +522,7 @@ def _owner_series(totals: list[dict[str, Any]], gauge: Callable[..., Any]) -> No
     past = f"of this owner past the first {metrics.LISTED_PER_OWNER}, not listed as regions"
     regions = gauge("owner_regions", f"Regions {past}, by state.", ("uid", "state"))
     size = gauge("owner_size_bytes", f"Bytes of the regions {past}.", ("uid",))
-    resident = gauge("owner_resident_bytes", f"Resident bytes of the regions {past}.",
-                     ("uid",))
+    resident = gauge("owner_resident_bytes", f"Resident bytes of the regions {past}.", ("uid",))
     problems = gauge("owner_problems", f"Problems of the regions {past}.", ("uid",))
     for t in totals:
         uid = "unknown" if t["uid"] is None else str(t["uid"])
