@@ -39,6 +39,7 @@ from scale_fixtures import explain, installed_bytecode  # benchmarks/, beside th
 
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim.collector import collect
+from vllm_offload_cli.core.reclaim.report import GcOptions
 from vllm_offload_cli.core.region import SharedOffloadRegion
 
 SLOT, WORLD, BLOCKS = 4096, 2, 2
@@ -138,12 +139,13 @@ def main() -> None:
             samples["scandir"].append(timed(lambda: scandir_stat(shm_dir)))
             samples["discover"].append(timed(lambda: discover(shm_dir,
                                                               measure_residency=False)))
-            samples["gc-dry"].append(timed(lambda: collect(shm_dir, min_age=0, dry_run=True)))
+            samples["gc-dry"].append(
+                timed(lambda: collect(shm_dir, GcOptions(min_age=0, dry_run=True))))
             report = None
 
             def gc() -> None:
                 nonlocal report
-                report = collect(shm_dir, min_age=0)
+                report = collect(shm_dir, GcOptions(min_age=0))
             samples["gc"].append(timed(gc))
             assert report is not None and len(report.removed) == STALE, report
             assert len(report.kept) == PERSISTENT + LIVE_CORE + LIVE_VLLM

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim.collector import collect
+from vllm_offload_cli.core.reclaim.report import GcOptions
 from vllm_offload_cli.core.system import processes
 from vllm_offload_cli.engine.claim import claim, startup_lock
 
@@ -140,8 +141,9 @@ def main() -> None:
         fresh()
         rows = [
             ("discover", *timed(lambda: discover(shm, measure_residency=False), args.repeat)),
-            ("gc-dry", *timed(lambda: collect(shm, dry_run=True, min_age=0), args.repeat)),
-            ("gc", *timed(lambda: collect(shm, min_age=0), args.repeat, before=fresh)),
+            ("gc-dry", *timed(lambda: collect(shm, GcOptions(dry_run=True, min_age=0)),
+                              args.repeat)),
+            ("gc", *timed(lambda: collect(shm, GcOptions(min_age=0)), args.repeat, before=fresh)),
             ("claim", *timed(one_claim, args.repeat, before=fresh_one)),
         ]
         print(f"{args.procs} processes x {args.fds} descriptors and {args.maps} mappings; "

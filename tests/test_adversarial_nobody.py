@@ -33,6 +33,7 @@ from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim import collector
+from vllm_offload_cli.core.reclaim.report import GcOptions
 from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.system import processes, procfs
 from vllm_offload_cli.core.system.files import FileId
@@ -86,23 +87,24 @@ def as_nobody_run(user: OtherUser, *cmd: str) -> None:
 # -- finding 1: a FIFO behind a descriptor ---------------------------------------------
 
 def test_a_fifo_behind_a_descriptor_is_neither_opened_nor_waited_on(tmp_path: Path) -> None:
-    """open_fd judges the object on an O_PATH descriptor: a FIFO without a writer (where
+    """open_proc_link judges the object on an O_PATH descriptor: a FIFO without a writer (where
     a plain open blocks for ever) is refused at once, a regular file is reopened."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     code = (
         "import os, sys\n"
         "from vllm_offload_cli.core.system import procfs\n"
-        "from vllm_offload_cli.core.system.files import FileId\n"
+        "from vllm_offload_cli.core.system.files import FileId, open_proc_link as o, "
+        "stat_proc_link as st\n"
         f"ffd = os.open({str(fifo)!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
         "rfd = os.open(sys.executable, os.O_RDONLY)\n"
         "pid = os.getpid()\n"
         "fifo_id, reg_id = FileId.of(os.fstat(ffd)), FileId.of(os.fstat(rfd))\n"
-        "assert procfs.open_fd(pid, ffd, fifo_id) is None\n"
-        "assert procfs.stat_fd(pid, ffd, fifo_id) is None\n"
-        "got = procfs.open_fd(pid, rfd, reg_id)\n"
+        "assert o(procfs.fd_link(pid, ffd), fifo_id) is None\n"
+        "assert st(procfs.fd_link(pid, ffd), fifo_id) is None\n"
+        "got = o(procfs.fd_link(pid, rfd), reg_id)\n"
         "assert got is not None and FileId.of(os.fstat(got)) == reg_id\n"
-        "assert procfs.stat_fd(pid, rfd, reg_id).st_ino == reg_id.ino\n"
+        "assert st(procfs.fd_link(pid, rfd), reg_id).st_ino == reg_id.ino\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -247,7 +249,7 @@ def test_gc_walks_proc_once_however_many_regions(shm_dir: Path, proc_passes: lis
                                                  ) -> None:
     for i in range(2 * collector._BATCH + 2):
         region_file(shm_dir, f"s{i}", size=4096, fill=False)
-    report = collector.collect(shm_dir, min_age=0)
+    report = collector.collect(shm_dir, GcOptions(min_age=0))
     assert len(report.removed) == 2 * collector._BATCH + 2
     assert len(proc_passes) == 1
 
@@ -290,7 +292,7 @@ def test_gc_stops_at_its_deadline_and_reports_what_it_removed(
 
     monkeypatch.setattr(collector._Run, "_batch", then_expire)
     with deadline.within(3600):
-        report = collector.collect(shm_dir, min_age=0)
+        report = collector.collect(shm_dir, GcOptions(min_age=0))
     assert len(report.removed) == collector._BATCH
     assert report.errors == ()  # running out of time is no failure: the rest waits
     [left] = report.not_judged
@@ -390,7 +392,7 @@ def test_a_name_swapped_after_the_check_is_not_unlinked(
         return same
 
     monkeypatch.setattr(fsguard, "same_file_at", check_then_swap)
-    collector.collect(shm_dir, engine_ids=["stale"], min_age=0)
+    collector.collect(shm_dir, GcOptions(min_age=0), engine_ids=["stale"])
     survivors = {FileId.of(p.lstat()) for p in shm_dir.iterdir() if p.is_file()}
     assert live_id in survivors
 

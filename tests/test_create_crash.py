@@ -29,6 +29,7 @@ from vllm_offload_cli.core.base.testhook import PAUSE_ENV
 from vllm_offload_cli.core.base.units import parse_size
 from vllm_offload_cli.core.host.discovery import discover
 from vllm_offload_cli.core.reclaim.collector import collect
+from vllm_offload_cli.core.reclaim.report import GcOptions
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.naming import manifest_path, region_path
@@ -150,7 +151,7 @@ def test_creator_is_identified_by_pid_and_start_time(shm_dir: Path) -> None:
     _fake_creating(shm_dir, "reused", mine + 1)  # same pid, another process's start time
     states = {r.engine_id: r.state for r in discover(shm_dir).regions}
     assert states == {"alive": "creating", "reused": "stale"}
-    report = collect(shm_dir, min_age=0)
+    report = collect(shm_dir, GcOptions(min_age=0))
     assert [r.engine_id for r in report.removed] == ["reused"]
     assert [(k.engine_id, k.code) for k in report.kept] == [("alive", "creating")]
 
@@ -217,13 +218,13 @@ def test_create_killed_at_every_moment_it_can_be_seen_at(shm_dir: Path,
         _kill(proc)  # the fault lands where the create was seen to be
         finished = _complete(shm_dir, engine_id)
         existed = region_path(shm_dir, engine_id).exists()
-        collect(shm_dir, min_age=0)
+        collect(shm_dir, GcOptions(min_age=0))
         left = sorted(os.listdir(shm_dir))
         if finished:
             kept = left == [f"vllm_offload_{engine_id}.manifest.json",
                             f"vllm_offload_{engine_id}.mmap"]
             counts["finished_kept" if kept else "wrongly_removed"] += 1
-            collect(shm_dir, min_age=0, include_persistent=True)  # free it for the next
+            collect(shm_dir, GcOptions(min_age=0, include_persistent=True))  # free it for the next
         elif left:
             counts["half_made_left"] += 1
         else:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from vllm_offload_cli.core.reclaim.collector import collect
+from vllm_offload_cli.core.reclaim.report import GcOptions
 
 CHURN = Path(__file__).parent / "helpers" / "churn.py"
 # a fixed amount of work, not a time box: what is asserted is correctness, never speed
@@ -27,10 +28,11 @@ SESSIONS = int(os.environ.get("VLLM_OFFLOAD_STRESS_SESSIONS", "300"))
 _COLLECTOR = textwrap.dedent("""
     import json, os, sys
     from vllm_offload_cli.core.reclaim.collector import collect
+    from vllm_offload_cli.core.reclaim.report import GcOptions
     cycles = removed = 0
     errors = []
     while not os.path.exists(sys.argv[2]):
-        rep = collect(sys.argv[1], min_age=0, include_persistent=True)
+        rep = collect(sys.argv[1], GcOptions(min_age=0, include_persistent=True))
         cycles += 1
         removed += len(rep.removed)
         errors += [e.message for e in rep.errors]
@@ -52,7 +54,7 @@ def test_gc_never_removes_a_region_in_use(shm_dir: Path, tmp_path: Path) -> None
     errors: list[str] = []
     try:
         while churn.poll() is None:
-            rep = collect(shm_dir, min_age=0, include_persistent=True)
+            rep = collect(shm_dir, GcOptions(min_age=0, include_persistent=True))
             cycles += 1
             removed += len(rep.removed)
             kept_live += sum(1 for k in rep.kept if k.code in ("live", "busy"))
@@ -79,7 +81,7 @@ def test_gc_never_removes_a_region_in_use(shm_dir: Path, tmp_path: Path) -> None
                        and s.get("clean"))
 
     # everybody is gone now: one last run must leave nothing of ours behind
-    final = collect(shm_dir, min_age=0, include_persistent=True)
+    final = collect(shm_dir, GcOptions(min_age=0, include_persistent=True))
     leftovers = sorted(os.listdir(shm_dir))
     total_removed = removed + theirs["removed"] + len(final.removed)
     summary = (f"{cycles} + {theirs['cycles']} gc cycles in two processes, "

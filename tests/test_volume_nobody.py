@@ -22,6 +22,7 @@ from test_adversarial_nobody import need_root, run, shared, tricks
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.host import discovery, procscan
 from vllm_offload_cli.core.reclaim import collector
+from vllm_offload_cli.core.reclaim.report import GcOptions
 
 __all__ = ["shared", "tricks"]  # fixtures used here by name
 
@@ -77,7 +78,7 @@ def test_another_users_empty_files_are_judged_largest_first_and_bounded(
     tricks("files", str(shared), "empty", "2000", "0")
     tricks("files", str(shared), "big", "3", str(4 * PAGE))
     path = victim(shared)
-    report = collector.collect(shared, min_age=0, all_users=True)
+    report = collector.collect(shared, GcOptions(min_age=0, all_users=True))
     removed = [r.engine_id for r in report.removed]
     assert removed[0] == "victim" and not path.exists()
     # the other user's largest next: the bound keeps what holds memory
@@ -95,7 +96,7 @@ def test_foreign_files_are_counted_not_listed(shared: Path, tricks: Any,
     monkeypatch.setattr(discovery, "LISTED_UNJUDGED", 10)
     tricks("files", str(shared), "empty", "300", "0")
     path = victim(shared)
-    report = collector.collect(shared, min_age=0)
+    report = collector.collect(shared, GcOptions(min_age=0))
     assert [r.engine_id for r in report.removed] == ["victim"] and not path.exists()
     assert [k.code for k in report.kept] == ["foreign_owner"] * 10
     [counted] = report.counted
@@ -110,7 +111,7 @@ def test_out_of_time_gc_removes_its_own_first_and_says_what_it_left(shared: Path
     need_root()
     tricks("files", str(shared), "empty", "3000", "0")
     path = victim(shared)
-    report = collector.collect(shared, min_age=0, all_users=True, judge_seconds=0)
+    report = collector.collect(shared, GcOptions(min_age=0, all_users=True), judge_seconds=0)
     assert [r.engine_id for r in report.removed] == ["victim"] and not path.exists()
     assert report.errors == () and report.partial
     assert [(t.uid, t.files) for t in report.not_judged] == [(NOBODY, 3000)]
@@ -177,5 +178,5 @@ def test_held_unlinked_files_cost_a_bounded_amount_per_process(
     mine = [r for r in inv.regions if r.engine_id.startswith("held")]
     assert 0 < len(mine) <= 20 and all(r.state == "live" for r in mine)
     assert dict(inv.unnamed_held)[holder.pid] == 60 - len(mine)
-    report = collector.collect(shared, min_age=0)
+    report = collector.collect(shared, GcOptions(min_age=0))
     assert [r.engine_id for r in report.removed] == ["victim"]

@@ -146,14 +146,12 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: when run
 
-    GcOptions(min_age=min_age, all_users=all_users)  # bad options: refused before any check
+    options = GcOptions(dry_run=dry_run, min_age=min_age, include_persistent=include_persistent,
+                        all_users=all_users, shm_private_to_namespace=shm_private_to_namespace)
     if prometheus is not None:  # before anything is removed: every removal gets reported
         metrics.check_writable(prometheus)
     with deadline.within(timeout):
-        report = collect(shm_dir, engine_ids=engine_ids or None, dry_run=dry_run,
-                         min_age=min_age, include_persistent=include_persistent,
-                         all_users=all_users,
-                         shm_private_to_namespace=shm_private_to_namespace,
+        report = collect(shm_dir, options, engine_ids=engine_ids or None,
                          judge_seconds=timeout * JUDGE_SHARE)
     data = report_data(report)
     unrecorded = False  # the system log missed lines: -q then lists the removals too

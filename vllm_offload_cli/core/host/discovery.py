@@ -47,7 +47,7 @@ from vllm_offload_cli.core.region.naming import (
     validate_engine_id,
 )
 from vllm_offload_cli.core.system import procfs
-from vllm_offload_cli.core.system.files import FileId
+from vllm_offload_cli.core.system.files import FileId, open_proc_link, stat_proc_link
 from vllm_offload_cli.core.system.processes import comm
 
 LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
@@ -545,7 +545,7 @@ def _unlinked(run: _Run, wanted: Collection[str] | None, partial: bool) -> list[
             if wanted is not None and engine_id not in wanted:
                 continue
             for fid, uses in by_inode.items():
-                st = _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
+                st = _through_users(uses, fid, stat_proc_link)
                 if st is not None and st.st_uid != os.geteuid():
                     others[st.st_uid] = others.get(st.st_uid, 0) + 1
                     if others[st.st_uid] > JUDGED_OTHERS:
@@ -701,7 +701,7 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
     size = max((u.size_hint or 0) for u in uses)
     uid, mode = None, None
     # its own stat (its owner above all), through a user: identity only, nothing read
-    st = st or _through_users(uses, fid, procfs.stat_fd, procfs.stat_mapping)
+    st = st or _through_users(uses, fid, stat_proc_link)
     if st is not None:
         size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
     resident, refusal = _resident_through(uses, fid) if run.measure else (None, None)
@@ -726,8 +726,7 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
 
 def _resident_through(uses: list[FileUse], fid: FileId) -> tuple[int | None, str | None]:
     """An unlinked file's residency, measured through a holder's descriptor."""
-    use = next((u for u in uses if u.kind == "fd" and u.fd is not None), None)
-    fd = None if use is None or use.fd is None else procfs.open_fd(use.pid, use.fd, fid)
+    fd = _through_users([u for u in uses if u.kind == "fd"], fid, open_proc_link)
     if fd is None:
         return None, None
     try:
@@ -740,16 +739,15 @@ _T = TypeVar("_T")
 
 
 def _through_users(uses: list[FileUse], fid: FileId,
-                   by_fd: Callable[[int, int, FileId], _T | None],
-                   by_map: Callable[[int, int, int, FileId], _T | None]) -> _T | None:
+                   reach: Callable[[str, FileId], _T | None]) -> _T | None:
     """The first answer about `fid` reached through one of its users' descriptors or
     mappings (an unlinked file has no name of its own)."""
     for u in uses:
         got = None
         if u.kind == "fd" and u.fd is not None:
-            got = by_fd(u.pid, u.fd, fid)
+            got = reach(procfs.fd_link(u.pid, u.fd), fid)
         elif u.kind == "map" and u.span is not None:
-            got = by_map(u.pid, *u.span, fid)
+            got = reach(procfs.map_link(u.pid, *u.span), fid)
         if got is not None:
             return got
     return None
@@ -878,7 +876,7 @@ def open_released(shm_dir: str | os.PathLike[str], engine_id: str
         info = _deleted_region(run, engine_id, fid, uses)
         if best is not None and (best[1].manifest is not None or info.manifest is None):
             continue
-        fd = _through_users(uses, fid, procfs.open_fd, procfs.open_mapping)
+        fd = _through_users(uses, fid, open_proc_link)
         if fd is None:
             continue
         if best is not None:

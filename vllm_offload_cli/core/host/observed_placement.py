@@ -18,7 +18,7 @@ from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import RegionInfo, SegmentFile
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 from vllm_offload_cli.core.region.page_policy import ThpSupport, pmd_mapped, thp_support
-from vllm_offload_cli.core.system import libc, numa, smaps
+from vllm_offload_cli.core.system import libc, numa, procfs
 from vllm_offload_cli.core.system.files import FileId, open_regular
 
 SAMPLE_PAGES = 4096
@@ -65,11 +65,11 @@ def merge(pid: int, found: dict[FileId, HolderPages] | None,
 
 def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | None:
     """Per file in `wanted`: what `pid` maps of it (its smaps and numa_maps read once)."""
-    found = smaps.read_smaps(pid, wanted=wanted)
+    found = procfs.read_smaps(pid, wanted=wanted)
     if found is None:
         return None
     if found:
-        smaps.add_numa_nodes(pid, found, PAGESIZE)
+        procfs.add_numa_nodes(pid, found, PAGESIZE)
     by_file: dict[FileId, list[HolderPages]] = defaultdict(list)
     for m in found.values():
         by_file[m.file_id].append(HolderPages(pid=pid, mapped_bytes=m.rss_bytes,

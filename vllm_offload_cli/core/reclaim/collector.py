@@ -47,7 +47,6 @@ from vllm_offload_cli.core.reclaim.report import (
     BUSY,
     CHANGED,
     CREATION_RUNNING,
-    DEFAULT_MIN_AGE,
     FOREIGN_OWNER,
     LINK_COUNT,
     LIVE,
@@ -94,13 +93,9 @@ _Held = tuple[SegmentFile, int, os.stat_result]
 
 def collect(
     shm_dir: str | os.PathLike[str],
+    options: GcOptions,
     *,
     engine_ids: Collection[str] | None = None,
-    dry_run: bool = False,
-    min_age: float = DEFAULT_MIN_AGE,
-    include_persistent: bool = False,
-    all_users: bool = False,
-    shm_private_to_namespace: bool = False,
     judge_seconds: float | None = None,
 ) -> GcReport:
     """Find and remove every provably stale region in shm_dir (or only `engine_ids`).
@@ -109,12 +104,9 @@ def collect(
     alone) stops after `judge_seconds`, so what was proven stale is removed in the time
     left; the rest is counted as `not_judged` (the run exits PARTIAL).
     """
-    options = GcOptions(dry_run=dry_run, min_age=min_age, include_persistent=include_persistent,
-                        all_users=all_users,
-                        shm_private_to_namespace=shm_private_to_namespace)
     started, clock = time.time(), time.monotonic()
     inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False,
-                         shm_private_to_namespace=shm_private_to_namespace,
+                         shm_private_to_namespace=options.shm_private_to_namespace,
                          judge_uids=options.owners, partial=True,
                          judge_until=None if judge_seconds is None else clock + judge_seconds)
     return reclaim(inventory, options, engine_ids=engine_ids, started_at=started,

@@ -22,7 +22,7 @@ from vllm_offload_cli.core.base.errors import (
     InvalidInputError,
     OperationFailedError,
 )
-from vllm_offload_cli.core.system import libc, memory, mounts, numa, smaps
+from vllm_offload_cli.core.system import libc, memory, mounts, numa, procfs
 
 logger = logging.getLogger(__name__)
 
@@ -201,5 +201,5 @@ def huge_bytes_of(mm: mmap.mmap) -> int | None:
 
 def pmd_mapped(pid: int, start: int) -> int | None:
     """Huge (PMD-mapped) bytes of the mapping of `pid` that begins at `start`; None if none."""
-    found = (smaps.read_smaps(pid, start=start) or {}).get(start)
+    found = (procfs.read_smaps(pid, start=start) or {}).get(start)
     return None if found is None else found.huge_bytes

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import enum
 import os
+import re
+from collections import defaultdict
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vllm_offload_cli.core.system.files import FileId, open_proc_link, stat_proc_link
+from vllm_offload_cli.core.system.files import FileId
 
 PROC = "/proc"
 DELETED_SUFFIX = " (deleted)"
@@ -205,28 +207,93 @@ def fd_links(pid: int) -> list[tuple[int, str]] | Unreadable:
 
 def fd_target(pid: int, fd: int) -> str | None:
     try:
-        return os.readlink(f"{PROC}/{pid}/fd/{fd}")
+        return os.readlink(fd_link(pid, fd))
     except OSError:
         return None
 
 
-# Another process's open (or, root only, mapped) regular file `expect`, through its
-# /proc link: our own read-only descriptor of it, or its stat (which opens nothing).
+# Another process's open (or, root only, mapped) file, by its /proc magic link: for
+# files.open_proc_link (our own descriptor of it) or stat_proc_link (which opens nothing).
 
-def open_fd(pid: int, fd: int, expect: FileId) -> int | None:
-    return open_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
-
-
-def stat_fd(pid: int, fd: int, expect: FileId) -> os.stat_result | None:
-    return stat_proc_link(f"{PROC}/{pid}/fd/{fd}", expect)
+def fd_link(pid: int, fd: int) -> str:
+    return f"{PROC}/{pid}/fd/{fd}"
 
 
-def stat_mapping(pid: int, start: int, end: int, expect: FileId) -> os.stat_result | None:
-    return stat_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
+def map_link(pid: int, start: int, end: int) -> str:
+    return f"{PROC}/{pid}/map_files/{start:x}-{end:x}"
 
 
-def open_mapping(pid: int, start: int, end: int, expect: FileId) -> int | None:
-    return open_proc_link(f"{PROC}/{pid}/map_files/{start:x}-{end:x}", expect)
+# -- /proc/PID/smaps and numa_maps: a page-table walk each, so read at most once per
+# process, for every file wanted at once ----------------------------------------------
+
+_NODE = re.compile(rb"\bN(\d+)=(\d+)")
+_KPAGE = re.compile(rb"\bkernelpagesize_kB=(\d+)")
+_HUGE_KEYS = (b"ShmemPmdMapped", b"FilePmdMapped")
+
+
+@dataclass(kw_only=True)
+class MappedPages:
+    """What smaps says of one mapping: resident and PMD (huge) mapped bytes."""
+
+    file_id: FileId
+    rss_bytes: int = 0
+    huge_bytes: int = 0
+    nodes: dict[int, int] = field(default_factory=dict)  # node -> bytes, from numa_maps
+
+
+def read_smaps(pid: int, *, wanted: set[FileId] | None = None, start: int | None = None
+               ) -> dict[int, MappedPages] | None:
+    """Mappings by start address, only of `wanted` files or only the one at `start`;
+    None when smaps cannot be read or parsed."""
+    out: dict[int, MappedPages] = {}
+    try:
+        with open(f"{PROC}/{pid}/smaps", "rb") as f:
+            current: MappedPages | None = None
+            for line in f:
+                m = parse_maps_line(line)
+                if m is not None:
+                    if start is not None and m.start > start:
+                        break  # mappings come in address order: the one wanted is read
+                    keep = ((wanted is None or m.file_id in wanted)
+                            and (start is None or m.start == start))
+                    current = (out.setdefault(m.start, MappedPages(file_id=m.file_id)) if keep
+                               else None)
+                    continue
+                if current is None:
+                    continue
+                key, _, rest = line.partition(b":")
+                if key == b"Rss":
+                    current.rss_bytes += int(rest.split()[0]) * 1024
+                elif key in _HUGE_KEYS:
+                    current.huge_bytes += int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return out
+
+
+def add_numa_nodes(pid: int, mappings: dict[int, MappedPages], page_size: int) -> bool:
+    """Fill each mapping's bytes per NUMA node from numa_maps; False if unreadable."""
+    if not mappings:
+        return True
+    try:
+        with open(f"{PROC}/{pid}/numa_maps", "rb") as f:
+            for line in f:
+                addr, _, rest = line.partition(b" ")
+                try:
+                    found = mappings.get(int(addr, 16))
+                except ValueError:
+                    continue
+                if found is None:
+                    continue
+                kpage = _KPAGE.search(rest)
+                unit = int(kpage.group(1)) * 1024 if kpage else page_size
+                nodes: dict[int, int] = defaultdict(int, found.nodes)
+                for node, pages in _NODE.findall(rest):
+                    nodes[int(node)] += int(pages) * unit
+                found.nodes = dict(nodes)
+    except OSError:
+        return False
+    return True
 
 
 # -- /proc/locks ----------------------------------------------------------------------
