@@ -13,7 +13,7 @@ hold --hostile-files unlinked region-named files in the shm directory throughout
 (issue 30's attack on start-up), and the claim's look at its name is timed too, in
 this process: `discover(engine_ids=[id])` (what each rank's claim did before: a walk
 of every process) against `discover_engine` (what it does now); and the look
-`engine.room.make_room` takes at this user's regions when a new one does not fit.
+`engine.claim.make_room` takes at this user's regions when a new one does not fit.
 Usage: python benchmarks/engine_startup.py [--world-size 8] [--repeat 3]
        [--hostile-procs 20 --hostile-files 19900]
 """

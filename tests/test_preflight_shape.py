@@ -14,9 +14,8 @@ from region_files import GEOMETRY, SIZE, region_file
 from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.region.naming import gc_command
-from vllm_offload_cli.engine.claim import claim, startup_lock
+from vllm_offload_cli.engine.claim import RegionShape, claim, startup_lock
 from vllm_offload_cli.engine.region_hold import RegionRequest, open_region
-from vllm_offload_cli.engine.shape import RegionShape
 
 PAGE = 4096
 

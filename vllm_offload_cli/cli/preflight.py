@@ -48,9 +48,13 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
     little room; {UNSAFE} a leftover that is not safe to touch, or a pre-provisioned
     region of another shape (the message gives the command that removes it).
     """
-    from vllm_offload_cli.engine import room  # not needed by --help
-    from vllm_offload_cli.engine.claim import claim, startup_lock
-    from vllm_offload_cli.engine.shape import RegionShape
+    from vllm_offload_cli.engine.claim import (  # not needed by --help
+        RegionShape,
+        claim,
+        make_room,
+        room_enabled,
+        startup_lock,
+    )
 
     validate_engine_id(engine_id)
     if size <= 0:
@@ -64,8 +68,8 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
         needed = size * sum(1 for r in results if r.action != "join")
         # a dry run has not freed the leftovers yet: count them as room
         reclaimable = sum(r.reclaimed_bytes for r in results if r.action == "would_reclaim")
-        made = room.make_room(shm_dir, max(needed - reclaimable, 0), dry_run=dry_run) \
-            if reclaim_for_room and room.enabled() else ()
+        made = make_room(shm_dir, max(needed - reclaimable, 0), dry_run=dry_run) \
+            if reclaim_for_room and room_enabled() else ()
         reclaimable += sum(r.freed_bytes for r in made) if dry_run else 0
         cap = capacity.measure(shm_dir)
         capacity.check_fits(max(needed - reclaimable, 0), cap, shm_dir=shm_dir,

@@ -1,4 +1,4 @@
-"""Identity, reclaim and pre-flight: what an engine process does before it maps a region,
+"""Identity, reclaim, shape and room: what an engine process does before it maps a region,
 under one start-up lock per user (docs/architecture.md, "engine hook")."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import stat
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 
 from vllm_offload_cli.core.base.errors import (
@@ -19,12 +20,15 @@ from vllm_offload_cli.core.base.errors import (
     UnsafeRegionError,
 )
 from vllm_offload_cli.core.base.text import pids_text
+from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import (
     PERSISTENT,
     STALE,
     Holder,
     Inventory,
     RegionInfo,
+    discover,
     discover_engine,
 )
 from vllm_offload_cli.core.host.procscan import flock_holders
@@ -32,20 +36,18 @@ from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
 from vllm_offload_cli.core.region import capacity, fsguard
+from vllm_offload_cli.core.region.geometry import mismatches
 from vllm_offload_cli.core.region.locking import lock_waiting
-from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
+from vllm_offload_cli.core.region.naming import (
+    gc_command,
+    manifest_path,
+    region_path,
+    validate_engine_id,
+)
 from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 from vllm_offload_cli.core.system.processes import comm
 from vllm_offload_cli.engine.identity import EngineIdCollisionError, read_token
-from vllm_offload_cli.engine.room import enabled as room_enabled
-from vllm_offload_cli.engine.room import make_room, tightest
-from vllm_offload_cli.engine.shape import (
-    RegionShape,
-    mismatch,
-    refuse_held_other_shape,
-    refuse_persistent_other_shape,
-)
 
 # What a claim did, or (dry run) would do.
 CREATE, RECLAIMED, JOIN, WOULD_RECLAIM = "create", "reclaimed", "join", "would_reclaim"
@@ -70,7 +72,7 @@ class ClaimResult:
     needed_bytes: int = 0  # new bytes the engine will map (0 when joining)
     free_bytes: int | None = None  # tightest limit after the reclaim (None: not checked)
     notes: tuple[str, ...] = ()
-    # other engine_ids' stale leftovers removed (or, dry, to be) to make room (engine.room)
+    # other engine_ids' stale leftovers removed (or, dry, to be) to make room (make_room)
     reclaimed_for_room: tuple[gc_report.RemovedRegion, ...] = ()
 
 
@@ -127,8 +129,7 @@ class _Holders:
 _Tokens = dict[int, tuple[str | None, bool]]  # pid -> read_token(pid), one read per look
 
 
-def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens | None = None
-                     ) -> _Holders:
+def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens) -> _Holders:
     """Split a region's holders into this engine's, another engine's, readers and undecided.
 
     "Ours": this process, or our token in a live attachment, the live creator's
@@ -143,7 +144,6 @@ def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens | None = 
         if (token is not None and m.engine_token == token and m.creator_pid not in known
                 and m.creator_alive()):
             known[m.creator_pid] = token
-    tokens = {} if tokens is None else tokens
     kinds = [(h.pid, _holder_kind(h.pid, token, known, fids, tokens)) for h in r.holders]
 
     def having(kind: str) -> tuple[int, ...]:
@@ -206,7 +206,6 @@ def claim(
     size_bytes: int | None = None,
     dry_run: bool = False,
     identity: bool = True,
-    grace: float = 5.0,
     shape: RegionShape | None = None,
 ) -> ClaimResult:
     """Make the name `engine_id` safe to create or join; call under `startup_lock`.
@@ -216,7 +215,7 @@ def claim(
     want = shape if shape is not None or size_bytes is None else RegionShape(
         size_bytes=size_bytes)
     done = ClaimResult(engine_id=engine_id, path=str(region_path(shm_dir, engine_id)))
-    deadline = time.monotonic() + grace
+    deadline = time.monotonic() + 5.0  # for a holder not yet told apart
     for _ in range(100):
         inv = discover_engine(shm_dir, engine_id)
         _refuse_squatters(inv.regions, str(manifest_path(shm_dir, engine_id)), engine_id)
@@ -390,3 +389,123 @@ def _fits(done: ClaimResult, size_bytes: int | None,
     cap = capacity.measure(Path(shm_dir))
     capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=done.engine_id)
     return replace(done, free_bytes=tightest(cap), reclaimed_for_room=room)
+
+
+# -- the shape an engine asks for: a joiner of another size hangs, of another geometry
+# reads its neighbours' KV bytes, of another segment count finds no files
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionShape:
+    """What the engine will map; None fields are not compared."""
+
+    size_bytes: int
+    num_segments: int | None = None
+    num_blocks: int | None = None
+    row_stride: int | None = None
+    cpu_page_size: int | None = None
+    world_size: int | None = None
+
+
+def mismatch(r: RegionInfo, want: RegionShape | None) -> str | None:
+    """How the region `r` differs from `want`, in words; None when it fits (or no `want`)."""
+    if want is None:
+        return None
+    why = []
+    if r.size_bytes != want.size_bytes:
+        why.append(f"it is {format_bytes(r.size_bytes)} ({r.size_bytes} bytes), the engine "
+                   f"maps {format_bytes(want.size_bytes)} ({want.size_bytes} bytes)")
+    segments = len(r.segments)
+    if want.num_segments is not None and segments != want.num_segments:
+        why.append(f"it has {segments} segment file(s), the engine expects "
+                   f"{want.num_segments}")
+    if r.geometry is not None:
+        why += mismatches(r.geometry, num_blocks=want.num_blocks, row_stride=want.row_stride,
+                          cpu_page_size=want.cpu_page_size, world_size=want.world_size)
+    return "; ".join(why) or None
+
+
+def _shape_code(r: RegionInfo, want: RegionShape | None) -> str:
+    """The codes the core's own joiner uses for the same conditions."""
+    return "size_mismatch" if want is None or r.size_bytes != want.size_bytes \
+        else "geometry_mismatch"
+
+
+def refuse_held_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
+                             ours: tuple[int, ...]) -> None:
+    """Joining a live region of another shape would hang (size) or corrupt (geometry)."""
+    why = mismatch(r, want)
+    if why is None:
+        return
+    pids = ours or tuple(h.pid for h in r.holders)
+    who = pids_text(pids, 3, comm) or "a process"
+    raise RegionBusyError(
+        f"{path} is in use by {who} with another shape than this engine asks for ({why}); "
+        "it cannot be joined. Start every rank with the same configuration, or stop "
+        f"{'that process' if len(pids) == 1 else 'those processes'} first",
+        path=path, engine_id=r.engine_id, pid=pids[0] if pids else None,
+        code=_shape_code(r, want))
+
+
+def refuse_persistent_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
+                                   shm_dir: str | os.PathLike[str]) -> None:
+    """A pre-provisioned region is never removed for an engine: say how to remove it."""
+    why = mismatch(r, want)
+    if why is None:
+        return
+    command = gc_command(shm_dir, r.engine_id, include_persistent=True,
+                         all_users=r.uid is not None and r.uid != os.geteuid())
+    raise UnsafeRegionError(
+        f"{path} was pre-provisioned (`vllm-offload create`) with another shape than this "
+        f"engine asks for ({why}); it is neither joined nor removed. Remove it with "
+        f"`{command}`, or pre-provision it again with the engine's shape",
+        path=path, engine_id=r.engine_id, code=_shape_code(r, want))
+
+
+# -- room for a new region: this user's stale leftovers of other engine_ids give way,
+# oldest first and only as many as needed, by gc's own verdict and removal; a live one's
+# never do. A restarted engine has a fresh engine_id: without this, its predecessor's
+# leftover would refuse it (exit 5) for ever.
+
+RECLAIM_FOR_ROOM_ENV = "VLLM_OFFLOAD_RECLAIM_FOR_ROOM"
+
+
+def room_enabled() -> bool:
+    """Whether leftovers of other engine_ids may give way (on unless the setting says 0)."""
+    value = os.environ.get(RECLAIM_FOR_ROOM_ENV, "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def tightest(cap: capacity.Capacity) -> int:
+    """The free bytes of the tightest limit: tmpfs, memory cgroup or available memory."""
+    return min(x for x in (cap.shm.free_bytes, cap.cgroup_free_bytes, cap.mem_available_bytes)
+               if x is not None)
+
+
+def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
+              dry_run: bool = False) -> tuple[gc_report.RemovedRegion, ...]:
+    """Remove (or, dry, name) the oldest stale leftovers of this user until `size_bytes`
+    fit; what was removed. Nothing when it fits already or nothing may give way."""
+    short = size_bytes - tightest(capacity.measure(os.fspath(shm_dir)))
+    if short <= 0:
+        return ()
+    me = os.geteuid()
+    # this user's files, and the processes that could open them: the collector
+    # re-checks each removal against every process and the kernel's lease
+    inv = discover(shm_dir, measure_residency=False, judge_uids=[me],
+                   only=visibility.MayOpen(me, 0o600))
+    # gc's own verdict, and this user's: a linked `stale` region (so not persistent,
+    # creating or unknown) whose every file we own
+    oldest = sorted((r for r in inv.regions if r.linked and r.state == STALE
+                     and not r.persistent and all(s.uid == me for s in r.segments)),
+                    key=lambda r: -(r.age_seconds or 0.0))
+    freed_before = accumulate((r.allocated_bytes for r in oldest), initial=0)
+    picked = [r for r, freed in zip(oldest, freed_before, strict=False) if freed < short]
+    if not picked:
+        return ()
+    report = reclaim(replace(inv, regions=tuple(picked), orphan_manifests=()),
+                     gc_report.GcOptions(dry_run=dry_run, min_age=0.0),
+                     engine_ids=[r.engine_id for r in picked])
+    if not dry_run:
+        audit.record_removals(report.removed)
+    return report.removed

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import MutableMapping
 
 from vllm_offload_cli.core.base.errors import RegionBusyError
 from vllm_offload_cli.core.system import processes, procfs
@@ -32,15 +31,14 @@ _BEACON_RE = re.compile(r"/memfd:" + BEACON_PREFIX + r"([0-9a-f]{32})(?: \(delet
 _beacon: tuple[str, int] | None = None  # (token, fd), held for the life of the process
 
 
-def engine_token(environ: MutableMapping[str, str] | None = None) -> str:
-    """This engine's token; made (and exported to children) when absent or malformed.
-    For the process's own environment it also holds the token's beacon."""
+def engine_token() -> str:
+    """This engine's token, made (and exported to children) when absent or malformed;
+    this process also holds the token's beacon."""
     global _beacon
-    env = os.environ if environ is None else environ
-    token = env.get(ENGINE_TOKEN_ENV)
+    token = os.environ.get(ENGINE_TOKEN_ENV)
     if token is None or not valid_token(token):
-        token = env[ENGINE_TOKEN_ENV] = secrets.token_hex(16)
-    if environ is None and (_beacon is None or _beacon[0] != token):
+        token = os.environ[ENGINE_TOKEN_ENV] = secrets.token_hex(16)
+    if _beacon is None or _beacon[0] != token:
         try:  # close-on-exec: an exec'd child of this engine has the token in its environment
             fd = os.memfd_create(BEACON_PREFIX + token, os.MFD_CLOEXEC)
         except (AttributeError, OSError):  # no memfd here: the environment is the only proof

@@ -16,8 +16,7 @@ from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.core.region.ranks import LOGICAL
 from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, effective_segments, split
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
-from vllm_offload_cli.engine.claim import ClaimResult, claim, startup_lock
-from vllm_offload_cli.engine.shape import RegionShape
+from vllm_offload_cli.engine.claim import ClaimResult, RegionShape, claim, startup_lock
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +123,6 @@ def open_region(
     token: str | None,
     shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
     lock_timeout: float = 120.0,
-    join_timeout: float = 30.0,
 ) -> RegionHold:
     """Claim the name, create or join the region through the core, check the slot."""
     with startup_lock(shm_dir, timeout=lock_timeout):
@@ -138,7 +136,7 @@ def open_region(
             layout="canonical" if request.replicated else "worker",
             rank_source=None if request.rank is None else request.rank_source,
             device_index=request.device_index,
-            populate_pages=False, preflight=False, join_timeout=join_timeout,
+            populate_pages=False, preflight=False, join_timeout=30.0,
             num_segments=request.num_segments, min_segment_bytes=request.min_segment_bytes,
             vllm_layout_basis=request.vllm_layout_basis, engine_token=token,
         )
