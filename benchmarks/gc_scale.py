@@ -157,7 +157,7 @@ def main() -> None:
             samples["python"].append(timed(lambda: run_cli("-c", "pass")))
             samples["imports"].append(timed(lambda: run_cli(
                 "-c", "import vllm_offload_cli.cli.app, vllm_offload_cli.cli.gc, "
-                "vllm_offload_cli.cli.params, vllm_offload_cli.core.reclaim.collector")))
+                "vllm_offload_cli.core.reclaim.collector")))
         procs = sum(1 for p in os.listdir("/proc") if p.isdigit())
         med = {k: statistics.median(v) for k, v in samples.items()}
         print(f"gc over {STALE + PERSISTENT + LIVE_CORE + LIVE_VLLM} regions ({STALE} stale, "

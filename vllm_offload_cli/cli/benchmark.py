@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from vllm_offload_cli.cli import common
-from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.cli.params import Size
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Size, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.extras import COPY, require
 from vllm_offload_cli.core.base.units import format_bytes, parse_size

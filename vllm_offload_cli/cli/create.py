@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.cli.params import Size
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Size, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc, with_statuses
 from vllm_offload_cli.core.base.problems import jsonable

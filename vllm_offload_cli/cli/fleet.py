@@ -22,6 +22,7 @@ from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.common import (
     COMMON,
     SHM_DIR_ENV,
+    Duration,
     Group,
     Invocation,
     Out,
@@ -42,7 +43,6 @@ from vllm_offload_cli.cli.inspect import (
     region_notes,
     region_row,
 )
-from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.exit_status import with_statuses

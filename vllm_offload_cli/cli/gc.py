@@ -11,6 +11,7 @@ import click
 
 from vllm_offload_cli.cli import metrics
 from vllm_offload_cli.cli.common import (
+    Duration,
     Invocation,
     Out,
     Outcome,
@@ -18,7 +19,6 @@ from vllm_offload_cli.cli.common import (
     subcommand,
     warn_useless_waiver,
 )
-from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError

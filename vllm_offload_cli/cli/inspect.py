@@ -14,7 +14,6 @@ import click
 
 from vllm_offload_cli.cli import common, metrics
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.cli.params import Duration
 from vllm_offload_cli.core.base import deadline, exit_status
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
@@ -110,8 +109,9 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 @click.option("--shm-private-to-namespace", is_flag=True, help="The shm directory is used "
               "only inside this PID namespace: trust this namespace's /proc (regions are not "
               "shown `unknown` for it).")
-@click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s", help=with_statuses(
-    "Give up after this long (exit {FAILED}): seconds, or 90s, 5m, 2h."))
+@click.option("--timeout", type=common.Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
+              help=with_statuses("Give up after this long (exit {FAILED}): seconds, or 90s, "
+                                 "5m, 2h."))
 @click.option("--state", "-s", "states", type=click.Choice(STATES), multiple=True, help="Only "
               "regions in this state (repeatable); the table, JSON and --check see only those.")
 @click.option("--check", is_flag=True, help=with_statuses(

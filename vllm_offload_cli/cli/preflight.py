@@ -7,8 +7,7 @@ from typing import Any
 
 import click
 
-from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.cli.params import Size
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Size, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.exit_status import statuses_in_doc
 from vllm_offload_cli.core.base.problems import jsonable

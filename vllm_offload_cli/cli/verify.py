@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from vllm_offload_cli.cli import common
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand, text_table
-from vllm_offload_cli.cli.params import ParsedChoice, Size
 from vllm_offload_cli.core.base.errors import InvalidInputError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc
 from vllm_offload_cli.core.base.text import printable
@@ -35,14 +35,14 @@ _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.val
               "k*W..k*W+W-1), 'env' (split CUDA_VISIBLE_DEVICES into replicas; each worker "
               "sees its position in the list), 'per-process' (each worker process sees only "
               "its own GPU, index 0).")
-@click.option("--rank-source", type=ParsedChoice(list(RANK_SOURCES),
-                                                 lambda v: parse_rank_source(v).name),
+@click.option("--rank-source", type=common.ParsedChoice(
+                  list(RANK_SOURCES), lambda v: parse_rank_source(v).name),
               metavar="NAME", show_default=DEVICE_MODULO.name,
               help=f"Plan: how a worker picks its slot. {_SOURCES_HELP}.")
 @click.option("--no-dp-suffix", is_flag=True, help="Plan: replicas get no _dp{k} engine_id "
               "suffix (the multiprocessing path before vLLM PR 47987).")
-@click.option("--cpu-page-size", type=Size(), help="Live: bytes per worker slot, for a region "
-              "without a manifest (e.g. 64KiB).")
+@click.option("--cpu-page-size", type=common.Size(), help="Live: bytes per worker slot, for a "
+              "region without a manifest (e.g. 64KiB).")
 @statuses_in_doc
 def verify_rank_layout(inv: Invocation, engine_id: str | None, world_size: int | None,
                        dp_size: int | None, devices: str | None, rank_source: str | None,
