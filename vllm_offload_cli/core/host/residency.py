@@ -16,16 +16,17 @@ _LOW_BIT = bytes(b & 1 for b in range(256))  # only the low bit of mincore's ans
 
 
 def _windows(fd: int, pos: int, end: int) -> Iterator[bytes]:
-    """One byte per page (1 resident) of [pos, end), a window at a time into one vector."""
-    vec = (ctypes.c_ubyte * (_WINDOW // PAGESIZE))()
+    """One byte per page (1 resident) of [pos, end), a window at a time; each vector
+    only as long as its window (a small file costs a small one)."""
     while pos < end:
         size = min(_WINDOW, end - pos)
+        vec = (ctypes.c_ubyte * -(-size // PAGESIZE))()
         addr = libc.map_readonly(fd, size, pos)
         try:
             libc.mincore(addr, size, vec)
         finally:
             libc.unmap(addr, size)
-        yield bytes(vec)[:-(-size // PAGESIZE)].translate(_LOW_BIT)
+        yield bytes(vec).translate(_LOW_BIT)
         pos += size
 
 
