@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"core.base", "core.region", "core.transfer"},  # core/__init__ re-exports only
     # the engine hook: start-up steps on the core, importable without vLLM and torch
     "engine": {"core.base", "core.system", "core.region", "core.host", "core.reclaim"},
-    # merge and render a fleet's per-node answers; Ray only in fleet.ray_runner
+    # merge and render a fleet's per-node answers; Ray only inside fleet.run_on_every_node
     "fleet": {"core.base"},
     "cli": {"core.base", "core.system", "core.region", "core.host", "core.layout",
             "core.reclaim", "core.transfer", "engine", "fleet", "package"},

@@ -22,7 +22,7 @@ from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.common import Out
 from vllm_offload_cli.cli.fleet import node_task, render_gc, render_inspect, render_verify
 from vllm_offload_cli.core.base.exit_status import PRECEDENCE, ExitStatus
-from vllm_offload_cli.fleet.result import (
+from vllm_offload_cli.fleet import (
     ANSWERED,
     FAILED,
     TIMED_OUT,

@@ -47,7 +47,7 @@ from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.exit_status import with_statuses
 from vllm_offload_cli.core.base.units import format_bytes, is_int
-from vllm_offload_cli.fleet.result import (
+from vllm_offload_cli.fleet import (
     ABSENT,
     ANSWERED,
     OK,
@@ -56,6 +56,7 @@ from vllm_offload_cli.fleet.result import (
     FleetResult,
     NodeResult,
     no_node_has,
+    run_on_every_node,
 )
 
 # (out, result, the run, its options): prints a fleet answer for people
@@ -101,8 +102,6 @@ def _fleet_params() -> list[click.Parameter]:
 def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
               address: str | None, timeout: float) -> FleetResult:
     """Run the node-local `command` on every alive node and collect the answers."""
-    from vllm_offload_cli.fleet.ray_runner import run_on_every_node
-
     where, nodes = run_on_every_node(
         node_task, (command, options, None if shm_dir is None else os.fspath(shm_dir)),
         address=address, timeout=timeout)
