@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core.region.segments import layout_of
+from vllm_offload_cli.core.region.segments import effective_segments, layout_of
 from vllm_offload_cli.engine.vllm_rules import (
     CPU_SPEC_MODULE,
     DEVICE_MODULO,
@@ -66,7 +66,9 @@ def test_the_rules_are_the_table_row_of_the_release(tmp_path: Path, shape: dict[
                                               barrier=False)
     assert rules.tiering_scheduler.rank_source is None
     assert rules.min_segment_bytes == 1 << 30
-    assert rules.files(rules.cpu_worker, 3 << 30) == (3 if layout == "segmented" else 1)
+    files = effective_segments(rules.cpu_worker.segments, 3 << 30,
+                               min_bytes=rules.min_segment_bytes)
+    assert files == (3 if layout == "segmented" else 1)
 
 
 @pytest.mark.parametrize(("shape", "why"), [

@@ -36,6 +36,7 @@ from vllm_offload_cli.cli.common import (
 from vllm_offload_cli.cli.inspect import (
     TABLE_HEADERS,
     TABLE_RIGHT,
+    bytes_text,
     cell_text,
     dict_items,
     footer,
@@ -142,10 +143,6 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: R
 # -- output for people: over the nodes' JSON data, exactly what --json carries; every
 # string in it is another host's, escaped as the node-local command escapes its own
 
-def _bytes(value: Any) -> str:
-    return format_bytes(value) if is_int(value) else "-"
-
-
 def _answered(result: FleetResult) -> list[tuple[str, NodeResult, dict[str, Any]]]:
     """(label, node, data) of each node that answered with data."""
     rows = []
@@ -220,8 +217,8 @@ def render_gc(out: Out, result: FleetResult, *, quiet: bool) -> None:
             removed += 1
             got = r.get("freed_bytes")
             freed += got if is_int(got) else 0
-            out.print(f"{label}: {verb} {r.get('engine_id')}: {_bytes(got)} of memory, "
-                      f"{_bytes(r.get('bytes'))} file size")
+            out.print(f"{label}: {verb} {r.get('engine_id')}: {bytes_text(got)} of memory, "
+                      f"{bytes_text(r.get('bytes'))} file size")
         if not quiet:
             for k in dict_items(data.get("kept")):
                 out.print(f"{label}: Kept {k.get('engine_id')}: {k.get('reason')}")

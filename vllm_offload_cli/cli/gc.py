@@ -110,10 +110,12 @@ def _kept_dict(k: Problem) -> dict[str, object]:
               "default one line per removed region, identifier vllm-offload; socket /dev/log, "
               "env VLLM_OFFLOAD_SYSLOG_SOCKET).")
 @click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
-              help=with_statuses("The run's budget: it removes what it proved stale in this "
-                                 "time (your own regions, then the largest, first), reports "
-                                 "the rest as not judged and exits {PARTIAL}: seconds, or 90s, "
-                                 "5m, 2h; 0: already up."))
+              help=with_statuses("The run's budget: judging stops after part of it (your own "
+                                 "regions, then the largest, first; other users' files are "
+                                 "classified from lstat before anything is opened), what was "
+                                 "proven stale is removed in the rest, what is left is reported "
+                                 "as not judged (a later run looks at it) and the run exits "
+                                 "{PARTIAL}: seconds, or 90s, 5m, 2h; 0: already up."))
 @statuses_in_doc
 def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
                     min_age: float, include_persistent: bool, all_users: bool,
@@ -136,12 +138,7 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
     (partial) when it removed regions but could not write --prometheus afterwards
     (the removals are still reported in full) or when --timeout came before every
     region was judged, {NO_SPACE} when nothing was removed and --prometheus could not
-    be written for lack of space ({FAILED} for another write error). A run makes
-    progress within --timeout: other users' files are classified from lstat before
-    anything is opened; your own regions and the largest are judged first; judging
-    stops after part of the budget, so what was proven stale is removed in the rest;
-    what is left is reported as not judged in time (a later run looks at it), with
-    the textfile written.
+    be written for lack of space ({FAILED} for another write error).
     """
     shm_dir = shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: when run

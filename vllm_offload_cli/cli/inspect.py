@@ -345,7 +345,7 @@ def _numa_text(r: dict[str, Any]) -> str:
     return ",".join(parts)
 
 
-def _bytes_text(value: object) -> str:
+def bytes_text(value: object) -> str:
     n = _number(value)
     return "-" if n is None else format_bytes(n)
 
@@ -359,8 +359,8 @@ def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
     resident = r.get("resident_bytes")
     return [name if r.get("linked") else f"{name} (unlinked)",
             "-" if r.get("dp_rank") is None else cell_text(r.get("dp_rank")),
-            cell_text(r.get("state")), (owner or owner_name)(uid), _bytes_text(r.get("size_bytes")),
-            "?" if refused and resident is None else _bytes_text(resident), _layout_text(r),
+            cell_text(r.get("state")), (owner or owner_name)(uid), bytes_text(r.get("size_bytes")),
+            "?" if refused and resident is None else bytes_text(resident), _layout_text(r),
             _numa_text(r), format_age(r.get("age_seconds")), _holders_text(r, wide),
             ",".join(cell_text(p.get("code")) for p in dict_items(r.get("problems"))) or "-"]
 
@@ -376,8 +376,8 @@ def owner_row(a: dict[str, Any], *, owner: Callable[[int | None], str] | None = 
     """One table row of an owner's regions summed (a JSON `aggregated` entry)."""
     uid = a.get("uid")
     return [f"({cell_text(a.get('regions'))} more)", "-", _counts_text(a.get("states")),
-            (owner or owner_name)(uid if is_int(uid) else None), _bytes_text(a.get("size_bytes")),
-            _bytes_text(a.get("resident_bytes")), "-", "-", "-",
+            (owner or owner_name)(uid if is_int(uid) else None), bytes_text(a.get("size_bytes")),
+            bytes_text(a.get("resident_bytes")), "-", "-", "-",
             cell_text(a.get("holders") or "-"), _counts_text(a.get("problems"))]
 
 

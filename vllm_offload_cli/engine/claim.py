@@ -221,7 +221,7 @@ def claim(
         _refuse_squatters(inv.regions, str(manifest_path(shm_dir, engine_id)), engine_id)
         tokens: _Tokens = {}
         if identity:
-            _refuse_released_by_another_engine(_own(inv.regions), token, engine_id, tokens)
+            _refuse_released_by_another_engine(inv.regions, token, engine_id, tokens)
         r = next((r for r in inv.regions if r.linked), None)
         if r is None:
             return _fits(done, size_bytes, shm_dir)
@@ -319,13 +319,6 @@ def _reclaim_once(inv: Inventory, done: ClaimResult) -> tuple[ClaimResult, bool]
     return done, bool(report.removed) and not report.kept and not os.path.lexists(done.path)
 
 
-def _own(regions: Iterable[RegionInfo]) -> list[RegionInfo]:
-    """Regions that are this user's: another user's, or an unknown owner's (a mapping
-    seen without CAP_SYS_ADMIN), never makes a name in use for us."""
-    me = os.geteuid()
-    return [r for r in regions if r.uid == me]
-
-
 # What a squatted name is: (in words, error code).
 _SYMLINK = ("a symbolic link", "symlink")
 _NOT_REGULAR = ("not a regular file", "not_regular_file")
@@ -368,9 +361,10 @@ def _squat_error(path: str, engine_id: str, uid: int | None, kind: tuple[str, st
 def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str | None,
                                        engine_id: str, tokens: _Tokens) -> None:
     """Two live engines under one engine_id collide even when one's name was released;
-    only a holder proven to be another engine's refuses."""
+    only a holder proven to be another engine's refuses. Another user's region, or an
+    unknown owner's (a mapping seen without CAP_SYS_ADMIN), never makes a name in use."""
     for r in regions:
-        if r.linked:
+        if r.linked or r.uid != os.geteuid():
             continue
         who = classify_holders(r, token, tokens)
         if who.foreign:

@@ -25,7 +25,6 @@ from typing import Any
 
 from vllm_offload_cli.core.base.units import is_int
 from vllm_offload_cli.core.region import ranks
-from vllm_offload_cli.core.region.segments import effective_segments
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +89,6 @@ class VllmRules:
     cpu_worker: RegionCall
     tiering_worker: RegionCall
     tiering_scheduler: RegionCall
-
-    def files(self, call: RegionCall, size_bytes: int) -> int:
-        """How many files vLLM asks for at `call` for a region of `size_bytes` (its rule)."""
-        return effective_segments(call.segments, size_bytes, min_bytes=self.min_segment_bytes)
 
 
 def vllm_root() -> Path | None:
