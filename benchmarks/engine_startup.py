@@ -36,7 +36,7 @@ BLOCKS = 64
 RANK = f"""
 import os, sys, time
 from vllm_offload_cli.core.region import SharedOffloadRegion
-from vllm_offload_cli.engine import RegionRequest, open_region
+from vllm_offload_cli.engine.region_hold import RegionRequest, open_region
 mode, shm, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 stride = world * {PAGE}
 if mode == "plain":

@@ -289,7 +289,7 @@ def test_without_the_rule_ageing_unlinks_a_region_in_use(shm_dir: Path, tmp_path
 
 def _hold_startup_lock(shm_dir: Path) -> subprocess.Popen[str]:
     """A process inside an engine's start-up: it holds {shm_dir}/.vllm-offload-UID/startup.lock."""
-    code = ("import sys\nfrom vllm_offload_cli.engine import startup_lock\n"
+    code = ("import sys\nfrom vllm_offload_cli.engine.claim import startup_lock\n"
             "with startup_lock(sys.argv[1]):\n    print('ready', flush=True)\n"
             "    sys.stdin.read()\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(shm_dir)], stdin=subprocess.PIPE,

@@ -20,7 +20,7 @@ import sys
 
 def main() -> None:
     from vllm_offload_cli.core.base.errors import OffloadError
-    from vllm_offload_cli.engine import RegionRequest, open_region
+    from vllm_offload_cli.engine.region_hold import RegionRequest, open_region
 
     shm_dir, engine_id = sys.argv[1:3]
     num_blocks, rank_s, row_stride, page, world = sys.argv[3:8]
