@@ -456,7 +456,6 @@ def discover(
     shm_dir: str | os.PathLike[str],
     *,
     engine_ids: Collection[str] | None = None,
-    allowed_uids: fsguard.AllowedUids = None,
     measure_residency: bool = True,
     shm_private_to_namespace: bool = False,
     judge_uids: fsguard.AllowedUids = None,
@@ -467,14 +466,14 @@ def discover(
     """Every region in shm_dir (or only `engine_ids`), with holders, state and problems.
 
     `shm_private_to_namespace` waives the PID-namespace blind spot. Files of owners not
-    in `judge_uids` (default: `allowed_uids`) are classified from `lstat` alone. With
+    in `judge_uids` (default: `inspection_uids()`) are classified from `lstat` alone. With
     `partial`, what `judge_until` (monotonic) or the deadline leaves is counted in
     `not_judged` instead of raising. `only`: read only the processes it admits, for a
     caller whose every removal the collector re-checks against all of them.
     """
     shm = _shm_dir(shm_dir)
     wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
-    allowed_uids = fsguard.inspection_uids(allowed_uids)
+    allowed_uids = fsguard.inspection_uids()
     now = time.time()
     listing = _list_dir(shm, wanted, allowed_uids if judge_uids is None else judge_uids,
                         partial)
@@ -845,7 +844,7 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
     scan = scan_processes(shm, {FileId.of(st) for _, _, st in found},
                           name=region_filename(engine_id), only=only)
     run = _Run(shm=shm, scan=scan, vis=visibility.assess(scan.denied_pids, seen=only.seen),
-               allowed_uids=fsguard.inspection_uids(None))
+               allowed_uids=fsguard.inspection_uids())
     # the same judgement as discover()'s: a lock counts only on the owner's files
     named = _judge(run, engine_id, found) if found else None
     regions = [] if named is None else [judge_visibility(named, run.vis)]

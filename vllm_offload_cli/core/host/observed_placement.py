@@ -137,8 +137,7 @@ def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAM
 HolderScans = dict[int, "dict[FileId, HolderPages] | None"]
 
 
-def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
-                ) -> dict[str, Placement]:
+def observe_all(regions: Iterable[RegionInfo]) -> dict[str, Placement]:
     """Placement of each region, keyed by its first path (unique per region)."""
     regions = list(regions)
     topo = numa.topology()
@@ -150,11 +149,11 @@ def observe_all(regions: Iterable[RegionInfo], *, measure: bool = True
         scans = {pid: scan_holder(pid, wanted) for pid in {h.pid for r in regions
                                                            for h in r.holders}}
     return {r.segments[0].path: _observe(r, topo, thp[os.path.dirname(r.segments[0].path)],
-                                         measure and r.linked, scans) for r in regions}
+                                         scans) for r in regions}
 
 
-def _observe(r: RegionInfo, topo: numa.Topology, thp: ThpSupport, measure: bool,
-             scans: HolderScans) -> Placement:
+def _observe(r: RegionInfo, topo: numa.Topology, thp: ThpSupport, scans: HolderScans
+             ) -> Placement:
     """Placement of one region; on a one-node host whose mount gives no huge pages it is
     known without reading any holder."""
     no_huge = not thp.allowed
@@ -169,7 +168,7 @@ def _observe(r: RegionInfo, topo: numa.Topology, thp: ThpSupport, measure: bool,
     pid = None if best is None else best.pid
     unknown = Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None,
                         source="unknown", pid=pid)
-    if not measure or not libc.numa_syscalls_available():
+    if not r.linked or not libc.numa_syscalls_available():  # sampling maps the file by name
         return unknown
     return _sample_files(r.segments, pid, no_huge) or unknown
 

@@ -119,7 +119,6 @@ def check_region(
     *,
     world_size: int | None = None,
     cpu_page_size: int | None = None,
-    allowed_uids: fsguard.AllowedUids = None,
 ) -> LiveCheck:
     """Check one region; raise only for bad input or a file that is not a region at all."""
     validate_engine_id(engine_id)
@@ -127,7 +126,7 @@ def check_region(
         if value is not None and value <= 0:
             raise InvalidInputError(f"{option} must be greater than 0, got {value}",
                                     code="invalid_geometry")
-    allowed_uids = fsguard.inspection_uids(allowed_uids)
+    allowed_uids = fsguard.inspection_uids()
     path = str(region_path(shm_dir, engine_id))
     mpath = str(manifest_path(shm_dir, engine_id))
     released: RegionInfo | None = None

@@ -42,11 +42,9 @@ def uid_allowed(uid: int, allowed_uids: AllowedUids) -> bool:
     return uid in ((os.geteuid(),) if allowed_uids is None else allowed_uids)
 
 
-def inspection_uids(allowed_uids: AllowedUids) -> AllowedUids:
+def inspection_uids() -> AllowedUids:
     """Owners a reader accepts: root looks at every user's regions as legitimate."""
-    if allowed_uids is None and os.geteuid() == 0:
-        return EVERY_UID
-    return allowed_uids
+    return EVERY_UID if os.geteuid() == 0 else None
 
 
 def stat_problems(

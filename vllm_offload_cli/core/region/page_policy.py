@@ -117,8 +117,6 @@ def choose(
     numa_nodes: Iterable[int] | int | None = None,
     numa_policy: str | None = None,
     huge_pages: str = "never",
-    topo: numa.Topology | None = None,
-    thp: ThpSupport | None = None,
 ) -> PagePolicy:
     """Validate a placement request before anything is created (errors: exit 2 or 5)."""
     if huge_pages not in HUGE_PAGE_CHOICES:
@@ -130,7 +128,7 @@ def choose(
                                 f"{numa_policy!r}", code="invalid_numa_policy")
     policy = numa_policy
     if nodes or policy is not None:
-        topo = topo or numa.topology()
+        topo = numa.topology()
         policy = policy or "bind"
         if not nodes:
             if policy != "interleave":
@@ -149,7 +147,7 @@ def choose(
                                     code="numa_unsupported")
     advise = False
     if huge_pages != "never":
-        thp = thp or thp_support(shm_dir)
+        thp = thp_support(shm_dir)
         if thp.allowed:
             advise = True
         elif huge_pages == "always":
