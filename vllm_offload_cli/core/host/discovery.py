@@ -19,33 +19,18 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from vllm_offload_cli.core.base import deadline
-from vllm_offload_cli.core.base.errors import (
-    InvalidInputError,
-    OffloadError,
-    RegionBusyError,
-    RegionNotFoundError,
-)
+from vllm_offload_cli.core.base import deadline, errors
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
 from vllm_offload_cli.core.host.visibility import Visibility
-from vllm_offload_cli.core.region import carried, fsguard, locking, openers
+from vllm_offload_cli.core.region import carried, fsguard, locking, naming, openers
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.manifest import Manifest
-from vllm_offload_cli.core.region.naming import (
-    manifest_path,
-    parse_manifest_filename,
-    parse_region_filename,
-    region_filename,
-    region_kind,
-    region_path,
-    split_engine_id,
-    validate_engine_id,
-)
+from vllm_offload_cli.core.region.naming import manifest_path, parse_region_filename
 from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import FileId, open_proc_link, stat_proc_link
 from vllm_offload_cli.core.system.processes import comm
@@ -128,7 +113,7 @@ class RegionInfo:
     def to_dict(self) -> dict[str, object]:
         return {
             "engine_id": self.engine_id,
-            "kind": region_kind(self.engine_id),
+            "kind": naming.region_kind(self.engine_id),
             "base_engine_id": self.base_engine_id,
             "dp_rank": self.dp_rank,
             "paths": self.paths,
@@ -275,7 +260,8 @@ def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.
                 listing.complete = False
                 break
             parsed = parse_region_filename(entry.name)
-            engine_id = parse_manifest_filename(entry.name) if parsed is None else parsed.engine_id
+            engine_id = (naming.parse_manifest_filename(entry.name) if parsed is None
+                         else parsed.engine_id)
             if engine_id is None or (wanted is not None and engine_id not in wanted):
                 continue
             if parsed is None:
@@ -306,7 +292,7 @@ def _by_name(shm_dir: str, engine_id: str, have: Collection[int] | None = None
              ) -> list[_Entry]:
     """A region's files looked up by name, not listed: every possible segment, or (given
     those it `have`s) up to the first one missing."""
-    base = str(region_path(shm_dir, engine_id))
+    base = str(naming.region_path(shm_dir, engine_id))
     found: list[_Entry] = []
     for segment in range(MAX_SEGMENT + 1):
         path = base if segment == 0 else f"{base}.{segment}"
@@ -373,11 +359,11 @@ def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool
     wait = run.lease_wait if lst.st_uid == os.geteuid() else fsguard.LeaseWait(0.0)
     try:
         fd = fsguard.open_existing(path, os.O_RDONLY, lease_wait=wait)
-    except RegionNotFoundError:
+    except errors.RegionNotFoundError:
         raise FileNotFoundError(path) from None
-    except RegionBusyError:  # a long-held lease: someone is at it; not stale
+    except errors.RegionBusyError:  # a long-held lease: someone is at it; not stale
         return _from_stat(path, segment, lst), True
-    except (OffloadError, OSError):  # refused or unsafe; a bug is not "unreadable"
+    except (errors.OffloadError, OSError):  # refused or unsafe; a bug is not "unreadable"
         return _from_stat(path, segment, lst, fsguard.stat_problems(
             lst, allowed_uids=run.allowed_uids) or [
             Problem("unreadable", "cannot be opened by this user")]), False
@@ -472,7 +458,7 @@ def discover(
     caller whose every removal the collector re-checks against all of them.
     """
     shm = _shm_dir(shm_dir)
-    wanted = None if engine_ids is None else {validate_engine_id(e) for e in engine_ids}
+    wanted = None if engine_ids is None else {naming.validate_engine_id(e) for e in engine_ids}
     allowed_uids = fsguard.inspection_uids()
     now = time.time()
     listing = _list_dir(shm, wanted, allowed_uids if judge_uids is None else judge_uids,
@@ -577,8 +563,9 @@ def _inventory(shm: str, regions: list[RegionInfo], orphans: list[OrphanManifest
 def _shm_dir(shm_dir: str | os.PathLike[str]) -> str:
     shm = os.path.realpath(shm_dir)
     if not os.path.isdir(shm):
-        raise InvalidInputError(f"shm directory {shm_dir} does not exist or is not a directory",
-                                path=str(shm_dir), code="bad_shm_dir")
+        raise errors.InvalidInputError(
+            f"shm directory {shm_dir} does not exist or is not a directory",
+            path=str(shm_dir), code="bad_shm_dir")
     return shm
 
 
@@ -615,7 +602,7 @@ def _region(run: _Run, engine_id: str, segments: list[SegmentFile], locked: bool
     age = _age(segments, manifest, run.now)
     first = bare or segments[0]
     state, creation = _state(manifest, bool(holders or locked))
-    parts = split_engine_id(engine_id)
+    parts = naming.split_engine_id(engine_id)
     return RegionInfo(
         engine_id=engine_id, base_engine_id=parts.base_engine_id, dp_rank=parts.dp_rank,
         segments=tuple(segments), linked=True, size_bytes=size,
@@ -695,7 +682,7 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
                     st: os.stat_result | None = None) -> RegionInfo:
     """A region whose name is gone: all we know comes through its users' /proc entries,
     the manifest they carry (`core.region.carried`) included."""
-    parts = split_engine_id(engine_id)
+    parts = naming.split_engine_id(engine_id)
     path = next(u.path for u in uses if u.path)
     size = max((u.size_hint or 0) for u in uses)
     uid, mode = None, None
@@ -821,7 +808,7 @@ def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | N
             continue
         orphan = _orphan(engine_id, path)
         # a region there was counted rather than listed
-        if orphan and not os.path.lexists(region_path(os.path.dirname(path), engine_id)):
+        if orphan and not os.path.lexists(naming.region_path(os.path.dirname(path), engine_id)):
             orphans.append(orphan)
     return orphans
 
@@ -842,7 +829,7 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
         mode |= stat.S_IMODE(st.st_mode) if st.st_uid == me else 0
     only = visibility.MayOpen(me, mode)
     scan = scan_processes(shm, {FileId.of(st) for _, _, st in found},
-                          name=region_filename(engine_id), only=only)
+                          name=naming.region_filename(engine_id), only=only)
     run = _Run(shm=shm, scan=scan, vis=visibility.assess(scan.denied_pids, seen=only.seen),
                allowed_uids=fsguard.inspection_uids())
     # the same judgement as discover()'s: a lock counts only on the owner's files
@@ -864,8 +851,8 @@ def open_released(shm_dir: str | os.PathLike[str], engine_id: str
     Opened through a holder's descriptor or mapping, checked to be that very inode;
     None when no such region is held or none can be opened."""
     shm = _shm_dir(shm_dir)
-    validate_engine_id(engine_id)
-    run = _Run(shm=shm, scan=scan_processes(shm, name=region_filename(engine_id)))
+    naming.validate_engine_id(engine_id)
+    run = _Run(shm=shm, scan=scan_processes(shm, name=naming.region_filename(engine_id)))
     best: tuple[int, RegionInfo] | None = None
     for fid, uses in _deleted_only(run.scan, set(), shm).get(engine_id, {}).items():
         # _deleted_only keeps only unlinked files with a name: is it the bare file?

@@ -62,16 +62,10 @@ from vllm_offload_cli.core.reclaim.report import (
     GcReport,
     RemovedRegion,
 )
-from vllm_offload_cli.core.region import fsguard, locking, openers, untrusted_json
+from vllm_offload_cli.core.region import fsguard, locking, naming, openers, untrusted_json
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.manifest import Manifest
-from vllm_offload_cli.core.region.naming import (
-    MANIFEST_SUFFIX,
-    PREFIX,
-    engine_id_problem,
-    manifest_path,
-    region_path,
-)
+from vllm_offload_cli.core.region.naming import manifest_path
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
@@ -83,7 +77,7 @@ _BATCH = 64
 
 # manifest.write()'s temporary file: `.{manifest name}.tmp.{pid}.{hex}`
 _TEMP_RE = re.compile(  # fullmatch: `$` would accept a trailing newline
-    r"\." + re.escape(PREFIX) + r"(?P<engine_id>.+)" + re.escape(MANIFEST_SUFFIX)
+    r"\." + re.escape(naming.PREFIX) + r"(?P<engine_id>.+)" + re.escape(naming.MANIFEST_SUFFIX)
     + r"\.tmp\.(?P<pid>[0-9]{1,10})\.(?P<token>[0-9a-f]{1,64})"
 )
 
@@ -519,7 +513,7 @@ class _Run:
 
     def _temp_file(self, entry: os.DirEntry[str], wanted: set[str] | None) -> None:
         match = _TEMP_RE.fullmatch(entry.name) if entry.name.startswith(".") else None
-        if (match is None or engine_id_problem(match["engine_id"]) is not None
+        if (match is None or naming.engine_id_problem(match["engine_id"]) is not None
                 or (wanted is not None and match["engine_id"] not in wanted)):
             return
         try:  # another user's file is judged by lstat, never opened
@@ -556,7 +550,7 @@ class _Run:
         """The inode discovery saw, locked (manifests are updated under LOCK_EX), with no
         region come back since, and not a live region's manifest renamed onto this name."""
         return (FileId.of(st) == o.file_id and locking.try_lock(fd)
-                and not os.path.lexists(region_path(self.shm_dir, o.engine_id))
+                and not os.path.lexists(naming.region_path(self.shm_dir, o.engine_id))
                 and _recorded_region(fd) not in self.known_inodes)
 
     # -- bookkeeping -----------------------------------------------------------

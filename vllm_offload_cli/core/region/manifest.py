@@ -15,23 +15,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
+from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.deadline import poll_until
-from vllm_offload_cli.core.base.errors import (
-    OffloadError,
-    OperationFailedError,
-    RegionNotFoundError,
-    RegionTimeoutError,
-    UnsafeRegionError,
-)
 from vllm_offload_cli.core.base.problems import Problem, jsonable
-from vllm_offload_cli.core.region import fsguard, locking, page_policy
+from vllm_offload_cli.core.region import fsguard, locking, naming, page_policy
 from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.geometry import Geometry
-from vllm_offload_cli.core.region.naming import (
-    engine_id_problem,
-    parse_manifest_filename,
-    split_engine_id,
-)
 from vllm_offload_cli.core.region.segments import layout_of
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef
@@ -48,7 +37,7 @@ _TOP_LEVEL = ("engine_id", "base_engine_id", "dp_rank", "layout", "rank_source",
 T = TypeVar("T")
 
 
-class ManifestError(UnsafeRegionError):
+class ManifestError(errors.UnsafeRegionError):
     """The manifest is unreadable, not ours, or not valid."""
 
     code = "manifest_invalid"
@@ -106,11 +95,11 @@ class Manifest:
 
     @property
     def base_engine_id(self) -> str:
-        return split_engine_id(self.engine_id).base_engine_id
+        return naming.split_engine_id(self.engine_id).base_engine_id
 
     @property
     def dp_rank(self) -> int | None:
-        return split_engine_id(self.engine_id).dp_rank
+        return naming.split_engine_id(self.engine_id).dp_rank
 
     def to_json(self) -> dict[str, Any]:
         doc = {key: getattr(self, key) for key in _TOP_LEVEL}
@@ -132,7 +121,7 @@ class Manifest:
         if version != MANIFEST_VERSION or isinstance(version, bool):
             raise uj.UntrustedJsonError(f"unsupported manifest_version {version!r:.40}")
         engine_id = uj.string(uj.field(doc, "engine_id", "manifest"), "engine_id")
-        problem = engine_id_problem(engine_id)
+        problem = naming.engine_id_problem(engine_id)
         if problem is not None:
             raise uj.UntrustedJsonError(problem)
         region = uj.obj(uj.field(doc, "region", "manifest"), "region")
@@ -208,7 +197,7 @@ def _geometry(g: dict[str, Any]) -> Geometry:
             cpu_page_size=size("cpu_page_size", _MAX_BYTES_PER_ROW),
             world_size=uj.opt_integer(g.get("world_size"), "geometry.world_size", 1, _MAX_WORKERS),
         )
-    except OffloadError as exc:
+    except errors.OffloadError as exc:
         raise uj.UntrustedJsonError(exc.message) from None
 
 
@@ -244,7 +233,7 @@ def read_fd(fd: int, path: str, *, allowed_uids: fsguard.AllowedUids = None,
     data = os.pread(fd, MAX_BYTES + 1, 0)  # never more, whatever the size says
     try:
         m = Manifest.from_json(uj.loads(data, max_bytes=MAX_BYTES))
-        named = parse_manifest_filename(os.path.basename(path))
+        named = naming.parse_manifest_filename(os.path.basename(path))
         if named is not None and m.engine_id != named:
             raise uj.UntrustedJsonError(f"it records engine_id {m.engine_id!r}, not {named!r}")
     except (ValueError, TypeError) as exc:
@@ -274,11 +263,11 @@ def read_matching(path: str, file_id: FileId | None, *,
     (then the region is judged as if it had none); (None, None) when there is none."""
     try:
         m = read(path, allowed_uids=allowed_uids, owner_uid=owner_uid)
-    except RegionNotFoundError:
+    except errors.RegionNotFoundError:
         return None, None
     except ManifestError as exc:
         return None, Problem(exc.code, exc.message)
-    except OffloadError as exc:  # a symlink or someone else's file where ours should be
+    except errors.OffloadError as exc:  # a symlink or someone else's file where ours should be
         return None, Problem(f"manifest_{exc.code}", f"manifest: {exc.message}")
     except OSError as exc:
         return None, Problem("manifest_unreadable", f"manifest {path}: {exc.strerror}")
@@ -298,8 +287,8 @@ def write(path: str, manifest: Manifest) -> None:
     try:
         fd = fsguard.create_exclusive(tmp, os.O_WRONLY)
     except OSError as exc:
-        raise OperationFailedError(f"cannot write manifest beside {path}: {exc.strerror}",
-                                   path=path) from exc
+        raise errors.OperationFailedError(
+            f"cannot write manifest beside {path}: {exc.strerror}", path=path) from exc
     try:
         with open(fd, "wb") as f:  # closes fd
             f.write(payload)
@@ -324,8 +313,9 @@ def _locked(path: str, timeout: float, work: Callable[[int], T | None], doing: s
             os.close(fd)
     done = poll_until(attempt, timeout)
     if done is None:
-        raise RegionTimeoutError(f"gave up {doing} manifest {path} after {timeout:g} s: "
-                                 "another process kept it locked (a stopped gc?)", path=path)
+        raise errors.RegionTimeoutError(f"gave up {doing} manifest {path} after {timeout:g} s: "
+                                        "another process kept it locked (a stopped gc?)",
+                                        path=path)
     return done
 
 
@@ -347,9 +337,9 @@ def remove(path: str, *, timeout: float = 10.0) -> None:
         return fsguard.unlink_if_same(path, fd) or not os.path.lexists(path) or None
     try:
         _locked(path, timeout, work, "removing")
-    except RegionTimeoutError:
+    except errors.RegionTimeoutError:
         raise
-    except OffloadError:
+    except errors.OffloadError:
         pass  # already gone, or not a file we would ever have written
 
 

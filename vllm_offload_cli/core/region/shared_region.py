@@ -36,7 +36,7 @@ from vllm_offload_cli.core.base.errors import (
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
-from vllm_offload_cli.core.region import capacity, fsguard, locking, page_policy
+from vllm_offload_cli.core.region import capacity, fsguard, locking, naming, page_policy
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import (
     PAGESIZE,
@@ -45,12 +45,7 @@ from vllm_offload_cli.core.region.geometry import (
     mismatches,
     round_up,
 )
-from vllm_offload_cli.core.region.naming import (
-    DEFAULT_SHM_DIR,
-    gc_command,
-    manifest_path,
-    region_path,
-)
+from vllm_offload_cli.core.region.naming import manifest_path
 from vllm_offload_cli.core.region.prefault import PopulateStats, Progress, populate, slot_ranges
 from vllm_offload_cli.core.region.ranks import RankSource, parse_rank_source
 from vllm_offload_cli.core.region.segments import (
@@ -111,7 +106,7 @@ class SharedOffloadRegion:
         populate_shard: tuple[int, int] | None = None,
         populate_only_on_creator: bool = False,
         num_segments: int = 1,
-        shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+        shm_dir: str | os.PathLike[str] = naming.DEFAULT_SHM_DIR,
         world_size: int | None = None,
         rank_source: str | RankSource | None = None,
         device_index: int | None = None,
@@ -231,7 +226,7 @@ class SharedOffloadRegion:
         self.cpu_page_size = cpu_page_size
         self._row_stride = kv_bytes_per_chunk
         self.total_size_bytes = self.geometry.size_bytes
-        self.path = region_path(shm_dir, self.engine_id)  # validates engine_id
+        self.path = naming.region_path(shm_dir, self.engine_id)  # validates engine_id
         self.mmap_path = str(self.path)
         self.manifest_path = str(manifest_path(shm_dir, self.engine_id))
         self.shm_dir = Path(shm_dir)
@@ -345,7 +340,8 @@ class SharedOffloadRegion:
         except FileExistsError:
             raise RegionBusyError(
                 f"{path} already exists without its region; a leftover of an earlier region? "
-                f"`{gc_command(self.shm_dir, self.engine_id)}` removes it once nothing uses it",
+                f"`{naming.gc_command(self.shm_dir, self.engine_id)}` removes it once nothing "
+                "uses it",
                 path=path, engine_id=self.engine_id, code="name_taken",
             ) from None
         self._segment_fds.append(fd)
@@ -479,7 +475,7 @@ class SharedOffloadRegion:
         if st is not None:  # only a manifest of this very file counts
             m, _ = manifest_io.read_matching(self.manifest_path, FileId.of(st),
                                              allowed_uids=self._allowed_uids, owner_uid=st.st_uid)
-        gc = gc_command(self.shm_dir, self.engine_id,
+        gc = naming.gc_command(self.shm_dir, self.engine_id,
                         include_persistent=m is not None and m.persistent and m.complete)
         if m is not None and not m.complete:
             if m.creator_alive():
@@ -535,16 +531,12 @@ class SharedOffloadRegion:
         return self.mmap_obj
 
     @property
-    def _base(self) -> torch.Tensor:
+    def base_tensor(self) -> torch.Tensor:
+        """The whole mapping as one int8 tensor (vLLM's HiSparse pins slices of it)."""
         if self._base_tensor is None:
             torch = import_torch()
             self._base_tensor = torch.frombuffer(self._mapping(), dtype=torch.int8)
         return self._base_tensor
-
-    @property
-    def base_tensor(self) -> torch.Tensor:
-        """The whole mapping as one int8 tensor (vLLM's HiSparse pins slices of it)."""
-        return self._base
 
     def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
         """This worker's slots as page-aligned (offset, length) ranges, one per row, as
@@ -562,8 +554,8 @@ class SharedOffloadRegion:
 
     def _strided(self, offset: int, tensor_page_size: int) -> torch.Tensor:
         view: torch.Tensor = import_torch().as_strided(
-            self._base, size=(self.num_chunks, tensor_page_size), stride=(self._row_stride, 1),
-            storage_offset=offset)
+            self.base_tensor, size=(self.num_chunks, tensor_page_size),
+            stride=(self._row_stride, 1), storage_offset=offset)
         self._views.append(view)
         return view
 
