@@ -29,7 +29,7 @@ from region_files import region_file
 
 from vllm_offload_cli.core.host import visibility
 from vllm_offload_cli.core.host.discovery import discover
-from vllm_offload_cli.core.region import openers
+from vllm_offload_cli.core.region import fsguard
 from vllm_offload_cli.core.system import mounts
 
 SNEAKY = Path(__file__).parent / "helpers" / "sneaky_holder.py"
@@ -418,7 +418,7 @@ def scratch_file() -> Iterator[Path]:
 def probe(path: Path) -> bool | None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        return openers.probe(fd).sole
+        return fsguard.probe(fd).sole
     finally:
         os.close(fd)
 
@@ -437,8 +437,8 @@ def test_the_lease_cannot_tell_without_ownership_or_cap_lease(scratch_file: Path
                                                              nobody: OtherUser) -> None:
     os.chmod(scratch_file, 0o644)
     os.chmod(scratch_file.parent, 0o755)
-    code = ("import os; from vllm_offload_cli.core.region import openers; "
-            f"fd = os.open({str(scratch_file)!r}, os.O_RDONLY); v = openers.probe(fd); "
+    code = ("import os; from vllm_offload_cli.core.region import fsguard; "
+            f"fd = os.open({str(scratch_file)!r}, os.O_RDONLY); v = fsguard.probe(fd); "
             "print(v.sole, v.why)")
     proc = subprocess.run(nobody.python_command("-c", code), capture_output=True, text=True,
                           timeout=60)
@@ -452,11 +452,11 @@ def test_an_open_that_waits_on_our_lease_is_noticed(scratch_file: Path) -> None:
     before = signal.getsignal(signal.SIGIO)
     fd = os.open(scratch_file, os.O_RDONLY)
     try:
-        with openers.sole_opener([fd]) as verdict:
-            assert verdict.sole is True and openers.still_sole(fd)
+        with fsguard.sole_opener([fd]) as verdict:
+            assert verdict.sole is True and fsguard.still_sole(fd)
             opener = subprocess.Popen([sys.executable, "-c",
                                        f"open({str(scratch_file)!r}, 'rb').close()"])
-            assert wait_until(lambda: not openers.still_sole(fd), timeout=30)
+            assert wait_until(lambda: not fsguard.still_sole(fd), timeout=30)
             assert opener.poll() is None  # blocked until we let go
         assert opener.wait(timeout=30) == 0
         assert signal.getsignal(signal.SIGIO) == before  # restored once no lease is held

@@ -22,7 +22,7 @@ from vllm_offload_cli.core.base.errors import (
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.host import residency
-from vllm_offload_cli.core.region import SharedOffloadRegion, locking
+from vllm_offload_cli.core.region import SharedOffloadRegion, fsguard
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 
@@ -131,9 +131,9 @@ def test_shared_flock_is_held_for_life(shm_dir: Path) -> None:
     region = make(shm_dir, 0, persistent=True)
     fd = os.open(region.mmap_path, os.O_RDONLY)
     try:
-        assert not locking.try_lock(fd)
+        assert not fsguard.try_lock(fd)
         region.cleanup()
-        assert locking.try_lock(fd)
+        assert fsguard.try_lock(fd)
     finally:
         os.close(fd)
     assert os.path.exists(region.mmap_path), "persistent regions survive their creator"

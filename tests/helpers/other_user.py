@@ -34,7 +34,7 @@ NOBODY = 65534
 HELPERS = Path(__file__).parent
 # What `gc`, `inspect` and the core import; their requirements are followed.
 DISTRIBUTIONS = ("click", "rich", "psutil", "prometheus_client")
-_PROBE = ("import sys, psutil, vllm_offload_cli.cli.app, vllm_offload_cli.core.region.openers; "
+_PROBE = ("import sys, psutil, vllm_offload_cli.cli.app, vllm_offload_cli.core.region.fsguard; "
           "print(*sys.version_info[:2])")
 
 

@@ -37,7 +37,6 @@ from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
 from vllm_offload_cli.core.region import capacity, fsguard
 from vllm_offload_cli.core.region.geometry import mismatches
-from vllm_offload_cli.core.region.locking import lock_waiting
 from vllm_offload_cli.core.region.naming import (
     gc_command,
     manifest_path,
@@ -101,8 +100,8 @@ def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> 
         finally:
             os.close(dfd)
     try:
-        lock_waiting(fd, fcntl.LOCK_EX, timeout=timeout,
-                     timed_out=lambda: _lock_busy(path, fd, timeout))
+        fsguard.lock_waiting(fd, fcntl.LOCK_EX, timeout=timeout,
+                             timed_out=lambda: _lock_busy(path, fd, timeout))
         yield
     finally:
         os.close(fd)

@@ -25,7 +25,7 @@ from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.host import residency, visibility
 from vllm_offload_cli.core.host.procscan import FileUse, ProcessScan, scan_processes
 from vllm_offload_cli.core.host.visibility import Visibility
-from vllm_offload_cli.core.region import carried, fsguard, locking, naming, openers
+from vllm_offload_cli.core.region import carried, fsguard, naming
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.capacity import ShmUsage, shm_usage
 from vllm_offload_cli.core.region.geometry import Geometry
@@ -67,7 +67,7 @@ class SegmentFile:
     # tmpfs memory the file holds (st_blocks): what removing it gives back, as gc counts
     allocated_bytes: int | None = None
     # the kernel's answer to "open anywhere else?", asked only when /proc may miss a holder
-    sole_opener: openers.OpenersVerdict | None = None
+    sole_opener: fsguard.OpenersVerdict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,7 +336,7 @@ class _Run:
 
 def _from_stat(path: str, segment: int, st: os.stat_result, problems: Iterable[Problem] = (),
                resident: tuple[int | None, str | None] = (None, None),
-               sole_opener: openers.OpenersVerdict | None = None) -> SegmentFile:
+               sole_opener: fsguard.OpenersVerdict | None = None) -> SegmentFile:
     """A linked file as its stat shows it. `mtime` is its ctime: an owner can set mtime
     (a future one would make a leftover look young for ever), nobody can set ctime."""
     regular = stat.S_ISREG(st.st_mode)
@@ -372,11 +372,11 @@ def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool
         if FileId.of(st) != FileId.of(lst):
             raise FileNotFoundError(path)  # replaced between lstat and open: rescan later
         resident = _resident(fd) if run.measure else (None, None)
-        locked = not locking.try_lock(fd)
+        locked = not fsguard.try_lock(fd)
         probe = not locked and run.needs_probe(st)
         return _from_stat(path, segment, st, fsguard.stat_problems(
             st, allowed_uids=run.allowed_uids), resident,
-            openers.probe(fd, retry=_PROBE_RETRY) if probe else None), locked
+            fsguard.probe(fd, retry=_PROBE_RETRY) if probe else None), locked
     finally:
         os.close(fd)  # also drops the probe lock
 

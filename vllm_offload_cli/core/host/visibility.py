@@ -4,7 +4,7 @@ nothing unless /proc showed every process that could use it.
 Host-wide blind spots (a PID namespace not the host's, a foreign /proc, `hidepid=`,
 `subset=pid`) hide any number of processes; a waiver covers the namespace case only.
 A hidden process (`HiddenProcess`: maps or descriptors unreadable) matters only for
-files it could open. Callers say `unknown` unless region.openers proves no other opener.
+files it could open. Callers say `unknown` unless region.fsguard.probe proves no other opener.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ from vllm_offload_cli.core.reclaim.report import (
     GcReport,
     RemovedRegion,
 )
-from vllm_offload_cli.core.region import fsguard, locking, naming, openers, untrusted_json
+from vllm_offload_cli.core.region import fsguard, naming, untrusted_json
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import manifest_path
@@ -357,7 +357,7 @@ class _Run:
         if st.st_nlink != 1:
             return self._keep(r, LINK_COUNT, f"{name} has {st.st_nlink} hard links; removing "
                               "this name would not free it, and another name may be in use")
-        if not locking.try_lock(fd):
+        if not fsguard.try_lock(fd):
             return self._lock_refused(r, FileId.of(st))
         return None
 
@@ -371,7 +371,7 @@ class _Run:
             return  # absent (made by vLLM), or a symlink we leave alone
         st = os.fstat(fd)
         if (not stat.S_ISREG(st.st_mode) or not fsguard.uid_allowed(st.st_uid, self.owners)
-                or not locking.try_lock(fd)):
+                or not fsguard.try_lock(fd)):
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
@@ -409,7 +409,7 @@ class _Run:
             return self._keep(r, TOO_YOUNG, self._young_text(age))
         suspects = sorted({pid for _, _, st in held.files
                            for pid in vis.could_hide(st.st_uid, st.st_mode)})
-        with openers.sole_opener([fd for _, fd, _ in held.files]) as verdict:
+        with fsguard.sole_opener([fd for _, fd, _ in held.files]) as verdict:
             if verdict.sole is False:
                 return self._opened_elsewhere(r, suspects)
             if verdict.sole is None and suspects:
@@ -449,7 +449,7 @@ class _Run:
     def _remove(self, held: _Locked, age: float, *, leased: bool,
                 suspects: tuple[int, ...]) -> Problem | None:
         """Removes (in a dry run, records) what is held; the lease, if any, is asked again."""
-        if leased and not all(openers.still_sole(fd) for _, fd, _ in held.files):
+        if leased and not all(fsguard.still_sole(fd) for _, fd, _ in held.files):
             return self._opened_elsewhere(held.region, [])  # an open() waits on our lease
         if self.options.dry_run:
             gone = held.files
@@ -549,7 +549,7 @@ class _Run:
     def _still_orphan(self, o: OrphanManifest, fd: int, st: os.stat_result) -> bool:
         """The inode discovery saw, locked (manifests are updated under LOCK_EX), with no
         region come back since, and not a live region's manifest renamed onto this name."""
-        return (FileId.of(st) == o.file_id and locking.try_lock(fd)
+        return (FileId.of(st) == o.file_id and fsguard.try_lock(fd)
                 and not os.path.lexists(naming.region_path(self.shm_dir, o.engine_id))
                 and _recorded_region(fd) not in self.known_inodes)
 
@@ -652,7 +652,7 @@ _PROBE_RETRY = 0.02
 def _sole_now(held: _Locked) -> bool:
     """The kernel granted a lease on every file: nobody else has any of them open or
     mapped right now (`_remove` asks again before anything is removed)."""
-    with openers.sole_opener([fd for _, fd, _ in held.files], retry=_PROBE_RETRY) as verdict:
+    with fsguard.sole_opener([fd for _, fd, _ in held.files], retry=_PROBE_RETRY) as verdict:
         return verdict.sole is True
 
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.problems import Problem, jsonable
-from vllm_offload_cli.core.region import fsguard, locking, naming, page_policy
+from vllm_offload_cli.core.region import fsguard, naming, page_policy
 from vllm_offload_cli.core.region import untrusted_json as uj
 from vllm_offload_cli.core.region.geometry import Geometry
 from vllm_offload_cli.core.region.segments import layout_of
@@ -308,7 +308,7 @@ def _locked(path: str, timeout: float, work: Callable[[int], T | None], doing: s
     def attempt() -> T | None:
         fd = fsguard.open_existing(path, os.O_RDONLY)
         try:
-            return work(fd) if locking.try_lock(fd) else None
+            return work(fd) if fsguard.try_lock(fd) else None
         finally:
             os.close(fd)
     done = poll_until(attempt, timeout)

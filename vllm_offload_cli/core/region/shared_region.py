@@ -36,7 +36,7 @@ from vllm_offload_cli.core.base.errors import (
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
-from vllm_offload_cli.core.region import capacity, fsguard, locking, naming, page_policy
+from vllm_offload_cli.core.region import capacity, fsguard, naming, page_policy
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import (
     PAGESIZE,
@@ -307,7 +307,7 @@ class SharedOffloadRegion:
     def _create(self, preflight: bool) -> None:
         """We won O_EXCL: lock, check room, describe, then size the file."""
         assert self.fd is not None
-        locking.lock_shared(self.fd, timeout=10.0, path=self.mmap_path)
+        fsguard.lock_shared(self.fd, timeout=10.0, path=self.mmap_path)
         if self._creator_memory_check is not None:  # vLLM's hook, e.g. HiSparse's host RAM
             self._creator_memory_check(self.total_size_bytes)
         if preflight:
@@ -345,7 +345,7 @@ class SharedOffloadRegion:
                 path=path, engine_id=self.engine_id, code="name_taken",
             ) from None
         self._segment_fds.append(fd)
-        locking.lock_shared(fd, timeout=10.0, path=path)
+        fsguard.lock_shared(fd, timeout=10.0, path=path)
         self._size(fd, path, seg.length)
 
     def _size(self, fd: int, path: str, length: int) -> None:
@@ -364,7 +364,7 @@ class SharedOffloadRegion:
             self._segment_fds.append(fd)
             fsguard.raise_if_unsafe(os.fstat(fd), path, engine_id=self.engine_id,
                                     allowed_uids=self._allowed_uids, expected_size=seg.length)
-            locking.lock_shared(fd, timeout=timeout, path=path)
+            fsguard.lock_shared(fd, timeout=timeout, path=path)
 
     def _join(self, timeout: float) -> bool:
         """Join an existing region; False when the name vanished or was replaced."""
@@ -376,7 +376,7 @@ class SharedOffloadRegion:
         st = os.fstat(fd)
         fsguard.raise_if_unsafe(st, self.mmap_path, engine_id=self.engine_id,
                                 allowed_uids=self._allowed_uids)
-        locking.lock_shared(fd, timeout=timeout, path=self.mmap_path)
+        fsguard.lock_shared(fd, timeout=timeout, path=self.mmap_path)
         expected = self.segments[0].length
 
         def sized() -> bool | None:
