@@ -16,11 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vllm_offload_cli.core.base.errors import (
-    InvalidInputError,
-    RegionNotFoundError,
-    UnsafeRegionError,
-)
+from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.text import joined
 from vllm_offload_cli.core.host import observed_placement, residency
@@ -124,20 +120,20 @@ def check_region(
     validate_engine_id(engine_id)
     for option, value in (("--world-size", world_size), ("--cpu-page-size", cpu_page_size)):
         if value is not None and value <= 0:
-            raise InvalidInputError(f"{option} must be greater than 0, got {value}",
-                                    code="invalid_geometry")
+            raise errors.InvalidInputError(f"{option} must be greater than 0, got {value}",
+                                           code="invalid_geometry")
     allowed_uids = fsguard.inspection_uids()
     path = str(region_path(shm_dir, engine_id))
     mpath = str(manifest_path(shm_dir, engine_id))
     released: RegionInfo | None = None
     try:
         fd = fsguard.open_existing(path, os.O_RDONLY, engine_id=engine_id)
-    except RegionNotFoundError:
+    except errors.RegionNotFoundError:
         # an engine started through the hook released the name: its processes still
         # hold the region, and carry its manifest (core.region.carried)
         found = open_released(shm_dir, engine_id)
         if found is None:
-            raise RegionNotFoundError(
+            raise errors.RegionNotFoundError(
                 f"no region named {engine_id} in {shm_dir} ({path} does not exist, and no "
                 "process holds one whose name was released); `vllm-offload inspect` lists "
                 "them", path=path, engine_id=engine_id) from None
@@ -155,8 +151,8 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     """`released`: the file's name is gone; its manifest is the one its holders carry."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafeRegionError(f"{path} is not a regular file; it is no region",
-                                path=path, engine_id=engine_id, code="not_regular_file")
+        raise errors.UnsafeRegionError(f"{path} is not a regular file; it is no region",
+                                       path=path, engine_id=engine_id, code="not_regular_file")
     if released is not None:
         path = f"{path} (deleted)"
     problems = [Problem(p.code, f"{path} {p.message}")
@@ -201,7 +197,7 @@ def _geometry_for(manifest: manifest_io.Manifest | None, mproblem: Problem | Non
         return *found, "manifest"
     if world_size is None or cpu_page_size is None:
         if mproblem is None:
-            raise InvalidInputError(
+            raise errors.InvalidInputError(
                 f"{path} has no manifest (made by vLLM?), so its geometry is unknown; pass "
                 "--world-size and --cpu-page-size", path=path, engine_id=engine_id,
                 code="geometry_unknown")
@@ -223,7 +219,7 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
                 if given is not None and recorded is not None and given != recorded]
     world = g.world_size if g.world_size is not None else world_size
     if world is None:
-        raise InvalidInputError(
+        raise errors.InvalidInputError(
             f"manifest {mpath} does not record the world size; pass --world-size",
             path=mpath, code="geometry_unknown")
     if size != g.size_bytes:

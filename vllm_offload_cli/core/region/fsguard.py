@@ -16,15 +16,8 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
+from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.deadline import poll_until
-from vllm_offload_cli.core.base.errors import (
-    InsufficientSpaceError,
-    OperationFailedError,
-    RegionBusyError,
-    RegionNotFoundError,
-    RegionTimeoutError,
-    UnsafeRegionError,
-)
 from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 
@@ -93,8 +86,9 @@ def raise_if_unsafe(
     problems = stat_problems(st, allowed_uids=allowed_uids, expected_size=expected_size)
     if problems:
         code, message = problems[0].code, problems[0].message
-        raise UnsafeRegionError(f"{path} {message}; refusing to use it{_HINTS.get(code, '')}",
-                                path=path, engine_id=engine_id, code=code)
+        raise errors.UnsafeRegionError(
+            f"{path} {message}; refusing to use it{_HINTS.get(code, '')}", path=path,
+            engine_id=engine_id, code=code)
 
 
 _HINTS = {
@@ -145,19 +139,19 @@ def open_existing(path: str, flags: int = os.O_RDONLY, *, engine_id: str | None 
     try:
         fd = wait.open(path, flags | UNTRUSTED_OPEN_FLAGS)
     except FileNotFoundError:
-        raise RegionNotFoundError(f"{path} does not exist", path=path,
-                                  engine_id=engine_id) from None
+        raise errors.RegionNotFoundError(f"{path} does not exist", path=path,
+                                         engine_id=engine_id) from None
     except OSError as exc:
         if exc.errno in _REFUSED_OPENS:
             code, what = _REFUSED_OPENS[exc.errno]
-            raise UnsafeRegionError(f"{path}{what}", path=path, engine_id=engine_id,
-                                    code=code) from None
-        raise OperationFailedError(f"cannot open {path}: {exc.strerror}", path=path,
-                                   engine_id=engine_id) from exc
+            raise errors.UnsafeRegionError(f"{path}{what}", path=path, engine_id=engine_id,
+                                           code=code) from None
+        raise errors.OperationFailedError(f"cannot open {path}: {exc.strerror}", path=path,
+                                          engine_id=engine_id) from exc
     if fd is None:
-        raise RegionBusyError(f"{path} stayed leased by another process for "
-                              f"{wait.seconds:g} s (a stuck garbage collection?)",
-                              path=path, engine_id=engine_id)
+        raise errors.RegionBusyError(f"{path} stayed leased by another process for "
+                                     f"{wait.seconds:g} s (a stuck garbage collection?)",
+                                     path=path, engine_id=engine_id)
     return fd
 
 
@@ -175,7 +169,7 @@ def create_exclusive(path: str, flags: int = os.O_RDWR, *, engine_id: str | None
 
 
 def no_space(path: str, exc: OSError, *, engine_id: str | None = None
-             ) -> InsufficientSpaceError:
+             ) -> errors.InsufficientSpaceError:
     """ENOSPC/EDQUOT as a refusal that says whether bytes or inodes ran out."""
     directory = os.path.dirname(path) or "."
     why = exc.strerror or "no space left"
@@ -185,8 +179,8 @@ def no_space(path: str, exc: OSError, *, engine_id: str | None = None
             why = (f"{directory} has no free inodes left ({vfs.f_files} in all; the tmpfs "
                    "nr_inodes limit): remove leftovers with `vllm-offload gc`, or remount it "
                    "with a larger nr_inodes")
-    return InsufficientSpaceError(f"cannot create {path}: {why}", path=path,
-                                  engine_id=engine_id, code="no_space")
+    return errors.InsufficientSpaceError(f"cannot create {path}: {why}", path=path,
+                                         engine_id=engine_id, code="no_space")
 
 
 def same_file_at(path: str, fd: int) -> bool:
@@ -281,8 +275,8 @@ def private_dir(shm_dir: str | os.PathLike[str]) -> int:
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise no_space(path, exc) from None
-            raise OperationFailedError(f"cannot make {path}: {exc.strerror}",
-                                       path=path) from None
+            raise errors.OperationFailedError(f"cannot make {path}: {exc.strerror}",
+                                              path=path) from None
         try:
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | UNTRUSTED_OPEN_FLAGS, dir_fd=dfd)
         except OSError as exc:
@@ -299,12 +293,12 @@ def private_dir(shm_dir: str | os.PathLike[str]) -> int:
         os.close(dfd)
 
 
-def _squatted(path: str, st: os.stat_result) -> UnsafeRegionError:
+def _squatted(path: str, st: os.stat_result) -> errors.UnsafeRegionError:
     what = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else
             "not a directory" if not stat.S_ISDIR(st.st_mode) else
             f"mode {stat.S_IMODE(st.st_mode):04o}, not 0700" if st.st_uid == os.geteuid()
             else "a directory")
-    return UnsafeRegionError(
+    return errors.UnsafeRegionError(
         f"{path} is {what} owned by {user_text(st.st_uid)}; this user's private directory "
         "(start-up lock, checked removals) must be its own, mode 0700: another user squats "
         "the name. Check and remove it as root", path=path, code="squatted")
@@ -333,7 +327,7 @@ def lock_waiting(fd: int, operation: int, *, timeout: float,
 
 def lock_shared(fd: int, *, timeout: float, path: str = "") -> None:
     """Take LOCK_SH, waiting out a brief exclusive holder such as a gc probe."""
-    lock_waiting(fd, fcntl.LOCK_SH, timeout=timeout, timed_out=lambda: RegionTimeoutError(
+    lock_waiting(fd, fcntl.LOCK_SH, timeout=timeout, timed_out=lambda: errors.RegionTimeoutError(
         f"{path} stayed exclusively locked for {timeout:.0f} s; "
         "is a garbage collection stuck on it?", path=path))
 

@@ -17,11 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_offload_cli.core.base.errors import (
-    InsufficientSpaceError,
-    InvalidInputError,
-    OperationFailedError,
-)
+from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.system import libc, memory, mounts, numa, procfs
 
 logger = logging.getLogger(__name__)
@@ -31,7 +27,7 @@ HUGE_PAGE_CHOICES = ("never", "auto", "always")
 MASK_BITS = 1024  # nodes the mask can name; the kernel's own limit is at most this
 
 
-class HugePagesUnavailableError(InsufficientSpaceError):
+class HugePagesUnavailableError(errors.InsufficientSpaceError):
     """`--huge-pages always` where the kernel will not give huge pages to this file."""
 
     code = "huge_pages_unavailable"
@@ -102,7 +98,7 @@ def _check_nodes(nodes: tuple[int, ...], topo: numa.Topology) -> None:
         if node not in topo.with_memory:
             where = ("this host has no NUMA information (one node 0)" if not topo.from_sysfs
                      else f"nodes with memory here: {_list(topo.with_memory)}")
-            raise InvalidInputError(
+            raise errors.InvalidInputError(
                 f"NUMA node {node} does not exist or has no memory; {where}",
                 code="invalid_numa_node")
 
@@ -120,31 +116,31 @@ def choose(
 ) -> PagePolicy:
     """Validate a placement request before anything is created (errors: exit 2 or 5)."""
     if huge_pages not in HUGE_PAGE_CHOICES:
-        raise InvalidInputError(f"huge pages must be one of {', '.join(HUGE_PAGE_CHOICES)}, "
-                                f"got {huge_pages!r}", code="invalid_huge_pages")
+        raise errors.InvalidInputError(f"huge pages must be one of {', '.join(HUGE_PAGE_CHOICES)}, "
+                                       f"got {huge_pages!r}", code="invalid_huge_pages")
     nodes = (numa_nodes,) if isinstance(numa_nodes, int) else tuple(numa_nodes or ())
     if numa_policy is not None and numa_policy not in NUMA_POLICIES:
-        raise InvalidInputError(f"NUMA policy must be one of {', '.join(NUMA_POLICIES)}, got "
-                                f"{numa_policy!r}", code="invalid_numa_policy")
+        raise errors.InvalidInputError(f"NUMA policy must be one of {', '.join(NUMA_POLICIES)}, "
+                                       f"got {numa_policy!r}", code="invalid_numa_policy")
     policy = numa_policy
     if nodes or policy is not None:
         topo = numa.topology()
         policy = policy or "bind"
         if not nodes:
             if policy != "interleave":
-                raise InvalidInputError(f"NUMA policy {policy} needs a node (--numa-node)",
-                                        code="invalid_numa_node")
+                raise errors.InvalidInputError(f"NUMA policy {policy} needs a node (--numa-node)",
+                                               code="invalid_numa_node")
             nodes = tuple(sorted(topo.with_memory))
         if len(set(nodes)) != len(nodes):
-            raise InvalidInputError(f"NUMA node list {_list(nodes)} names a node twice",
-                                    code="invalid_numa_node")
+            raise errors.InvalidInputError(f"NUMA node list {_list(nodes)} names a node twice",
+                                           code="invalid_numa_node")
         if policy == "preferred" and len(nodes) != 1:
-            raise InvalidInputError("NUMA policy preferred takes exactly one node",
-                                    code="invalid_numa_node")
+            raise errors.InvalidInputError("NUMA policy preferred takes exactly one node",
+                                           code="invalid_numa_node")
         _check_nodes(nodes, topo)
         if not libc.numa_syscalls_available():
-            raise InvalidInputError("NUMA placement is not supported on this architecture",
-                                    code="numa_unsupported")
+            raise errors.InvalidInputError("NUMA placement is not supported on this architecture",
+                                           code="numa_unsupported")
     advise = False
     if huge_pages != "never":
         thp = thp_support(shm_dir)
@@ -185,7 +181,7 @@ def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:
             try:
                 libc.mbind(addr, length, NUMA_POLICIES[chosen.numa_policy], mask)
             except OSError as exc:
-                raise OperationFailedError(
+                raise errors.OperationFailedError(
                     f"mbind({chosen.numa_policy}, nodes {_list(chosen.numa_nodes)}) failed: "
                     f"{exc.strerror}") from exc
     finally:

@@ -22,17 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.deadline import poll_until
-from vllm_offload_cli.core.base.errors import (
-    InvalidInputError,
-    OffloadError,
-    OperationFailedError,
-    RegionBusyError,
-    RegionNotFoundError,
-    RegionTimeoutError,
-    SlotOverflowError,
-    UnsafeRegionError,
-)
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
@@ -68,7 +59,7 @@ _RETRIES = 8  # restarts of the open protocol when a name changes under us
 
 def _positive(tensor_page_size: int) -> int:
     if tensor_page_size <= 0:
-        raise InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
+        raise errors.InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
     return tensor_page_size
 
 
@@ -156,15 +147,15 @@ class SharedOffloadRegion:
         barriers_owed = 0 if barrier is None else 2 if populate_shard is not None else 1
         try:
             if populate_only_on_creator and barrier is None:
-                raise InvalidInputError("populate_only_on_creator needs a barrier: joiners "
-                                        "must not use pages the creator has not populated")
+                raise errors.InvalidInputError("populate_only_on_creator needs a barrier: joiners "
+                                               "must not use pages the creator has not populated")
             self._describe(num_chunks, kv_bytes_per_chunk, cpu_page_size, shm_dir=shm_dir,
                            world_size=world_size, rank_source=rank_source,
                            numa_node=numa_node, numa_policy=numa_policy,
                            huge_pages=huge_pages, num_segments=num_segments,
                            min_segment_bytes=min_segment_bytes)
             if create_only:  # an explicit create changes nothing where a damaged manifest is
-                with contextlib.suppress(RegionNotFoundError):
+                with contextlib.suppress(errors.RegionNotFoundError):
                     manifest_io.read(self.manifest_path, allowed_uids=allowed_uids)
             fd = self._open(create_only=create_only, join_timeout=join_timeout,
                             preflight=preflight)
@@ -241,7 +232,7 @@ class SharedOffloadRegion:
         self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
         self._me = ProcessRef.current()
         if not self.shm_dir.is_dir():
-            raise InvalidInputError(
+            raise errors.InvalidInputError(
                 f"shm directory {self.shm_dir} does not exist or is not a directory",
                 path=str(self.shm_dir), engine_id=self.engine_id, code="bad_shm_dir",
             )
@@ -251,7 +242,7 @@ class SharedOffloadRegion:
         the whole file (a trailing share may be empty), for workers that map the same bytes."""
         index, count = shard
         if count <= 0 or not 0 <= index < count:
-            raise InvalidInputError(f"populate_shard {shard!r} needs 0 <= index < count")
+            raise errors.InvalidInputError(f"populate_shard {shard!r} needs 0 <= index < count")
         share = round_up(-(-self.total_size_bytes // count), PAGESIZE)
         start = min(index * share, self.total_size_bytes)
         if start >= self.total_size_bytes:
@@ -299,7 +290,7 @@ class SharedOffloadRegion:
             self._creator = True
             self._create(preflight)
             return self.fd
-        raise OperationFailedError(
+        raise errors.OperationFailedError(
             f"{self.mmap_path} kept changing while opening it; is something deleting it?",
             path=self.mmap_path, engine_id=self.engine_id,
         )
@@ -338,7 +329,7 @@ class SharedOffloadRegion:
         try:
             fd = fsguard.create_exclusive(path, engine_id=self.engine_id)
         except FileExistsError:
-            raise RegionBusyError(
+            raise errors.RegionBusyError(
                 f"{path} already exists without its region; a leftover of an earlier region? "
                 f"`{naming.gc_command(self.shm_dir, self.engine_id)}` removes it once nothing "
                 "uses it",
@@ -352,7 +343,7 @@ class SharedOffloadRegion:
         try:
             os.ftruncate(fd, length)
         except OSError as exc:
-            raise OperationFailedError(
+            raise errors.OperationFailedError(
                 f"cannot size {path} to {length} bytes: {exc.strerror}",
                 path=path, engine_id=self.engine_id,
             ) from exc
@@ -370,7 +361,7 @@ class SharedOffloadRegion:
         """Join an existing region; False when the name vanished or was replaced."""
         try:
             fd = fsguard.open_existing(self.mmap_path, os.O_RDWR, engine_id=self.engine_id)
-        except RegionNotFoundError:
+        except errors.RegionNotFoundError:
             return False
         self.fd = fd
         st = os.fstat(fd)
@@ -392,7 +383,7 @@ class SharedOffloadRegion:
             return None
         found = poll_until(sized, timeout, backoff=(0.005, 0.005))
         if found is None:
-            raise RegionTimeoutError(
+            raise errors.RegionTimeoutError(
                 f"{self.mmap_path} is still {os.fstat(fd).st_size} bytes after {timeout:.0f} s; "
                 "its creator never sized it (crashed?). `vllm-offload inspect` shows who holds it",
                 path=self.mmap_path, engine_id=self.engine_id,
@@ -412,7 +403,7 @@ class SharedOffloadRegion:
         try:
             m = manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids,
                                  owner_uid=os.fstat(self.fd).st_uid)
-        except RegionNotFoundError:
+        except errors.RegionNotFoundError:
             return  # made by vLLM: nothing more to compare
         except manifest_io.ManifestError as exc:
             logger.warning("ignoring manifest: %s", exc)
@@ -422,28 +413,28 @@ class SharedOffloadRegion:
                              cpu_page_size=mine.cpu_page_size, world_size=mine.world_size)
         if (not differs and self.rank is not None and mine.world_size is None
                 and theirs.world_size is not None and self.rank >= theirs.world_size):
-            raise UnsafeRegionError(
+            raise errors.UnsafeRegionError(
                 f"rank {self.rank} is outside [0, {theirs.world_size}): {self.mmap_path} was "
                 f"created for {theirs.world_size} workers; its slot would be another "
                 "engine's padding", path=self.mmap_path, engine_id=self.engine_id,
                 code="rank_out_of_range",
             )
         if m.segments != len(self.segments):
-            raise UnsafeRegionError(
+            raise errors.UnsafeRegionError(
                 f"{self.mmap_path} was created as {m.segments} file(s) but this opener expects "
                 f"{len(self.segments)}; the rows would be mapped from the wrong files",
                 path=self.mmap_path, engine_id=self.engine_id, code="geometry_mismatch",
             )
         if (self.engine_token is not None and m.engine_token is not None
                 and m.engine_token != self.engine_token):
-            raise RegionBusyError(
+            raise errors.RegionBusyError(
                 f"{self.mmap_path} belongs to another engine started with the same engine_id "
                 f"(created by pid {m.creator_pid}); refusing to share its bytes",
                 path=self.mmap_path, engine_id=self.engine_id, pid=m.creator_pid,
                 code="engine_id_collision",
             )
         if differs:
-            raise UnsafeRegionError(
+            raise errors.UnsafeRegionError(
                 f"{self.mmap_path} was created with geometry {jsonable(theirs)} but this opener "
                 f"expects {jsonable(mine)}; joining would misplace every slot",
                 path=self.mmap_path, engine_id=self.engine_id, code="geometry_mismatch",
@@ -452,19 +443,19 @@ class SharedOffloadRegion:
             logger.warning("joining %s whose creator (pid %d) is gone; nobody will unlink it",
                            self.mmap_path, m.creator_pid)
 
-    def _name_taken(self) -> OffloadError:
+    def _name_taken(self) -> errors.OffloadError:
         st = None
         with contextlib.suppress(FileNotFoundError):
             st = os.stat(self.mmap_path, follow_symlinks=False)
         if st is not None:
             problems = fsguard.stat_problems(st, allowed_uids=self._allowed_uids)
             if problems:  # not merely taken: somebody else's, or not a region at all
-                return UnsafeRegionError(
+                return errors.UnsafeRegionError(
                     f"{self.mmap_path} already exists and {problems[0].message}; check what it "
                     "is before removing it by hand", path=self.mmap_path,
                     engine_id=self.engine_id, code=problems[0].code,
                 )
-        return RegionBusyError(
+        return errors.RegionBusyError(
             f"{self.mmap_path} already exists; {self._taken_hint(st)}",
             path=self.mmap_path, engine_id=self.engine_id, code="name_taken",
         )
@@ -497,7 +488,7 @@ class SharedOffloadRegion:
             # the creator's attach also ends creation: sized and pre-faulted, now `ready`
             manifest_io.attach(self.manifest_path, attachment, allowed_uids=self._allowed_uids,
                                ready=self._creator)
-        except RegionNotFoundError:
+        except errors.RegionNotFoundError:
             return  # a vLLM-made region has no manifest
         except manifest_io.ManifestError as exc:
             if self._creator:
@@ -527,7 +518,7 @@ class SharedOffloadRegion:
 
     def _mapping(self) -> mmap.mmap:
         if self.mmap_obj is None or self._closed:
-            raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
+            raise errors.OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
         return self.mmap_obj
 
     @property
@@ -542,7 +533,7 @@ class SharedOffloadRegion:
         """This worker's slots as page-aligned (offset, length) ranges, one per row, as
         vLLM 0.33 yields them: with several files each worker starts on a different one."""
         if self.rank is None:
-            raise InvalidInputError("a rank-less region has no worker slot; pass a rank")
+            raise errors.InvalidInputError("a rank-less region has no worker slot; pass a rank")
         start_of_slot = self.rank * self.cpu_page_size
         first = 0
         if len(self.segments) > 1:
@@ -562,10 +553,10 @@ class SharedOffloadRegion:
     def create_next_worker_view(self, tensor_page_size: int) -> torch.Tensor:
         """The next tensor's page in this worker's slot: (num_chunks, size), strides (row, 1)."""
         if self.rank is None:
-            raise InvalidInputError("a rank-less region has no worker slot; pass a rank")
+            raise errors.InvalidInputError("a rank-less region has no worker slot; pass a rank")
         end = self._worker_offset + _positive(tensor_page_size)
         if end > self._worker_area_end:
-            raise SlotOverflowError(
+            raise errors.SlotOverflowError(
                 f"worker offset {end} exceeds worker area end {self._worker_area_end}: a "
                 f"tensor page of {tensor_page_size} bytes overflows rank {self.rank}'s slot "
                 f"by {end - self._worker_area_end} bytes (cpu_page_size "
@@ -578,7 +569,7 @@ class SharedOffloadRegion:
         """The next tensor's page carved from offset 0 of every row, shared by all workers."""
         end = self._canonical_offset + _positive(tensor_page_size)
         if end > self._row_stride:
-            raise SlotOverflowError(
+            raise errors.SlotOverflowError(
                 f"canonical pages need {end} bytes per row, more than the row stride "
                 f"{self._row_stride}")
         view = self._strided(self._canonical_offset, tensor_page_size)
@@ -596,7 +587,7 @@ class SharedOffloadRegion:
     @property
     def identity(self) -> FileId:
         if self.fd is None:
-            raise OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
+            raise errors.OperationFailedError(f"{self.mmap_path} is closed", path=self.mmap_path)
         return FileId.of(os.fstat(self.fd))
 
     def release_names(self) -> bool:
@@ -613,7 +604,7 @@ class SharedOffloadRegion:
             try:
                 manifest_io.detach(self.manifest_path, self._me.pid, self.rank,
                                    allowed_uids=self._allowed_uids)
-            except (OffloadError, OSError) as exc:
+            except (errors.OffloadError, OSError) as exc:
                 logger.debug("detach from %s: %s", self.manifest_path, exc)
             self._attached = False
         if self._creator and not self.persistent and self.fd is not None:
