@@ -242,7 +242,7 @@ def test_thp_support_follows_the_kernel_and_the_mount(tmp_path: Path) -> None:
 
 
 def test_the_mount_table_is_this_hosts(shm_dir: Path) -> None:
-    """The mount table, read for real: the shm directory is on tmpfs, /proc is proc."""
+    """psutil's table, read for real: the shm directory is on tmpfs, /proc is proc."""
     table = mounts.mounts()
     held = mounts.mount_of(os.path.realpath(shm_dir), table)
     assert held is not None and held.fstype == "tmpfs" and "size" in held.options

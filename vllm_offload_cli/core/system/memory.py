@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from vllm_offload_cli.core.system.procfs import PROC
 
 SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -62,8 +64,6 @@ def _up(top: Path, rel: str) -> Iterator[Path]:
 
 def mem_available() -> int | None:
     """The kernel's estimate of memory available without swapping; None if unknown."""
-    import psutil  # here: inspect needs none
-
     try:
         return int(psutil.virtual_memory().available)
     except (OSError, RuntimeError, ValueError):

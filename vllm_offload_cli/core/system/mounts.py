@@ -1,11 +1,10 @@
-"""Which filesystem holds a path, and with which options (/proc/self/mounts)."""
+"""Which filesystem holds a path, and with which options (psutil's mount table)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from vllm_offload_cli.core.system.procfs import PROC
+import psutil
 
 
 @dataclass(frozen=True)
@@ -26,14 +25,10 @@ def mounts() -> list[Mount]:
     """This process's mounts in mount order (a later one at the same point is on top);
     empty when the table cannot be read."""
     try:
-        with open(f"{PROC}/self/mounts", "rb") as f:
-            lines = f.read().decode(errors="surrogateescape").splitlines()
-    except OSError:
+        table = psutil.disk_partitions(all=True)
+    except (OSError, psutil.Error):
         return []
-    # fields are separated by spaces; one inside a field is written \040 (octal)
-    fields = [[re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), x) for x in line.split()]
-              for line in lines]
-    return [Mount(f[1], f[2], parse_options(f[3])) for f in fields if len(f) >= 4]
+    return [Mount(p.mountpoint, p.fstype, parse_options(p.opts)) for p in table]
 
 
 def top_mount_at(point: str, table: list[Mount]) -> Mount | None:

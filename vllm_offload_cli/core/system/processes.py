@@ -1,18 +1,17 @@
-"""Processes: identity and name from /proc/PID/stat, the rest through psutil (imported
-where asked: inspect needs none). A pid is reused, so (pid, start time in clock ticks)
-is the identity; a zombie has exited."""
+"""Processes: identity from /proc/PID/stat, the rest through psutil. A pid is reused, so
+(pid, start time in clock ticks) is the identity; a zombie has exited."""
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
+
+import psutil
 
 from vllm_offload_cli.core.system import procfs
-
-if TYPE_CHECKING:
-    import psutil
 
 _EXITED = frozenset("ZXx")  # zombie, dead
 _T = TypeVar("_T")
@@ -20,8 +19,6 @@ _T = TypeVar("_T")
 
 def _ask(pid: int, what: Callable[[psutil.Process], _T]) -> _T | None:
     """One psutil answer about `pid`; None if it is gone or cannot be asked."""
-    import psutil
-
     try:
         return what(psutil.Process(pid))
     except (psutil.Error, OSError, ValueError):
@@ -58,32 +55,18 @@ def start_ticks(pid: int) -> int | None:
 
 
 def comm(pid: int) -> str | None:
-    """The process's name: its comm or, where the kernel cut that to 15 characters, the
-    command's file name that begins with it (as psutil names it); None if it is gone."""
-    try:
-        with open(f"{procfs.PROC}/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    name = os.fsdecode(stat[stat.find(b"(") + 1:stat.rfind(b")")])
-    if len(name) < 15:
-        return name
-    try:
-        with open(f"{procfs.PROC}/{pid}/cmdline", "rb") as f:
-            command = os.fsdecode(os.path.basename(f.read().split(b"\0", 1)[0]))
-    except OSError:
-        return name
-    return command if command.startswith(name) else name
+    """The process's name (comm); None if it is gone or hidden."""
+    return _ask(pid, psutil.Process.name)
 
 
 def pids() -> list[int]:
     """Every pid this /proc shows, in ascending order."""
-    return sorted(int(e) for e in os.listdir(procfs.PROC) if e.isdigit())
+    return sorted(psutil.pids())
 
 
 def environ(pid: int) -> dict[str, str] | None:
     """The environment the process was exec'd with; None if it cannot be read."""
-    return _ask(pid, lambda p: p.environ())
+    return _ask(pid, psutil.Process.environ)
 
 
 def allowed_cpus(pid: int) -> frozenset[int] | None:
@@ -92,4 +75,4 @@ def allowed_cpus(pid: int) -> frozenset[int] | None:
 
 
 def hostname() -> str:
-    return os.uname().nodename  # what gethostname(2) answers
+    return socket.gethostname()
