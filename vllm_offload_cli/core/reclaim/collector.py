@@ -29,39 +29,12 @@ from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.errors import OffloadError
 from vllm_offload_cli.core.base.problems import Problem
 from vllm_offload_cli.core.base.text import pids_text
-from vllm_offload_cli.core.host import visibility
-from vllm_offload_cli.core.host.discovery import (
-    CREATING,
-    Counts,
-    Holder,
-    Inventory,
-    OrphanManifest,
-    RegionInfo,
-    SegmentFile,
-    discover,
-    holders_of,
-)
+from vllm_offload_cli.core.host import discovery, visibility
+from vllm_offload_cli.core.host.discovery import RegionInfo
 from vllm_offload_cli.core.host.procscan import FileUse, flock_holders, users_of
 from vllm_offload_cli.core.host.visibility import Visibility
-from vllm_offload_cli.core.reclaim.report import (
-    BUSY,
-    CHANGED,
-    CREATION_RUNNING,
-    FOREIGN_OWNER,
-    LINK_COUNT,
-    LIVE,
-    NOT_REGULAR,
-    OTHER_FILESYSTEM,
-    PERSISTENT,
-    REMOVE_FAILED,
-    SYMLINK,
-    TOO_YOUNG,
-    UNKNOWN,
-    UNREADABLE,
-    GcOptions,
-    GcReport,
-    RemovedRegion,
-)
+from vllm_offload_cli.core.reclaim import report
+from vllm_offload_cli.core.reclaim.report import GcOptions, GcReport, RemovedRegion
 from vllm_offload_cli.core.region import fsguard, naming, untrusted_json
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.manifest import Manifest
@@ -82,7 +55,7 @@ _TEMP_RE = re.compile(  # fullmatch: `$` would accept a trailing newline
 )
 
 # A segment as `_lock` holds it: open, exclusively locked, and its fstat.
-_Held = tuple[SegmentFile, int, os.stat_result]
+_Held = tuple[discovery.SegmentFile, int, os.stat_result]
 
 
 def collect(
@@ -99,16 +72,16 @@ def collect(
     left; the rest is counted as `not_judged` (the run exits PARTIAL).
     """
     started, clock = time.time(), time.monotonic()
-    inventory = discover(shm_dir, engine_ids=engine_ids, measure_residency=False,
-                         shm_private_to_namespace=options.shm_private_to_namespace,
-                         judge_uids=options.owners, partial=True,
-                         judge_until=None if judge_seconds is None else clock + judge_seconds)
+    inventory = discovery.discover(
+        shm_dir, engine_ids=engine_ids, measure_residency=False,
+        shm_private_to_namespace=options.shm_private_to_namespace, judge_uids=options.owners,
+        partial=True, judge_until=None if judge_seconds is None else clock + judge_seconds)
     return reclaim(inventory, options, engine_ids=engine_ids, started_at=started,
                    clock_start=clock)
 
 
 def reclaim(
-    inventory: Inventory,
+    inventory: discovery.Inventory,
     options: GcOptions,
     *,
     engine_ids: Collection[str] | None = None,
@@ -175,7 +148,7 @@ class _Locked:
 
 @dataclass(kw_only=True)
 class _Run:
-    inventory: Inventory
+    inventory: discovery.Inventory
     options: GcOptions
     removed: list[RemovedRegion] = field(default_factory=list)
     kept: list[Problem] = field(default_factory=list)
@@ -186,7 +159,7 @@ class _Run:
     denied: set[int] = field(default_factory=set)
     blind: tuple[Problem, ...] = ()
     expired: bool = False
-    not_judged: Counts = field(default_factory=Counts)
+    not_judged: discovery.Counts = field(default_factory=discovery.Counts)
 
     def __post_init__(self) -> None:
         self.shm_dir = self.inventory.shm_dir
@@ -252,11 +225,11 @@ class _Run:
         """Keeps what discovery already proves must stay: cheap reasons, before any lock."""
         if not r.linked:
             users = _holders_text(r.holders) or "a process this run cannot name"
-            return self._keep(r, LIVE, f"unlinked, still in use by {users}; its memory is "
+            return self._keep(r, report.LIVE, f"unlinked, still in use by {users}; its memory is "
                               "freed when the last of them exits", _first_pid(r.holders))
         if (unsafe := self._unsafe_file(r)) is not None:
             return unsafe
-        if r.state == CREATING and r.manifest is not None:
+        if r.state == discovery.CREATING and r.manifest is not None:
             return self._creating(r, r.manifest)
         if r.holders:
             return self._held(r, r.holders)
@@ -264,9 +237,9 @@ class _Run:
             bare = next((s for s in r.segments if s.file_id is not None), None)
             return self._lock_refused(r, None if bare is None else bare.file_id)
         if r.persistent and not self.options.include_persistent:
-            return self._keep(r, PERSISTENT, _PERSISTENT_TEXT)
+            return self._keep(r, report.PERSISTENT, _PERSISTENT_TEXT)
         if r.age_seconds is not None and r.age_seconds < self.options.min_age:
-            return self._keep(r, TOO_YOUNG, self._young_text(r.age_seconds))
+            return self._keep(r, report.TOO_YOUNG, self._young_text(r.age_seconds))
         return self._blind_kept(r) if self.blind else None
 
     def _unsafe_file(self, r: RegionInfo) -> Problem | None:
@@ -274,13 +247,13 @@ class _Run:
         for seg in r.segments:
             name = os.path.basename(seg.path)
             codes = {p.code for p in seg.problems}
-            if SYMLINK in codes:
-                return self._keep(r, SYMLINK, f"{name} is a symbolic link; region names are "
+            if report.SYMLINK in codes:
+                return self._keep(r, report.SYMLINK, f"{name} is a symbolic link; region names are "
                                   "never followed (remove it by hand after checking it)")
-            if seg.file_id is None or NOT_REGULAR in codes:
-                return self._keep(r, NOT_REGULAR, f"{name} is not a regular file")
+            if seg.file_id is None or report.NOT_REGULAR in codes:
+                return self._keep(r, report.NOT_REGULAR, f"{name} is not a regular file")
             if seg.uid is None or not fsguard.uid_allowed(seg.uid, self.owners):
-                return self._keep(r, FOREIGN_OWNER, self._foreign_text(name, seg.uid))
+                return self._keep(r, report.FOREIGN_OWNER, self._foreign_text(name, seg.uid))
         return None
 
     def _batch(self, batch: list[RegionInfo]) -> None:
@@ -340,23 +313,24 @@ class _Run:
             if not ok:
                 held.close()
 
-    def _fd_problem(self, r: RegionInfo, seg: SegmentFile, fd: int, st: os.stat_result
+    def _fd_problem(self, r: RegionInfo, seg: discovery.SegmentFile, fd: int, st: os.stat_result
                     ) -> Problem | None:
         """Judges a segment on its descriptor and locks it; keeps the region if it must."""
         name = os.path.basename(seg.path)
         if FileId.of(st) != seg.file_id:
-            return self._keep(r, CHANGED, f"{name} was replaced by another file during this "
+            return self._keep(r, report.CHANGED, f"{name} was replaced by another file during this "
                               "run; it is looked at again next run")
         if not stat.S_ISREG(st.st_mode):
-            return self._keep(r, NOT_REGULAR, f"{name} is not a regular file")
+            return self._keep(r, report.NOT_REGULAR, f"{name} is not a regular file")
         if not fsguard.uid_allowed(st.st_uid, self.owners):
-            return self._keep(r, FOREIGN_OWNER, self._foreign_text(name, st.st_uid))
+            return self._keep(r, report.FOREIGN_OWNER, self._foreign_text(name, st.st_uid))
         if st.st_dev != self.shm_dev:
-            return self._keep(r, OTHER_FILESYSTEM, f"{name} is on another filesystem than "
+            return self._keep(r, report.OTHER_FILESYSTEM, f"{name} is on another filesystem than "
                               f"{self.shm_dir} (a mount over the name?)")
         if st.st_nlink != 1:
-            return self._keep(r, LINK_COUNT, f"{name} has {st.st_nlink} hard links; removing "
-                              "this name would not free it, and another name may be in use")
+            return self._keep(r, report.LINK_COUNT, f"{name} has {st.st_nlink} hard links; "
+                              "removing this name would not free it, and another name may be "
+                              "in use")
         if not fsguard.try_lock(fd):
             return self._lock_refused(r, FileId.of(st))
         return None
@@ -393,12 +367,12 @@ class _Run:
         """Removes a locked region that is proven stale; returns what kept it otherwise."""
         r, m = held.region, held.manifest
         if uses:
-            return self._held(r, holders_of(uses), " (seen after locking it)")
+            return self._held(r, discovery.holders_of(uses), " (seen after locking it)")
         if m is not None and not m.complete and m.creator_alive():
             return self._creating(r, m)
         if (m is not None and m.persistent and m.complete
                 and not self.options.include_persistent):
-            return self._keep(r, PERSISTENT, _PERSISTENT_TEXT)
+            return self._keep(r, report.PERSISTENT, _PERSISTENT_TEXT)
         # ctime: anyone can set a file's mtime (a future one would make it immune), not ctime
         now = time.time()
         times = [st.st_ctime for _, _, st in held.files]
@@ -406,14 +380,14 @@ class _Run:
             times.append(m.created_at)
         age = now - max(times)
         if age < self.options.min_age:  # min_age >= 0: an age past this is never negative
-            return self._keep(r, TOO_YOUNG, self._young_text(age))
+            return self._keep(r, report.TOO_YOUNG, self._young_text(age))
         suspects = sorted({pid for _, _, st in held.files
                            for pid in vis.could_hide(st.st_uid, st.st_mode)})
         with fsguard.sole_opener([fd for _, fd, _ in held.files]) as verdict:
             if verdict.sole is False:
                 return self._opened_elsewhere(r, suspects)
             if verdict.sole is None and suspects:
-                return self._keep(r, UNKNOWN, (
+                return self._keep(r, report.UNKNOWN, (
                     f"could be held by {pids_text(suspects)}, which cannot be inspected, and "
                     f"the lease test that would prove it unused is not available "
                     f"({verdict.why}); run gc as root with CAP_SYS_PTRACE and CAP_LEASE"),
@@ -436,14 +410,15 @@ class _Run:
 
     def _opened_elsewhere(self, r: RegionInfo, suspects: list[int]) -> Problem:
         if suspects:
-            return self._keep(r, LIVE, "open or mapped by a process that cannot be inspected "
-                              f"(one of {pids_text(suspects)}): the kernel refused a lease")
-        return self._keep(r, BUSY, "open in a process not found in /proc (one that opened it "
-                          "just now, or another gc or inspect probing it); looked at again "
-                          "next run")
+            return self._keep(r, report.LIVE, "open or mapped by a process that cannot be "
+                              f"inspected (one of {pids_text(suspects)}): the kernel refused a "
+                              "lease")
+        return self._keep(r, report.BUSY, "open in a process not found in /proc (one that "
+                          "opened it just now, or another gc or inspect probing it); looked at "
+                          "again next run")
 
     def _blind_kept(self, r: RegionInfo) -> Problem:
-        return self._keep(r, UNKNOWN, f"not proven unused: {self.blind[0].message}; "
+        return self._keep(r, report.UNKNOWN, f"not proven unused: {self.blind[0].message}; "
                           f"{visibility.advice(self.blind)}", blind_spot=self.blind[0].code)
 
     def _remove(self, held: _Locked, age: float, *, leased: bool,
@@ -489,7 +464,7 @@ class _Run:
 
     # -- manifests and temporary files --------------------------------------------
 
-    def orphan_manifests(self, orphans: Sequence[OrphanManifest]) -> None:
+    def orphan_manifests(self, orphans: Sequence[discovery.OrphanManifest]) -> None:
         ours = [o for o in orphans if fsguard.uid_allowed(o.uid, self.owners)]
         for i, o in enumerate(ours):
             if deadline.expired():
@@ -526,7 +501,7 @@ class _Run:
             self.temps.append(entry.path)
 
     def _unlink_old(self, path: str, engine_id: str | None,
-                    orphan: OrphanManifest | None = None) -> bool:
+                    orphan: discovery.OrphanManifest | None = None) -> bool:
         """Unlinks a small file of ours older than --min-age, judged on its descriptor
         (never through a link); True when removed, or in a dry run when it would be."""
         try:
@@ -546,7 +521,7 @@ class _Run:
         finally:
             os.close(fd)
 
-    def _still_orphan(self, o: OrphanManifest, fd: int, st: os.stat_result) -> bool:
+    def _still_orphan(self, o: discovery.OrphanManifest, fd: int, st: os.stat_result) -> bool:
         """The inode discovery saw, locked (manifests are updated under LOCK_EX), with no
         region come back since, and not a live region's manifest renamed onto this name."""
         return (FileId.of(st) == o.file_id and fsguard.try_lock(fd)
@@ -573,8 +548,8 @@ class _Run:
         self.kept.append(kept)
         return kept
 
-    def _held(self, r: RegionInfo, holders: Sequence[Holder], note: str = "") -> Problem:
-        return self._keep(r, LIVE, f"held by {_holders_text(holders)}{note}",
+    def _held(self, r: RegionInfo, holders: Sequence[discovery.Holder], note: str = "") -> Problem:
+        return self._keep(r, report.LIVE, f"held by {_holders_text(holders)}{note}",
                           _first_pid(holders))
 
     def _fail(self, path: str, exc: OSError, engine_id: str | None) -> None:
@@ -582,7 +557,7 @@ class _Run:
             if engine_id is not None:
                 self.vanished.append(engine_id)
             return
-        self.errors.append(Problem(REMOVE_FAILED,
+        self.errors.append(Problem(report.REMOVE_FAILED,
                                    f"cannot remove {path}: {exc.strerror or exc}",
                                    path=path, engine_id=engine_id))
 
@@ -591,20 +566,20 @@ class _Run:
         holders = [] if fid is None else flock_holders(fid)
         exclusive = [pid for pid, excl in holders if excl and pid != os.getpid()]
         if exclusive:
-            return self._keep(r, BUSY, f"pid {exclusive[0]} holds its exclusive lock (another "
-                              "gc or inspect run is examining it)", exclusive[0])
+            return self._keep(r, report.BUSY, f"pid {exclusive[0]} holds its exclusive lock "
+                              "(another gc or inspect run is examining it)", exclusive[0])
         shared = [pid for pid, excl in holders if not excl and pid > 0]
         if shared:
-            return self._keep(r, LIVE, f"holds a shared lock: {pids_text(shared, 3, comm)}",
+            return self._keep(r, report.LIVE, f"holds a shared lock: {pids_text(shared, 3, comm)}",
                               shared[0])
         if holders:  # /proc/locks shows pid 0 for a holder outside our pid namespace
-            return self._keep(r, LIVE, "locked by a process in another pid namespace "
+            return self._keep(r, report.LIVE, "locked by a process in another pid namespace "
                               "(a container?)")
-        return self._keep(r, BUSY, "was locked a moment ago and released since (another gc "
+        return self._keep(r, report.BUSY, "was locked a moment ago and released since (another gc "
                           "or inspect run?); looked at again next run")
 
     def _creating(self, r: RegionInfo, m: Manifest) -> Problem:
-        return self._keep(r, CREATION_RUNNING, f"pid {m.creator_pid} is still creating it "
+        return self._keep(r, report.CREATION_RUNNING, f"pid {m.creator_pid} is still creating it "
                           "(sizing or pre-faulting)", m.creator_pid)
 
     def _foreign_text(self, name: str, uid: int | None) -> str:
@@ -623,11 +598,11 @@ _PERSISTENT_TEXT = ("pre-provisioned by `vllm-offload create`; add --include-per
 def _open_refused(name: str, exc: OSError) -> tuple[str, str]:
     """Why a segment that is there could not be opened: the kept code and reason."""
     if isinstance(exc, BlockingIOError):  # leased: another collector is removing it now
-        return BUSY, (f"{name} is being examined by another gc run right now; looked at "
+        return report.BUSY, (f"{name} is being examined by another gc run right now; looked at "
                       "again next run")
     if exc.errno == errno.ELOOP:
-        return SYMLINK, f"{name} became a symbolic link; never followed"
-    return UNREADABLE, f"{name} cannot be opened: {exc.strerror}"
+        return report.SYMLINK, f"{name} became a symbolic link; never followed"
+    return report.UNREADABLE, f"{name} cannot be opened: {exc.strerror}"
 
 
 def _recorded_region(fd: int) -> FileId | None:
@@ -656,11 +631,11 @@ def _sole_now(held: _Locked) -> bool:
         return verdict.sole is True
 
 
-def _holders_text(holders: Sequence[Holder]) -> str:
+def _holders_text(holders: Sequence[discovery.Holder]) -> str:
     shown = [f"pid {h.pid} ({h.name or '?'}, {'+'.join(h.via)})" for h in holders[:3]]
     more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
     return ", ".join(shown) + more
 
 
-def _first_pid(holders: Sequence[Holder]) -> int | None:
+def _first_pid(holders: Sequence[discovery.Holder]) -> int | None:
     return holders[0].pid if holders else None

@@ -27,24 +27,12 @@ from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
-from vllm_offload_cli.core.region import capacity, fsguard, naming, page_policy
+from vllm_offload_cli.core.region import capacity, fsguard, geometry, naming, page_policy, segments
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region.geometry import (
-    PAGESIZE,
-    Geometry,
-    check_rank,
-    mismatches,
-    round_up,
-)
+from vllm_offload_cli.core.region.geometry import PAGESIZE
 from vllm_offload_cli.core.region.naming import manifest_path
 from vllm_offload_cli.core.region.prefault import PopulateStats, Progress, populate, slot_ranges
 from vllm_offload_cli.core.region.ranks import RankSource, parse_rank_source
-from vllm_offload_cli.core.region.segments import (
-    MIN_SEGMENT_BYTES,
-    Segment,
-    effective_segments,
-    split,
-)
 from vllm_offload_cli.core.system import libc
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef, hostname
@@ -113,7 +101,7 @@ class SharedOffloadRegion:
         numa_node: int | Sequence[int] | None = None,
         numa_policy: str | None = None,
         huge_pages: str = "never",
-        min_segment_bytes: int = MIN_SEGMENT_BYTES,
+        min_segment_bytes: int = segments.MIN_SEGMENT_BYTES,
         vllm_layout_basis: str | None = None,
         engine_token: str | None = None,
     ) -> None:
@@ -206,10 +194,10 @@ class SharedOffloadRegion:
         """Validate the request and compute what the region will be; touches no file."""
         # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
         self._rank_source = None if rank_source is None else parse_rank_source(rank_source).name
-        self.geometry = Geometry(num_blocks=num_chunks, row_stride=kv_bytes_per_chunk,
-                                 cpu_page_size=cpu_page_size, world_size=world_size)
+        self.geometry = geometry.Geometry(num_blocks=num_chunks, row_stride=kv_bytes_per_chunk,
+                                          cpu_page_size=cpu_page_size, world_size=world_size)
         if self.rank is not None:
-            check_rank(self.geometry, self.rank)
+            geometry.check_rank(self.geometry, self.rank)
             self._worker_offset = self.rank * cpu_page_size
             self._worker_area_end = (self.rank + 1) * cpu_page_size
         self._canonical_offset = 0
@@ -225,10 +213,10 @@ class SharedOffloadRegion:
         self.placement = page_policy.choose(shm_dir, numa_nodes=numa_node,
                                             numa_policy=numa_policy, huge_pages=huge_pages)
         # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
-        self.segments: tuple[Segment, ...] = split(
+        self.segments: tuple[segments.Segment, ...] = segments.split(
             num_chunks, kv_bytes_per_chunk,
-            effective_segments(num_segments, self.total_size_bytes,
-                               min_bytes=min_segment_bytes))
+            segments.effective_segments(num_segments, self.total_size_bytes,
+                                        min_bytes=min_segment_bytes))
         self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
         self._me = ProcessRef.current()
         if not self.shm_dir.is_dir():
@@ -243,7 +231,7 @@ class SharedOffloadRegion:
         index, count = shard
         if count <= 0 or not 0 <= index < count:
             raise errors.InvalidInputError(f"populate_shard {shard!r} needs 0 <= index < count")
-        share = round_up(-(-self.total_size_bytes // count), PAGESIZE)
+        share = geometry.round_up(-(-self.total_size_bytes // count), PAGESIZE)
         start = min(index * share, self.total_size_bytes)
         if start >= self.total_size_bytes:
             return []
@@ -325,7 +313,7 @@ class SharedOffloadRegion:
         pause_at("after_ftruncate")
         logger.info("created %s (%d bytes)", self.mmap_path, self.total_size_bytes)
 
-    def _create_segment(self, seg: Segment, path: str) -> None:
+    def _create_segment(self, seg: segments.Segment, path: str) -> None:
         try:
             fd = fsguard.create_exclusive(path, engine_id=self.engine_id)
         except FileExistsError:
@@ -409,8 +397,10 @@ class SharedOffloadRegion:
             logger.warning("ignoring manifest: %s", exc)
             return
         mine, theirs = self.geometry, m.geometry
-        differs = mismatches(theirs, num_blocks=mine.num_blocks, row_stride=mine.row_stride,
-                             cpu_page_size=mine.cpu_page_size, world_size=mine.world_size)
+        differs = geometry.mismatches(theirs, num_blocks=mine.num_blocks,
+                                      row_stride=mine.row_stride,
+                                      cpu_page_size=mine.cpu_page_size,
+                                      world_size=mine.world_size)
         if (not differs and self.rank is not None and mine.world_size is None
                 and theirs.world_size is not None and self.rank >= theirs.world_size):
             raise errors.UnsafeRegionError(
@@ -541,7 +531,7 @@ class SharedOffloadRegion:
         for i in range(self.num_chunks):
             start = (first + i) % self.num_chunks * self._row_stride + start_of_slot
             aligned = start - start % PAGESIZE
-            yield aligned, round_up(start + self.cpu_page_size, PAGESIZE) - aligned
+            yield aligned, geometry.round_up(start + self.cpu_page_size, PAGESIZE) - aligned
 
     def _strided(self, offset: int, tensor_page_size: int) -> torch.Tensor:
         view: torch.Tensor = import_torch().as_strided(
