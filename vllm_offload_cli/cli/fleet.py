@@ -17,33 +17,10 @@ from typing import Any
 import click
 
 from vllm_offload_cli import __version__
-from vllm_offload_cli.cli import gc, verify
+from vllm_offload_cli.cli import common, gc, verify
 from vllm_offload_cli.cli import inspect as inspect_cli
-from vllm_offload_cli.cli.common import (
-    COMMON,
-    SHM_DIR_ENV,
-    Duration,
-    Group,
-    Invocation,
-    Out,
-    Outcome,
-    Subcommand,
-    envelope_of,
-    output_params,
-    run_command,
-    text_table,
-)
-from vllm_offload_cli.cli.inspect import (
-    TABLE_HEADERS,
-    TABLE_RIGHT,
-    bytes_text,
-    cell_text,
-    dict_items,
-    footer,
-    owner_row,
-    region_notes,
-    region_row,
-)
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Subcommand
+from vllm_offload_cli.cli.inspect import bytes_text, cell_text, dict_items
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.exit_status import with_statuses
@@ -75,8 +52,8 @@ LOCAL: dict[str, Subcommand] = {str(s.name): s for s in (
 def node_task(command: str, options: dict[str, Any], shm_dir: str | None) -> dict[str, Any]:
     """Runs on one node: the node-local command's envelope, plus who answered (without
     --shm-dir, in the node's own default directory)."""
-    where = Path(shm_dir or os.environ.get(SHM_DIR_ENV) or "/dev/shm")
-    doc = envelope_of(LOCAL[command], options, shm_dir=where)
+    where = Path(shm_dir or os.environ.get(common.SHM_DIR_ENV) or "/dev/shm")
+    doc = common.envelope_of(LOCAL[command], options, shm_dir=where)
     doc["node"] = {"hostname": socket.gethostname(), "pid": os.getpid(),
                    "version": __version__, "shm_dir": str(where)}
     return doc
@@ -88,15 +65,15 @@ def _fleet_params() -> list[click.Parameter]:
                      help="Ray cluster to use, as for ray.init (e.g. head:6379 or "
                      "ray://head:10001); default $RAY_ADDRESS, else 'auto' (the cluster this "
                      "host belongs to)."),
-        click.Option(["--timeout"], type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
+        click.Option(["--timeout"], type=common.Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
                      help=with_statuses("Report a node that has not answered by then as timed "
                                         "out; the others' results are still shown (exit "
                                         "{PARTIAL}). Seconds, or 90s, 5m, 1h.")),
         click.Option(["--shm-dir", "shm_dir"], type=click.Path(file_okay=False, path_type=Path),
                      metavar="DIR", show_default=False,
                      help="Directory that holds the regions on every node (default: each "
-                     f"node's own ${SHM_DIR_ENV}, else /dev/shm)."),
-        *output_params(),
+                     f"node's own ${common.SHM_DIR_ENV}, else /dev/shm)."),
+        *common.output_params(),
     ]
 
 
@@ -115,7 +92,7 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
 def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: Render
                    ) -> click.Command:
     """A fleet command with the node-local command's own options (less `fixed` ones)."""
-    own = [p for p in local.params if p.name not in fixed and p.name not in COMMON]
+    own = [p for p in local.params if p.name not in fixed and p.name not in common.COMMON]
     local_name = str(local.name)
 
     def run(**values: Any) -> None:
@@ -133,7 +110,7 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: R
                            errors=result.errors(),
                            render=lambda out: render(out, result, inv, values))
 
-        run_command(f"fleet {local_name}", values, body)
+        common.run_command(f"fleet {local_name}", values, body)
 
     doc = inspect.cleandoc(doc) + "\n\n" + _EXIT
     return click.Command(local_name, callback=run, params=[*own, *_fleet_params()],
@@ -186,20 +163,20 @@ def render_inspect(out: Out, result: FleetResult, *, wide: bool = False) -> None
     for label, _, data in _answered(result):
         regions = dict_items(data.get("regions"))
         refused = "residency" in (data.get("measurement_errors") or {})
-        rows += [[cell_text(label), *region_row(r, wide=wide, refused=refused, owner=_uid)]
-                 for r in regions]
-        rows += [[cell_text(label), *owner_row(a, owner=_uid)]
+        rows += [[cell_text(label), *inspect_cli.region_row(r, wide=wide, refused=refused,
+                                                            owner=_uid)] for r in regions]
+        rows += [[cell_text(label), *inspect_cli.owner_row(a, owner=_uid)]
                  for a in dict_items(data.get("aggregated"))]
-        notes += region_notes(regions, prefix=f"{label} ")
+        notes += inspect_cli.region_notes(regions, prefix=f"{label} ")
     if rows:
-        out.print(text_table(["NODE", *TABLE_HEADERS], rows,
-                             right=tuple(i + 1 for i in TABLE_RIGHT)))
+        out.print(common.text_table(["NODE", *inspect_cli.TABLE_HEADERS], rows,
+                                    right=tuple(i + 1 for i in inspect_cli.TABLE_RIGHT)))
     else:
         out.print("No offload regions on any node that answered.")
     for note in notes:
         out.print(note)
     for label, _, data in _answered(result):
-        out.print(f"{label}: {footer(data)}")
+        out.print(f"{label}: {inspect_cli.footer(data)}")
     render_nodes(out, result)
 
 
@@ -247,7 +224,7 @@ def render_verify(out: Out, result: FleetResult) -> None:
     render_nodes(out, result)
 
 
-fleet_app = Group(
+fleet_app = common.Group(
     "fleet", no_args_is_help=True,
     help="Run inspect, gc or verify-rank-layout on every node of a Ray cluster at once (needs "
     "the ray extra).")

@@ -9,25 +9,12 @@ from typing import Any
 
 import click
 
-from vllm_offload_cli.cli import metrics
-from vllm_offload_cli.cli.common import (
-    Duration,
-    Invocation,
-    Out,
-    Outcome,
-    shm_dir_checked,
-    subcommand,
-    warn_useless_waiver,
-)
-from vllm_offload_cli.core.base import deadline
+from vllm_offload_cli.cli import common, metrics
+from vllm_offload_cli.cli.common import Invocation, Out, Outcome
+from vllm_offload_cli.core.base import deadline, exit_status
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
-from vllm_offload_cli.core.base.exit_status import (
-    ExitStatus,
-    most_important,
-    statuses_in_doc,
-    with_statuses,
-)
+from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important, with_statuses
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.text import printable, shortened
@@ -89,12 +76,12 @@ def _kept_dict(k: Problem) -> dict[str, object]:
                                          for key, value in doc.items()}}
 
 
-@subcommand("garbage-collect",
-            help="Remove provably stale regions and orphaned manifests (alias: gc).")
+@common.subcommand("garbage-collect",
+                   help="Remove provably stale regions and orphaned manifests (alias: gc).")
 @click.argument("engine_ids", nargs=-1, metavar="[ENGINE_ID]...")
 @click.option("--dry-run", "-n", is_flag=True,
               help="Show what would be removed and why; change nothing.")
-@click.option("--min-age", type=Duration(), default=f"{DEFAULT_MIN_AGE:g}s",
+@click.option("--min-age", type=common.Duration(), default=f"{DEFAULT_MIN_AGE:g}s",
               help="Keep regions changed or created less than this long ago (covers a creator "
               "between O_EXCL and ftruncate): seconds, or 90s, 5m, 2h, 1d.")
 @click.option("--include-persistent", is_flag=True,
@@ -109,14 +96,14 @@ def _kept_dict(k: Problem) -> dict[str, object]:
 @click.option("--no-syslog", is_flag=True, help="Do not record removals in the system log (by "
               "default one line per removed region, identifier vllm-offload; socket /dev/log, "
               "env VLLM_OFFLOAD_SYSLOG_SOCKET).")
-@click.option("--timeout", type=Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
+@click.option("--timeout", type=common.Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
               help=with_statuses("The run's budget: judging stops after part of it (your own "
                                  "regions, then the largest, first; other users' files are "
                                  "classified from lstat before anything is opened), what was "
                                  "proven stale is removed in the rest, what is left is reported "
                                  "as not judged (a later run looks at it) and the run exits "
                                  "{PARTIAL}: seconds, or 90s, 5m, 2h; 0: already up."))
-@statuses_in_doc
+@exit_status.statuses_in_doc
 def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
                     min_age: float, include_persistent: bool, all_users: bool,
                     prometheus: Path | None, shm_private_to_namespace: bool, no_syslog: bool,
@@ -140,7 +127,7 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
     region was judged, {NO_SPACE} when nothing was removed and --prometheus could not
     be written for lack of space ({FAILED} for another write error).
     """
-    shm_dir = shm_dir_checked(inv)
+    shm_dir = common.shm_dir_checked(inv)
     from vllm_offload_cli.core.reclaim.collector import collect  # loads discovery: when run
 
     options = GcOptions(dry_run=dry_run, min_age=min_age, include_persistent=include_persistent,
@@ -160,7 +147,7 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
         if logged.problem is not None:
             unrecorded = logged.dropped > 0
             _say_audit_dropped(inv, logged.dropped, logged.socket, logged.problem)
-    warn_useless_waiver(inv, shm_private_to_namespace)
+    common.warn_useless_waiver(inv, shm_private_to_namespace)
     _warn_lease_only(inv, report)
     errors = [{"code": e.code, "message": e.message} for e in report.errors]
     refusals = refusal_errors(report)

@@ -14,11 +14,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from pathlib import Path
 
-from vllm_offload_cli.core.base.errors import (
-    OperationFailedError,
-    RegionBusyError,
-    UnsafeRegionError,
-)
+from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host import visibility
@@ -35,14 +31,8 @@ from vllm_offload_cli.core.host.procscan import flock_holders
 from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
 from vllm_offload_cli.core.reclaim.collector import reclaim
-from vllm_offload_cli.core.region import capacity, fsguard
+from vllm_offload_cli.core.region import capacity, fsguard, naming
 from vllm_offload_cli.core.region.geometry import mismatches
-from vllm_offload_cli.core.region.naming import (
-    gc_command,
-    manifest_path,
-    region_path,
-    validate_engine_id,
-)
 from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
 from vllm_offload_cli.core.system.processes import comm
@@ -107,11 +97,11 @@ def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> 
         os.close(fd)
 
 
-def _lock_busy(path: str, fd: int, timeout: float) -> RegionBusyError:
+def _lock_busy(path: str, fd: int, timeout: float) -> errors.RegionBusyError:
     pids = [pid for pid, _ in flock_holders(FileId.of(os.fstat(fd)))
             if pid > 0 and pid != os.getpid()]
     who = pids_text(pids, 3, comm) or "an unseen process"
-    return RegionBusyError(
+    return errors.RegionBusyError(
         f"the start-up lock {path} is still held after {timeout:.0f} s by {who}: another "
         "start-up of this user is stuck or slow; refusing to start without it",
         path=path, pid=pids[0] if pids else None, code="startup_lock_busy")
@@ -210,14 +200,14 @@ def claim(
     """Make the name `engine_id` safe to create or join; call under `startup_lock`.
     `identity=False` (no shared token) joins any live region as vLLM would; only a stale
     one is reclaimed. Another `shape` (default: `size_bytes`) is exit 4 held, 6 persistent."""
-    validate_engine_id(engine_id)
+    naming.validate_engine_id(engine_id)
     want = shape if shape is not None or size_bytes is None else RegionShape(
         size_bytes=size_bytes)
-    done = ClaimResult(engine_id=engine_id, path=str(region_path(shm_dir, engine_id)))
+    done = ClaimResult(engine_id=engine_id, path=str(naming.region_path(shm_dir, engine_id)))
     deadline = time.monotonic() + 5.0  # for a holder not yet told apart
     for _ in range(100):
         inv = discover_engine(shm_dir, engine_id)
-        _refuse_squatters(inv.regions, str(manifest_path(shm_dir, engine_id)), engine_id)
+        _refuse_squatters(inv.regions, str(naming.manifest_path(shm_dir, engine_id)), engine_id)
         tokens: _Tokens = {}
         if identity:
             _refuse_released_by_another_engine(inv.regions, token, engine_id, tokens)
@@ -238,8 +228,9 @@ def claim(
         if free:
             # no second /proc pass: the next creator's O_EXCL settles any race
             return _fits(done, size_bytes, shm_dir)
-    raise OperationFailedError(f"{done.path} kept changing while starting; is something "
-                               "recreating it?", path=done.path, engine_id=engine_id)
+    raise errors.OperationFailedError(
+        f"{done.path} kept changing while starting; is something recreating it?",
+        path=done.path, engine_id=engine_id)
 
 
 def _classify(r: RegionInfo, want: RegionShape | None, done: ClaimResult,
@@ -265,20 +256,20 @@ def _classify(r: RegionInfo, want: RegionShape | None, done: ClaimResult,
         return replace(done, action=JOIN, notes=("pre-provisioned by `vllm-offload create`",))
     if r.state != STALE:
         why = f" ({r.problems[-1].message})" if r.problems else ""
-        raise UnsafeRegionError(
+        raise errors.UnsafeRegionError(
             f"{path} is {r.state}: nothing proves it unused{why}, so it is neither joined "
             "nor removed; `vllm-offload inspect` shows why", path=path,
             engine_id=r.engine_id, code="region_not_stale")
     return _RECLAIM
 
 
-def _undecided(who: _Holders, path: str, engine_id: str) -> RegionBusyError:
+def _undecided(who: _Holders, path: str, engine_id: str) -> errors.RegionBusyError:
     """Why a held region is still neither joined nor removed after the wait."""
     if who.unknown:
         return _collision(engine_id, path, who.unknown[0],
                           "holds it and cannot be told apart from another engine")
     if who.readers:
-        return RegionBusyError(
+        return errors.RegionBusyError(
             f"{path} is held only by {pids_text(who.readers, 3, comm)}, which "
             "only read it (an inspect or gc of this tool?), and still was after "
             f"the wait: it is neither joined nor removed while held; retry",
@@ -310,11 +301,12 @@ def _reclaim_once(inv: Inventory, done: ClaimResult) -> tuple[ClaimResult, bool]
         reclaimed_bytes=done.reclaimed_bytes + sum(x.freed_bytes for x in report.removed))
     for kept in report.kept:
         if kept.code in _UNSAFE_KEPT:
-            raise UnsafeRegionError(f"cannot reclaim the leftover {done.path}: {kept.message}",
-                                    path=done.path, engine_id=done.engine_id, code=kept.code)
+            raise errors.UnsafeRegionError(
+                f"cannot reclaim the leftover {done.path}: {kept.message}", path=done.path,
+                engine_id=done.engine_id, code=kept.code)
     if report.errors:
-        raise OperationFailedError(report.errors[0].message, path=done.path,
-                                   engine_id=done.engine_id)
+        raise errors.OperationFailedError(report.errors[0].message, path=done.path,
+                                          engine_id=done.engine_id)
     return done, bool(report.removed) and not report.kept and not os.path.lexists(done.path)
 
 
@@ -346,11 +338,11 @@ def _refuse_squatters(regions: Iterable[RegionInfo], mpath: str, engine_id: str)
 
 
 def _squat_error(path: str, engine_id: str, uid: int | None, kind: tuple[str, str],
-                 holders: Sequence[Holder]) -> UnsafeRegionError:
+                 holders: Sequence[Holder]) -> errors.UnsafeRegionError:
     owner = "an unknown user" if uid is None else fsguard.user_text(uid)
     shown = ", ".join(f"pid {h.pid} ({h.name or '?'})" for h in holders[:3])
     held = f", held by {shown}" if shown else ""
-    return UnsafeRegionError(
+    return errors.UnsafeRegionError(
         f"{path} is {kind[0]} owned by {owner}{held}: the name engine_id {engine_id!r} needs "
         "is squatted, so the engine can neither create nor join it; remove it as root after "
         "checking, or pick another engine_id", path=path, engine_id=engine_id,
@@ -432,7 +424,7 @@ def refuse_held_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
         return
     pids = ours or tuple(h.pid for h in r.holders)
     who = pids_text(pids, 3, comm) or "a process"
-    raise RegionBusyError(
+    raise errors.RegionBusyError(
         f"{path} is in use by {who} with another shape than this engine asks for ({why}); "
         "it cannot be joined. Start every rank with the same configuration, or stop "
         f"{'that process' if len(pids) == 1 else 'those processes'} first",
@@ -446,9 +438,9 @@ def refuse_persistent_other_shape(r: RegionInfo, want: RegionShape | None, path:
     why = mismatch(r, want)
     if why is None:
         return
-    command = gc_command(shm_dir, r.engine_id, include_persistent=True,
-                         all_users=r.uid is not None and r.uid != os.geteuid())
-    raise UnsafeRegionError(
+    command = naming.gc_command(shm_dir, r.engine_id, include_persistent=True,
+                                all_users=r.uid is not None and r.uid != os.geteuid())
+    raise errors.UnsafeRegionError(
         f"{path} was pre-provisioned (`vllm-offload create`) with another shape than this "
         f"engine asks for ({why}); it is neither joined nor removed. Remove it with "
         f"`{command}`, or pre-provision it again with the engine's shape",

@@ -17,11 +17,7 @@ from typing import Any
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from vllm_offload_cli.core.base.errors import (
-    InsufficientSpaceError,
-    RegionBusyError,
-    UnsafeRegionError,
-)
+from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV, valid_token
 from vllm_offload_cli.engine.plugin import join_vllm_logging
 from vllm_offload_cli.engine.region_hold import RegionHold, RegionRequest, open_region
@@ -39,7 +35,7 @@ join_vllm_logging()  # selected by spec_module_path alone, the plugin may not ha
 STRICT_KEY = "vllm_offload_strict"
 # Refusals are the hook's purpose: they stop the engine even outside strict mode
 # (a slot collision is an UnsafeRegionError).
-_REFUSALS = (RegionBusyError, InsufficientSpaceError, UnsafeRegionError)
+_REFUSALS = (errors.RegionBusyError, errors.InsufficientSpaceError, errors.UnsafeRegionError)
 
 
 def _slot(spec: Any, call: RegionCall) -> tuple[int | None, int | None]:

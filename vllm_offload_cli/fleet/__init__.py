@@ -20,11 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_offload_cli.core.base.errors import (
-    InvalidInputError,
-    OperationFailedError,
-    RegionNotFoundError,
-)
+from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.exit_status import ExitStatus, as_status, most_important
 from vllm_offload_cli.core.base.units import is_int
 
@@ -38,7 +34,7 @@ ERROR = "error"  # answered with a non-zero exit code (problems, a failed remova
 REFUSED = "refused"  # answered with exit 6: refused as unsafe (e.g. cannot see all processes)
 ABSENT = "absent"  # only "not found" errors: the named region(s) live on other nodes
 
-NOT_FOUND = RegionNotFoundError.code
+NOT_FOUND = errors.RegionNotFoundError.code
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,9 +63,8 @@ class NodeResult:
             return OK
         if code == ExitStatus.UNSAFE:
             return REFUSED
-        errors = self._errors()
-        if code == ExitStatus.USAGE and errors and all(e.get("code") == NOT_FOUND
-                                                       for e in errors):
+        said = self._errors()
+        if code == ExitStatus.USAGE and said and all(e.get("code") == NOT_FOUND for e in said):
             return ABSENT
         return ERROR
 
@@ -244,8 +239,8 @@ def no_node_has(engine_ids: list[str]) -> str:
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
 
-def _cannot_connect(address: str, why: object) -> OperationFailedError:
-    return OperationFailedError(
+def _cannot_connect(address: str, why: object) -> errors.OperationFailedError:
+    return errors.OperationFailedError(
         f"cannot connect to the Ray cluster at {address!r}: {why}; pass --address or set "
         f"{RAY_ADDRESS_ENV} (e.g. head:6379 or ray://head:10001)", code="ray_connect")
 
@@ -309,9 +304,9 @@ def run_on_every_node(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], 
     try:
         ray: Any = importlib.import_module("ray")
     except ImportError:
-        raise InvalidInputError("fleet commands need Ray, which is not installed; install it "
-                                "with: pip install 'vllm-offload[ray]'",
-                                code="ray_not_installed") from None
+        raise errors.InvalidInputError(
+            "fleet commands need Ray, which is not installed; install it with: pip install "
+            "'vllm-offload[ray]'", code="ray_not_installed") from None
     # Ray's own convention: --address, else $RAY_ADDRESS, else a cluster on this host
     where = address or os.environ.get(RAY_ADDRESS_ENV) or "auto"
     connected_here = not ray.is_initialized()
