@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from vllm_offload_cli import __version__
+from vllm_offload_cli import __version__, fleet
 from vllm_offload_cli.cli import common, gc, verify
 from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Subcommand
@@ -25,17 +25,7 @@ from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.exit_status import with_statuses
 from vllm_offload_cli.core.base.units import format_bytes, is_int
-from vllm_offload_cli.fleet import (
-    ABSENT,
-    ANSWERED,
-    OK,
-    REFUSED,
-    TIMED_OUT,
-    FleetResult,
-    NodeResult,
-    no_node_has,
-    run_on_every_node,
-)
+from vllm_offload_cli.fleet import FleetResult, NodeResult, no_node_has, run_on_every_node
 
 # (out, result, the run, its options): prints a fleet answer for people
 Render = Callable[[Out, FleetResult, Invocation, dict[str, Any]], None]
@@ -124,7 +114,7 @@ def _answered(result: FleetResult) -> list[tuple[str, NodeResult, dict[str, Any]
     """(label, node, data) of each node that answered with data."""
     rows = []
     for n in result.nodes:
-        data = (n.envelope or {}).get("data") if n.outcome == ANSWERED else None
+        data = (n.envelope or {}).get("data") if n.outcome == fleet.ANSWERED else None
         if isinstance(data, dict) and data:
             rows.append((result.label(n), n, data))
     return rows
@@ -135,13 +125,13 @@ def render_nodes(out: Out, result: FleetResult) -> None:
     for n in result.nodes:
         label = result.label(n)
         status = n.status
-        if status in (OK, ABSENT):
+        if status in (fleet.OK, fleet.ABSENT):
             continue
-        if n.outcome != ANSWERED:
-            what = "TIMED OUT" if n.outcome == TIMED_OUT else "FAILED"
+        if n.outcome != fleet.ANSWERED:
+            what = "TIMED OUT" if n.outcome == fleet.TIMED_OUT else "FAILED"
             out.print(f"node {label}: {what}: {n.reason} (its regions are not shown)")
             continue
-        what = "REFUSED" if status == REFUSED else f"exit {n.exit_code}"
+        what = "REFUSED" if status == fleet.REFUSED else f"exit {n.exit_code}"
         for e in dict_items((n.envelope or {}).get("errors")) or [{"message": "(no message)"}]:
             out.print(f"node {label}: {what}: {e.get('message', '')}")
     nowhere = result.on_no_node()
@@ -213,11 +203,12 @@ def render_gc(out: Out, result: FleetResult, *, quiet: bool) -> None:
 
 def render_verify(out: Out, result: FleetResult) -> None:
     for label, n, data in _answered(result):
-        if n.status == ABSENT:
+        if n.status == fleet.ABSENT:
             continue
         problems = dict_items(data.get("problems"))
         what = data.get("path") or f"plan of {data.get('dp_size', '?')} replica(s)"
-        verdict = "OK" if not problems and n.status == OK else f"FAIL: {len(problems)} problem(s)"
+        verdict = ("OK" if not problems and n.status == fleet.OK
+                   else f"FAIL: {len(problems)} problem(s)")
         out.print(f"{label}: {what}: {verdict}")
         for p in problems:
             out.print(f"  - {p.get('message')}")

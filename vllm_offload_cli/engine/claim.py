@@ -17,16 +17,8 @@ from pathlib import Path
 from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.base.units import format_bytes
-from vllm_offload_cli.core.host import visibility
-from vllm_offload_cli.core.host.discovery import (
-    PERSISTENT,
-    STALE,
-    Holder,
-    Inventory,
-    RegionInfo,
-    discover,
-    discover_engine,
-)
+from vllm_offload_cli.core.host import discovery, visibility
+from vllm_offload_cli.core.host.discovery import STALE, Inventory, RegionInfo
 from vllm_offload_cli.core.host.procscan import flock_holders
 from vllm_offload_cli.core.reclaim import audit
 from vllm_offload_cli.core.reclaim import report as gc_report
@@ -206,7 +198,7 @@ def claim(
     done = ClaimResult(engine_id=engine_id, path=str(naming.region_path(shm_dir, engine_id)))
     deadline = time.monotonic() + 5.0  # for a holder not yet told apart
     for _ in range(100):
-        inv = discover_engine(shm_dir, engine_id)
+        inv = discovery.discover_engine(shm_dir, engine_id)
         _refuse_squatters(inv.regions, str(naming.manifest_path(shm_dir, engine_id)), engine_id)
         tokens: _Tokens = {}
         if identity:
@@ -251,7 +243,7 @@ def _classify(r: RegionInfo, want: RegionShape | None, done: ClaimResult,
             raise _undecided(who, path, r.engine_id)
         refuse_held_other_shape(r, want, path, who.ours)
         return replace(done, action=JOIN, engine_holders=who.ours)
-    if r.state == PERSISTENT:
+    if r.state == discovery.PERSISTENT:
         refuse_persistent_other_shape(r, want, path, shm_dir)
         return replace(done, action=JOIN, notes=("pre-provisioned by `vllm-offload create`",))
     if r.state != STALE:
@@ -338,7 +330,7 @@ def _refuse_squatters(regions: Iterable[RegionInfo], mpath: str, engine_id: str)
 
 
 def _squat_error(path: str, engine_id: str, uid: int | None, kind: tuple[str, str],
-                 holders: Sequence[Holder]) -> errors.UnsafeRegionError:
+                 holders: Sequence[discovery.Holder]) -> errors.UnsafeRegionError:
     owner = "an unknown user" if uid is None else fsguard.user_text(uid)
     shown = ", ".join(f"pid {h.pid} ({h.name or '?'})" for h in holders[:3])
     held = f", held by {shown}" if shown else ""
@@ -477,8 +469,8 @@ def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
     me = os.geteuid()
     # this user's files, and the processes that could open them: the collector
     # re-checks each removal against every process and the kernel's lease
-    inv = discover(shm_dir, measure_residency=False, judge_uids=[me],
-                   only=visibility.MayOpen(me, 0o600))
+    inv = discovery.discover(shm_dir, measure_residency=False, judge_uids=[me],
+                             only=visibility.MayOpen(me, 0o600))
     # gc's own verdict, and this user's: a linked `stale` region (so not persistent,
     # creating or unknown) whose every file we own
     oldest = sorted((r for r in inv.regions if r.linked and r.state == STALE

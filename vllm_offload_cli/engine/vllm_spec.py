@@ -18,16 +18,11 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from vllm_offload_cli.core.base import errors
+from vllm_offload_cli.engine import vllm_rules
 from vllm_offload_cli.engine.identity import ENGINE_TOKEN_ENV, valid_token
 from vllm_offload_cli.engine.plugin import join_vllm_logging
 from vllm_offload_cli.engine.region_hold import RegionHold, RegionRequest, open_region
-from vllm_offload_cli.engine.vllm_rules import (
-    DEVICE_MODULO,
-    LOGICAL,
-    RegionCall,
-    VllmRules,
-    rules_or_none,
-)
+from vllm_offload_cli.engine.vllm_rules import RegionCall, VllmRules
 
 logger = logging.getLogger(__name__)
 join_vllm_logging()  # selected by spec_module_path alone, the plugin may not have run
@@ -44,7 +39,7 @@ def _slot(spec: Any, call: RegionCall) -> tuple[int | None, int | None]:
         return None, None
     if spec.replicated_layout:
         return 0, None
-    if call.rank_source == DEVICE_MODULO:
+    if call.rank_source == vllm_rules.DEVICE_MODULO:
         import torch  # present wherever vLLM runs; read as vLLM reads it
 
         device = int(torch.accelerator.current_device_index())
@@ -71,7 +66,7 @@ def _open(spec: Any, rules: VllmRules, call: RegionCall) -> RegionHold | None:
             world_size=spec.config.parallel.world_size, num_segments=call.segments,
             replicated=bool(spec.replicated_layout),
             min_segment_bytes=rules.min_segment_bytes,
-            rank_source=call.rank_source or LOGICAL, device_index=device,
+            rank_source=call.rank_source or vllm_rules.LOGICAL, device_index=device,
             vllm_layout_basis="vllm",
         )
         return open_region(request, token=token)
@@ -90,7 +85,7 @@ def _held(spec: Any, which: str, build: Callable[[], Any]
             ) -> tuple[Any, RegionHold | None, RegionCall | None]:
     """Take our hold first (for the RegionCall `which`), then let vLLM build on it;
     never keep a hold vLLM failed on. vLLM not understood: it builds alone."""
-    rules = rules_or_none(strict=bool(spec.extra_config.get(STRICT_KEY)))  # None: warned
+    rules = vllm_rules.rules_or_none(strict=bool(spec.extra_config.get(STRICT_KEY)))  # None: warned
     call: RegionCall | None = None if rules is None else getattr(rules, which)
     hold = None if rules is None or call is None else _open(spec, rules, call)
     try:
