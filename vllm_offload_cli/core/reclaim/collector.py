@@ -1,16 +1,10 @@
 """Garbage collection: remove offload regions that are provably stale, and nothing else.
 
-Deleting by name is unsafe in /dev/shm: vLLM uses a region through its mapping without a
-lock, a creator may be between O_EXCL and ftruncate, and anyone can plant a symlink named
-like a region. So a region goes only when every test agrees on state read under its
-exclusive lock (docs/architecture.md, "Why gc removes only what nobody uses"): discovery
-keeps what is held, persistent, young, foreign or not a regular file; each other file is
-opened without following a link, judged on its descriptor and locked LOCK_EX|LOCK_NB; the
-kernel's write lease proves that nobody else has it open or mapped, and /proc is walked
-again, by inode, only for regions the lease cannot answer for; a blind spot (visibility.py)
-keeps everything `unknown`. The manifest goes first, the bare name last, each through this
-user's private directory (fsguard.unlink_if_same). The deadline stops a run between
-batches, never inside one region's removal; files that vanish under us are reported.
+Deleting by name is unsafe in /dev/shm (vLLM maps without a lock, a creator may be between
+O_EXCL and ftruncate, anyone can plant a symlink), so a region goes only when every test
+of docs/architecture.md ("Why gc removes only what nobody uses") agrees on state read
+under its exclusive lock. The manifest goes first, the bare name last, each checked
+through this user's private directory; the deadline stops a run between batches only.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def _carried(pid: int, memfds: dict[tuple[int, int], int] | None, region: FileId
     fd_number = None if memfds is None else memfds.get((region.dev, region.ino))
     if fd_number is None:
         return None
-    fd = open_proc_link(f"{procfs.PROC}/{pid}/fd/{fd_number}")
+    fd = open_proc_link(procfs.fd_link(pid, fd_number))
     if fd is None:
         return None
     try:  # validated as any manifest (a memfd has no link)

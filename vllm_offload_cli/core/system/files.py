@@ -29,12 +29,11 @@ def _regular(st: os.stat_result, expect: FileId | None) -> bool:
     return stat.S_ISREG(st.st_mode) and (expect is None or FileId.of(st) == expect)
 
 
-def open_regular(path: str, expect: FileId | None = None, flags: int = os.O_RDONLY
-                 ) -> int | None:
+def open_regular(path: str, expect: FileId | None = None) -> int | None:
     """A descriptor of `path` if it is a regular file (with identity `expect`); else None.
     Judged on the descriptor, so a name swapped since the caller's scan is caught."""
     try:
-        fd = os.open(path, flags | UNTRUSTED_OPEN_FLAGS)
+        fd = os.open(path, os.O_RDONLY | UNTRUSTED_OPEN_FLAGS)
     except OSError:
         return None
     try:
@@ -56,8 +55,7 @@ def stat_proc_link(path: str, expect: FileId | None = None) -> os.stat_result | 
     return st if _regular(st, expect) else None
 
 
-def open_proc_link(path: str, expect: FileId | None = None, flags: int = os.O_RDONLY
-                   ) -> int | None:
+def open_proc_link(path: str, expect: FileId | None = None) -> int | None:
     """A descriptor of the regular file behind a /proc magic link; else None. Resolved
     with O_PATH (nothing behind it opens or blocks), judged, then reopened through our
     own /proc/self/fd: the file opened is the inode judged, whatever happens meanwhile."""
@@ -69,7 +67,7 @@ def open_proc_link(path: str, expect: FileId | None = None, flags: int = os.O_RD
         if not _regular(os.fstat(pfd), expect):
             return None
         return os.open(f"/proc/self/fd/{pfd}",
-                       flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+                       os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     finally:
