@@ -292,10 +292,6 @@ def common_params() -> list[click.Parameter]:
             *output_params()]
 
 
-def _typed(ctx: click.Context, name: str) -> bool:
-    return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
-
-
 def run_command(command: str, values: dict[str, Any],
                 body: Callable[[Invocation, Path | None], Outcome]) -> None:
     """Exit with the status of `body(inv, the --shm-dir given or None)` in the error boundary;
@@ -305,7 +301,9 @@ def run_command(command: str, values: dict[str, Any],
     root = ctx.find_root()
     given = root.params if root is not ctx else {}
     shm_dir = own.get("shm_dir")
-    if given and _typed(root, "shm_dir") and not _typed(ctx, "shm_dir"):
+    typed = ParameterSource.COMMANDLINE
+    if given and root.get_parameter_source("shm_dir") is typed \
+            and ctx.get_parameter_source("shm_dir") is not typed:
         shm_dir = given["shm_dir"]
     verbosity = own["verbose"] + given.get("verbose", 0) - own["quiet"] - given.get("quiet", 0)
     inv = Invocation(command=command, shm_dir=shm_dir or Path("/dev/shm"), verbosity=verbosity,

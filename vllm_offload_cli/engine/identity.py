@@ -56,11 +56,7 @@ def read_token(pid: int) -> tuple[str | None, bool]:
     value = None if env is None else env.get(ENGINE_TOKEN_ENV)
     if valid_token(value):
         return value, True
-    return _beacon_token(pid), env is not None
-
-
-def _beacon_token(pid: int) -> str | None:
     links = procfs.fd_links(pid)
-    if isinstance(links, procfs.Unreadable):
-        return None
-    return next((m.group(1) for _, t in links if (m := _BEACON_RE.fullmatch(t))), None)
+    beacon = None if isinstance(links, procfs.Unreadable) else next(
+        (m.group(1) for _, t in links if (m := _BEACON_RE.fullmatch(t))), None)
+    return beacon, env is not None
