@@ -126,7 +126,7 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
 
 def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bool | None:
     """Matching mappings of `pid` into `uses`, one FileUse per file and name shown."""
-    data = procfs.read_maps(pid)
+    data = procfs.read(pid, "maps")
     if data is GONE:
         return None
     if data is DENIED:

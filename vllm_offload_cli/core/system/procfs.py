@@ -31,6 +31,16 @@ def _why(exc: OSError) -> Unreadable:
     return DENIED if isinstance(exc, PermissionError) else GONE
 
 
+def read(pid: int, name: str) -> bytes | Unreadable:
+    """/proc/PID/`name` as raw bytes (maps: so a caller can skip a process by a substring
+    test before parsing it)."""
+    try:
+        with open(f"{PROC}/{pid}/{name}", "rb") as f:
+            return f.read()
+    except OSError as exc:
+        return _why(exc)
+
+
 def strip_deleted(path: str) -> tuple[str, bool]:
     """'/dev/shm/x (deleted)' -> ('/dev/shm/x', True)."""
     stripped = path.removesuffix(DELETED_SUFFIX)
@@ -52,10 +62,8 @@ def maps_dev_token(dev: int) -> bytes:
 
 def stat_identity(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) of `pid`; None if unreadable."""
-    try:
-        with open(f"{PROC}/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
+    data = read(pid, "stat")
+    if isinstance(data, Unreadable):
         return None
     # comm may contain spaces and parentheses: the fields resume after the last ')'
     fields = data[data.rfind(b")") + 2:].split()
@@ -82,15 +90,6 @@ class Mapping:
     def extent(self) -> int:
         """Bytes of the file this mapping reaches: its offset plus its length."""
         return self.offset + self.end - self.start
-
-
-def read_maps(pid: int) -> bytes | Unreadable:
-    """The raw maps text, so a caller can skip a process by a substring test first."""
-    try:
-        with open(f"{PROC}/{pid}/maps", "rb") as f:
-            return f.read()
-    except OSError as exc:
-        return _why(exc)
 
 
 def parse_maps_line(raw: bytes) -> Mapping | None:
@@ -167,7 +166,7 @@ def may_write(pid: int, fids: Collection[FileId]) -> bool | Unreadable:
                               if line.startswith(b"flags:")), None)
                 if flags is None or flags & os.O_ACCMODE != os.O_RDONLY:
                     return True
-        maps = read_maps(pid)
+        maps = read(pid, "maps")
         if isinstance(maps, Unreadable):
             return maps
         devs = {maps_dev_token(fid.dev) for fid in fids}  # parse only lines of their devices
@@ -331,13 +330,11 @@ def lock_entries() -> Iterator[LockEntry]:
 
 def credentials(pid: int) -> tuple[frozenset[int], int] | Unreadable:
     """(real, effective, saved and filesystem uids; CapPrm | CapEff): one status read."""
-    try:
-        with open(f"{PROC}/{pid}/status", "rb") as f:
-            text = f.read().decode("ascii", "replace")
-    except OSError as exc:
-        return _why(exc)
+    data = read(pid, "status")
+    if isinstance(data, Unreadable):
+        return data
     caps, uids = 0, frozenset[int]()
-    for line in text.splitlines():
+    for line in data.decode("ascii", "replace").splitlines():
         key, _, value = line.partition(":")
         try:
             if key in ("CapPrm", "CapEff"):
