@@ -54,8 +54,7 @@ class Out:
 
     file: TextIO
 
-    def print(self, *objects: object) -> None:
-        text = " ".join(str(o) for o in objects)
+    def print(self, text: str) -> None:
         self.file.write("".join(printable(line) + "\n" for line in text.split("\n")))
         self.file.flush()
 
