@@ -27,7 +27,6 @@ from click.core import ParameterSource
 from vllm_offload_cli.core.base import errors
 from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import json_safe, printable
-from vllm_offload_cli.core.base.units import parse_duration, parse_size
 
 if TYPE_CHECKING:  # rich loads only when something is rendered for people
     from rich.console import Console
@@ -219,7 +218,6 @@ class Size(click.ParamType):  # type: ignore[type-arg]  # generic in newer click
     """Bytes: `4096`, `64KiB`, `1G` (powers of 1024), `1GB` (of 1000)."""
 
     name = "size"
-    parse: Callable[..., float] = staticmethod(parse_size)
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
         return self.name.upper()
@@ -228,8 +226,11 @@ class Size(click.ParamType):  # type: ignore[type-arg]  # generic in newer click
                 ctx: click.Context | None) -> Any:
         if isinstance(value, (int, float)):  # converted already
             return value
+        from vllm_offload_cli.core.base import units  # not loaded for --version or --help
+
+        parse = units.parse_duration if self.name == "duration" else units.parse_size
         try:
-            return self.parse(str(value), what="")
+            return parse(str(value), what="")
         except errors.InvalidInputError as exc:
             self.fail(exc.message.strip(), param, ctx)
 
@@ -238,7 +239,6 @@ class Duration(Size):
     """Seconds: `90`, `90s`, `5m`, `2h`, `1h30m`; 0 is a time already up."""
 
     name = "duration"
-    parse = staticmethod(parse_duration)
 
 
 class ParsedChoice(click.Choice):  # type: ignore[type-arg]
