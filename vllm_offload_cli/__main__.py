@@ -8,6 +8,7 @@ EXIT_INTERRUPTED = 130  # ExitStatus.INTERRUPTED; not imported: it may be mid-im
 
 
 def main() -> None:
+    gc.disable()  # loading makes no garbage, yet ~40 collections; get_command re-enables
     try:
         from vllm_offload_cli.cli.app import main as run
 

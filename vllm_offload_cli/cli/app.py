@@ -6,6 +6,7 @@ imports nothing of create, benchmark or the fleet, `--version` none of them.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 from collections.abc import Sequence
@@ -43,6 +44,9 @@ class CommandLine(click.Group):
             return None
         module_name, attribute = COMMANDS[name]
         module = importlib.import_module(f"vllm_offload_cli.cli.{module_name}")
+        if not gc.isenabled():  # __main__'s, while the tree loaded: that lives until exit,
+            gc.freeze()  # so no collection need walk it
+            gc.enable()
         command: click.Command = getattr(module, attribute)
         return command
 
