@@ -20,8 +20,8 @@ import pytest
 
 from tests.conftest import require_root
 from tests.engine_ranks import Engine
+from vllm_offload_cli.core.region.geometry import split
 from vllm_offload_cli.core.region.naming import manifest_path
-from vllm_offload_cli.core.region.segments import split
 
 MiB = 1 << 20
 PAGE = 64 * 1024

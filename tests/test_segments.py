@@ -14,7 +14,7 @@ import pytest
 
 from vllm_offload_cli.core.base.errors import RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.region import SharedOffloadRegion
-from vllm_offload_cli.core.region.segments import (
+from vllm_offload_cli.core.region.geometry import (
     VLLM_CPU_SEGMENTS,
     Segment,
     effective_segments,

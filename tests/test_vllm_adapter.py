@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core.region.segments import effective_segments
+from vllm_offload_cli.core.region.geometry import effective_segments
 from vllm_offload_cli.engine.vllm_rules import DEVICE_MODULO, VllmRules, read_rules
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))

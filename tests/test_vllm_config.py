@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from vllm_offload_cli.core.host.discovery import discover
-from vllm_offload_cli.core.region.segments import effective_segments, layout_of
+from vllm_offload_cli.core.region.geometry import effective_segments, layout_of
 from vllm_offload_cli.engine.vllm_rules import read_rules
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from vllm_offload_cli.core.region.segments import effective_segments, layout_of
+from vllm_offload_cli.core.region.geometry import effective_segments, layout_of
 from vllm_offload_cli.engine.vllm_rules import (
     CPU_SPEC_MODULE,
     DEVICE_MODULO,

@@ -15,15 +15,16 @@ from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc, 
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import shortened
 from vllm_offload_cli.core.base.units import format_bytes
-from vllm_offload_cli.core.region.geometry import Geometry, geometry_from_size
-from vllm_offload_cli.core.region.naming import with_dp_rank
-from vllm_offload_cli.core.region.segments import (
+from vllm_offload_cli.core.region.geometry import (
     MIN_SEGMENT_BYTES,
     VLLM_CPU_SEGMENTS,
+    Geometry,
     effective_segments,
+    geometry_from_size,
     layout_of,
     split,
 )
+from vllm_offload_cli.core.region.naming import with_dp_rank
 from vllm_offload_cli.core.system.numa import parse_cpulist
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import Inventory, RegionInfo, discover
 from vllm_offload_cli.core.host.observed_placement import Placement, observe_all
 from vllm_offload_cli.core.region import fsguard
-from vllm_offload_cli.core.region.segments import SEGMENTED, SINGLE_FILE
+from vllm_offload_cli.core.region.geometry import SEGMENTED, SINGLE_FILE
 from vllm_offload_cli.core.system.processes import ProcessRef
 
 STATES = ("live", "creating", "persistent", "stale", "unknown")  # a region's, as --state takes

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError, UnsafeRegionError
 from vllm_offload_cli.core.region import carried
 from vllm_offload_cli.core.region import manifest as manifest_io
+from vllm_offload_cli.core.region.geometry import MIN_SEGMENT_BYTES, effective_segments, split
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.core.region.ranks import LOGICAL
-from vllm_offload_cli.core.region.segments import MIN_SEGMENT_BYTES, effective_segments, split
 from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion
 from vllm_offload_cli.engine.claim import ClaimResult, RegionShape, claim, startup_lock
 

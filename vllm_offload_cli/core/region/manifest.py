@@ -20,8 +20,7 @@ from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.region import fsguard, naming, page_policy
 from vllm_offload_cli.core.region import untrusted_json as uj
-from vllm_offload_cli.core.region.geometry import Geometry
-from vllm_offload_cli.core.region.segments import layout_of
+from vllm_offload_cli.core.region.geometry import Geometry, layout_of
 from vllm_offload_cli.core.system.files import FileId
 from vllm_offload_cli.core.system.processes import ProcessRef
 
@@ -90,7 +89,7 @@ class Manifest:
 
     @property
     def vllm_layout(self) -> str:
-        """Which vLLM can join it (segments.SEGMENTED or SINGLE_FILE): its file count says."""
+        """Which vLLM can join it (geometry.SEGMENTED or SINGLE_FILE): its file count says."""
         return layout_of(self.segments)
 
     @property

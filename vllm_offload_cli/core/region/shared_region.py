@@ -27,7 +27,7 @@ from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.testhook import pause_at
-from vllm_offload_cli.core.region import capacity, fsguard, geometry, naming, page_policy, segments
+from vllm_offload_cli.core.region import capacity, fsguard, geometry, naming, page_policy
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 from vllm_offload_cli.core.region.naming import manifest_path
@@ -101,7 +101,7 @@ class SharedOffloadRegion:
         numa_node: int | Sequence[int] | None = None,
         numa_policy: str | None = None,
         huge_pages: str = "never",
-        min_segment_bytes: int = segments.MIN_SEGMENT_BYTES,
+        min_segment_bytes: int = geometry.MIN_SEGMENT_BYTES,
         vllm_layout_basis: str | None = None,
         engine_token: str | None = None,
     ) -> None:
@@ -213,9 +213,9 @@ class SharedOffloadRegion:
         self.placement = page_policy.choose(shm_dir, numa_nodes=numa_node,
                                             numa_policy=numa_policy, huge_pages=huge_pages)
         # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
-        self.segments: tuple[segments.Segment, ...] = segments.split(
+        self.segments: tuple[geometry.Segment, ...] = geometry.split(
             num_chunks, kv_bytes_per_chunk,
-            segments.effective_segments(num_segments, self.total_size_bytes,
+            geometry.effective_segments(num_segments, self.total_size_bytes,
                                         min_bytes=min_segment_bytes))
         self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
         self._me = ProcessRef.current()
@@ -313,7 +313,7 @@ class SharedOffloadRegion:
         pause_at("after_ftruncate")
         logger.info("created %s (%d bytes)", self.mmap_path, self.total_size_bytes)
 
-    def _create_segment(self, seg: segments.Segment, path: str) -> None:
+    def _create_segment(self, seg: geometry.Segment, path: str) -> None:
         try:
             fd = fsguard.create_exclusive(path, engine_id=self.engine_id)
         except FileExistsError:
