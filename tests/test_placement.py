@@ -26,11 +26,11 @@ from vllm_offload_cli.core.layout import check
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region import page_policy
 from vllm_offload_cli.core.region.geometry import Geometry
-from vllm_offload_cli.core.system import libc, memory, mounts, numa, processes
+from vllm_offload_cli.core.system import libc, memory, mounts, processes
 from vllm_offload_cli.core.system.files import FileId
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-TOPO = numa.topology()
+TOPO = memory.topology()
 FIRST_NODE = TOPO.nodes[0]
 NUMA_CALLS = pytest.mark.skipif(not libc.numa_syscalls_available(),
                                 reason="no NUMA system call numbers for this architecture")
@@ -44,12 +44,12 @@ def _create(cli: Any, shm_dir: Path, engine_id: str, *extra: str, size: str = "4
 # -- topology ------------------------------------------------------------------------------
 
 def test_cpulist_parsing() -> None:
-    assert numa.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
-    assert numa.parse_cpulist("") == frozenset()
+    assert memory.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert memory.parse_cpulist("") == frozenset()
     with pytest.raises(ValueError):
-        numa.parse_cpulist("3-1")
+        memory.parse_cpulist("3-1")
     with pytest.raises(ValueError):
-        numa.parse_cpulist("x")
+        memory.parse_cpulist("x")
 
 
 def test_host_topology_has_this_process_cpus() -> None:
@@ -60,7 +60,7 @@ def test_host_topology_has_this_process_cpus() -> None:
 
 
 def test_missing_sysfs_is_one_node_not_a_crash(tmp_path: Path) -> None:
-    topo = numa.topology(str(tmp_path / "absent"))
+    topo = memory.topology(str(tmp_path / "absent"))
     assert topo.nodes == (0,) and topo.single_node and not topo.from_sysfs
     assert topo.with_memory == {0}
     assert processes.allowed_cpus(2**22 + 12345) is None  # no such process
@@ -73,7 +73,7 @@ def test_garbage_in_sysfs_is_tolerated(tmp_path: Path) -> None:
     (tmp_path / "node1").mkdir()
     (tmp_path / "node1" / "cpulist").write_text("garbage\n")
     (tmp_path / "has_memory").write_text("0\n")
-    topo = numa.topology(str(tmp_path))
+    topo = memory.topology(str(tmp_path))
     assert topo.nodes == (0, 1) and topo.cpus[1] == frozenset()
     assert topo.with_memory == {0}
 
@@ -462,7 +462,7 @@ def test_remote_slot_rule_with_real_page_nodes(shm_dir: Path, holders: Any) -> N
     cpus = processes.allowed_cpus(worker.pid)
     assert cpus is not None
     other = FIRST_NODE + 1
-    split = numa.Topology({FIRST_NODE: frozenset(), other: cpus},
+    split = memory.Topology({FIRST_NODE: frozenset(), other: cpus},
                           frozenset({FIRST_NODE, other}), True)
     g = Geometry.for_workers(num_blocks=4, world_size=2, cpu_page_size=PAGE)
     fd = os.open(shm_dir / "vllm_offload_aff.mmap", os.O_RDONLY)

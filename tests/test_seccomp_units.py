@@ -138,11 +138,11 @@ def test_verify_rank_layout_without_mincore_says_so(shm_dir: Path, tmp_path: Pat
 
 _TWO_NODES = """
 import runpy, sys
-from vllm_offload_cli.core.system import numa
+from vllm_offload_cli.core.system import memory
 # A two-node host cannot exist on this machine: its topology is the one stand-in.
-two = numa.Topology(cpus={0: frozenset({0}), 1: frozenset({1})},
+two = memory.Topology(cpus={0: frozenset({0}), 1: frozenset({1})},
                     with_memory=frozenset({0, 1}), from_sysfs=True)
-numa.topology = lambda *args, **kwargs: two
+memory.topology = lambda *args, **kwargs: two
 sys.argv = ["vllm-offload", "verify-rank-layout", "svc", "--json"]
 runpy.run_module("vllm_offload_cli", run_name="__main__")
 """

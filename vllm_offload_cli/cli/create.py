@@ -25,7 +25,7 @@ from vllm_offload_cli.core.region.geometry import (
     split,
 )
 from vllm_offload_cli.core.region.naming import with_dp_rank
-from vllm_offload_cli.core.system.numa import parse_cpulist
+from vllm_offload_cli.core.system.memory import parse_cpulist
 
 if TYPE_CHECKING:
     from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion

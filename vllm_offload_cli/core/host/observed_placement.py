@@ -18,7 +18,7 @@ from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import RegionInfo, SegmentFile
 from vllm_offload_cli.core.region.geometry import PAGESIZE
 from vllm_offload_cli.core.region.page_policy import ThpSupport, pmd_mapped, thp_support
-from vllm_offload_cli.core.system import libc, numa, procfs
+from vllm_offload_cli.core.system import libc, memory, procfs
 from vllm_offload_cli.core.system.files import FileId, open_regular
 
 SAMPLE_PAGES = 4096
@@ -140,7 +140,7 @@ HolderScans = dict[int, "dict[FileId, HolderPages] | None"]
 def observe_all(regions: Iterable[RegionInfo]) -> dict[str, Placement]:
     """Placement of each region, keyed by its first path (unique per region)."""
     regions = list(regions)
-    topo = numa.topology()
+    topo = memory.topology()
     thp = {d: thp_support(d) for d in {os.path.dirname(r.segments[0].path) for r in regions}}
     scans: HolderScans = {}
     if not topo.single_node or any(t.allowed for t in thp.values()):
@@ -152,7 +152,7 @@ def observe_all(regions: Iterable[RegionInfo]) -> dict[str, Placement]:
                                          scans) for r in regions}
 
 
-def _observe(r: RegionInfo, topo: numa.Topology, thp: ThpSupport, scans: HolderScans
+def _observe(r: RegionInfo, topo: memory.Topology, thp: ThpSupport, scans: HolderScans
              ) -> Placement:
     """Placement of one region; on a one-node host whose mount gives no huge pages it is
     known without reading any holder."""

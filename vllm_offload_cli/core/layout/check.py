@@ -31,7 +31,7 @@ from vllm_offload_cli.core.region.geometry import (
 )
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.region.ranks import RANK_SOURCES
-from vllm_offload_cli.core.system import libc, numa, processes
+from vllm_offload_cli.core.system import libc, memory, processes
 from vllm_offload_cli.core.system.files import FileId
 
 
@@ -405,7 +405,7 @@ def _page_columns(g: Geometry) -> tuple[dict[int, list[int]], dict[int, list[int
 
 
 def _slot_nodes(fd: int, g: Geometry, rows: int, cols: list[int], resident: bytes,
-                topo: numa.Topology) -> dict[int, int] | None:
+                topo: memory.Topology) -> dict[int, int] | None:
     """Resident bytes per node of a slot's own page columns `cols`; sampled if need be."""
     per_row = g.row_stride // PAGESIZE
     total = sum(resident[j::per_row][:rows].count(1) for j in cols) * PAGESIZE
@@ -427,9 +427,9 @@ def _slot_nodes(fd: int, g: Geometry, rows: int, cols: list[int], resident: byte
 
 
 def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, int]], *,
-                  topo: numa.Topology | None = None) -> list[WorkerPlacement]:
+                  topo: memory.Topology | None = None) -> list[WorkerPlacement]:
     """Affinity of each (pid, rank) against its slot's resident pages."""
-    topo = topo or numa.topology()
+    topo = topo or memory.topology()
     if not workers or rows <= 0:
         return []
     resident = residency.page_map(fd, 0, rows * g.row_stride)

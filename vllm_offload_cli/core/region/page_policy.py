@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_offload_cli.core.base import errors
-from vllm_offload_cli.core.system import libc, memory, mounts, numa, procfs
+from vllm_offload_cli.core.system import libc, memory, mounts, procfs
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def judge_thp(shm_dir: str | os.PathLike[str], setting: str | None,
         f"{mount.point}`) or use a tmpfs that has it"))
 
 
-def _check_nodes(nodes: tuple[int, ...], topo: numa.Topology) -> None:
+def _check_nodes(nodes: tuple[int, ...], topo: memory.Topology) -> None:
     for node in nodes:
         if node not in topo.with_memory:
             where = ("this host has no NUMA information (one node 0)" if not topo.from_sysfs
@@ -124,7 +124,7 @@ def choose(
                                        f"got {numa_policy!r}", code="invalid_numa_policy")
     policy = numa_policy
     if nodes or policy is not None:
-        topo = numa.topology()
+        topo = memory.topology()
         policy = policy or "bind"
         if not nodes:
             if policy != "interleave":
