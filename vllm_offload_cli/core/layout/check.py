@@ -21,14 +21,9 @@ from vllm_offload_cli.core.base.problems import Problem, jsonable
 from vllm_offload_cli.core.base.text import joined
 from vllm_offload_cli.core.host import observed_placement, residency
 from vllm_offload_cli.core.host.discovery import RegionInfo, open_released
-from vllm_offload_cli.core.region import fsguard
+from vllm_offload_cli.core.region import fsguard, geometry
 from vllm_offload_cli.core.region import manifest as manifest_io
-from vllm_offload_cli.core.region.geometry import (
-    PAGESIZE,
-    Geometry,
-    default_row_stride,
-    stride_problems,
-)
+from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry
 from vllm_offload_cli.core.region.naming import manifest_path, region_path, validate_engine_id
 from vllm_offload_cli.core.region.ranks import RANK_SOURCES
 from vllm_offload_cli.core.system import libc, memory, processes
@@ -162,7 +157,7 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
         manifest_io.read_matching(mpath, FileId.of(st), allowed_uids=allowed_uids,
                                   owner_uid=st.st_uid))
     problems += [] if mproblem is None else [mproblem]
-    geometry, rows, gproblems, source = _geometry_for(
+    g, rows, gproblems, source = _geometry_for(
         manifest, mproblem, st.st_size, world_size, cpu_page_size, path, mpath, engine_id)
     problems += gproblems
     live = () if manifest is None else manifest.live_attachments()
@@ -172,15 +167,15 @@ def _check_open(fd: int, path: str, mpath: str, engine_id: str, world_size: int 
     slots: list[SlotReport] = []
     placed: list[WorkerPlacement] = []
     notes: list[Problem] = []
-    if geometry is not None and geometry.world_size is not None:
-        _worker_checks(workers, geometry.world_size, manifest is not None,
+    if g is not None and g.world_size is not None:
+        _worker_checks(workers, g.world_size, manifest is not None,
                        len(live) - len(workers), problems, notes)
         if rows > 0:
-            slots, placed = _slot_checks(fd, geometry, rows, workers, problems, notes)
+            slots, placed = _slot_checks(fd, g, rows, workers, problems, notes)
     return LiveCheck(
         engine_id=engine_id, path=path,
         manifest=mpath if manifest is not None and released is None else None,
-        size_bytes=st.st_size, geometry=geometry, geometry_source=source,
+        size_bytes=st.st_size, geometry=g, geometry_source=source,
         rank_source=None if manifest is None else manifest.rank_source,
         workers=tuple(workers), rankless_openers=len(live) - len(workers),
         stale_attachments=0 if manifest is None else len(manifest.attachments) - len(live),
@@ -226,7 +221,7 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
         problems.append(Problem(
             "size_mismatch", f"the file is {size} bytes but its manifest geometry needs "
             f"{g.size_bytes} ({g.num_blocks} rows of {g.row_stride} bytes)"))
-    bad_stride = stride_problems(g.row_stride, g.cpu_page_size, world)
+    bad_stride = geometry.stride_problems(g.row_stride, g.cpu_page_size, world)
     if bad_stride:
         return None, 0, problems + bad_stride
     return replace(g, world_size=world), min(g.num_blocks, size // g.row_stride), problems
@@ -235,7 +230,7 @@ def _geometry_from_manifest(m: manifest_io.Manifest, size: int, world_size: int 
 def _geometry_from_arguments(size: int, world_size: int, cpu_page_size: int, path: str
                              ) -> tuple[Geometry | None, int, list[Problem]]:
     """vLLM's layout for these arguments: row_stride = round_up(W * slot, PAGESIZE)."""
-    row_stride = default_row_stride(world_size, cpu_page_size)
+    row_stride = geometry.default_row_stride(world_size, cpu_page_size)
     rows, rest = divmod(size, row_stride)
     hint = "wrong --world-size or --cpu-page-size?"
     if size == 0:
@@ -329,20 +324,20 @@ def _device_checks(workers: Sequence[AttachedWorker], problems: list[Problem],
                 ranks=ranks, pids=pids))
 
 
-def _slot_checks(fd: int, geometry: Geometry, rows: int, workers: list[AttachedWorker],
+def _slot_checks(fd: int, g: Geometry, rows: int, workers: list[AttachedWorker],
                  problems: list[Problem], notes: list[Problem]
                  ) -> tuple[list[SlotReport], list[WorkerPlacement]]:
     """Who wrote which slot (residency), and whose slot sits on a remote NUMA node; a
     refused residency or NUMA measurement is a note."""
     try:
-        slots = _slot_reports(fd, geometry, rows, workers, problems, notes)
+        slots = _slot_reports(fd, g, rows, workers, problems, notes)
     except OSError as exc:
         notes.append(_refused(exc, "slots not checked: their residency was not measured"))
         return [], []
     slots = [_with_status(s, problems) for s in slots]
-    world = geometry.world_size or 0
+    world = g.world_size or 0
     try:
-        placed = check_workers(fd, geometry, rows, [
+        placed = check_workers(fd, g, rows, [
             (w.pid, w.rank) for w in workers if 0 <= w.rank < world])
     except OSError as exc:
         placed = []
