@@ -54,6 +54,8 @@ def test_vllm_033_keywords_and_attributes(shm_dir: Path) -> None:
         assert region.mmap_path == str(shm_dir / "vllm_offload_dropin.mmap")
         assert region._creator and region.fd is not None and region.mmap_obj is not None
         assert region.base_tensor.numel() == region.total_size_bytes
+        # vLLM's gpu_worker.pin_mmap_region registers from region._base (0.31-0.33)
+        assert region._base.data_ptr() == region.base_tensor.data_ptr()
         assert region.pinned_addresses == [] and region.is_pinned is False
     finally:
         region.cleanup()

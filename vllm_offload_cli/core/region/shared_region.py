@@ -519,6 +519,9 @@ class SharedOffloadRegion:
             self._base_tensor = torch.frombuffer(self._mapping(), dtype=torch.int8)
         return self._base_tensor
 
+    # vLLM 0.31-0.33's gpu_worker.pin_mmap_region reads `region._base.data_ptr()`
+    _base = base_tensor
+
     def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
         """This worker's slots as page-aligned (offset, length) ranges, one per row, as
         vLLM 0.33 yields them: with several files each worker starts on a different one."""
