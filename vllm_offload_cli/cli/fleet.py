@@ -25,6 +25,7 @@ from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.exit_status import with_statuses
 from vllm_offload_cli.core.base.units import format_bytes, is_int
+from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.fleet import FleetResult, NodeResult, no_node_has, run_on_every_node
 
 # (out, result, the run, its options): prints a fleet answer for people
@@ -42,7 +43,7 @@ LOCAL: dict[str, Subcommand] = {str(s.name): s for s in (
 def node_task(command: str, options: dict[str, Any], shm_dir: str | None) -> dict[str, Any]:
     """Runs on one node: the node-local command's envelope, plus who answered (without
     --shm-dir, in the node's own default directory)."""
-    where = Path(shm_dir or os.environ.get(common.SHM_DIR_ENV) or "/dev/shm")
+    where = Path(shm_dir or os.environ.get(common.SHM_DIR_ENV) or DEFAULT_SHM_DIR)
     doc = common.envelope_of(LOCAL[command], options, shm_dir=where)
     doc["node"] = {"hostname": socket.gethostname(), "pid": os.getpid(),
                    "version": __version__, "shm_dir": str(where)}
