@@ -259,6 +259,8 @@ def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.
                     deadline.check("listing the shm directory")
                 listing.complete = False
                 break
+            if not entry.name.startswith(naming.PREFIX):  # most of a busy /dev/shm: no regex
+                continue
             parsed = parse_region_filename(entry.name)
             engine_id = (naming.parse_manifest_filename(entry.name) if parsed is None
                          else parsed.engine_id)
@@ -309,7 +311,8 @@ def _by_name(shm_dir: str, engine_id: str, have: Collection[int] | None = None
 def _order(engine_id: str, entries: list[_Entry]) -> tuple[int, int, str]:
     """The caller's own regions first, then the largest (in memory): what serves the
     host best when a run cannot judge everything."""
-    own = all(st.st_uid == os.geteuid() for _, _, st in entries)
+    me = os.geteuid()
+    own = all(st.st_uid == me for _, _, st in entries)
     return (0 if own else 1, -sum(st.st_blocks for _, _, st in entries), engine_id)
 
 
