@@ -374,7 +374,7 @@ def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool
         st = os.fstat(fd)
         if FileId.of(st) != FileId.of(lst):
             raise FileNotFoundError(path)  # replaced between lstat and open: rescan later
-        resident = _resident(fd) if run.measure else (None, None)
+        resident = _resident(fd, st) if run.measure else (None, None)
         locked = not fsguard.try_lock(fd)
         probe = not locked and run.needs_probe(st)
         return _from_stat(path, segment, st, fsguard.stat_problems(
@@ -388,11 +388,11 @@ def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool
 _PROBE_RETRY = 0.02
 
 
-def _resident(fd: int) -> tuple[int | None, str | None]:
+def _resident(fd: int, st: os.stat_result | None = None) -> tuple[int | None, str | None]:
     """(resident bytes, None), or (None, why) when the system call was refused; (None,
     None) where the file cannot be measured (no mmap on it, no memory to map it)."""
     try:
-        return residency.resident_bytes(fd), None
+        return residency.resident_bytes(fd, st), None
     except OSError as exc:
         if residency.refused(exc):
             return None, exc.strerror or str(exc)

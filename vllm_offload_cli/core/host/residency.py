@@ -39,13 +39,13 @@ def page_map(fd: int, offset: int = 0, length: int | None = None) -> bytes:
     return b"".join(_windows(fd, offset, offset + length))
 
 
-def resident_bytes(fd: int) -> int:
-    """Bytes of the file that are resident in memory.
+def resident_bytes(fd: int, st: os.stat_result | None = None) -> int:
+    """Bytes of the file that are resident in memory (`st`: its fstat, if the caller has it).
 
     The cost follows what the file holds, never its apparent size (one `ftruncate`
     sets that): only its data extents (SEEK_DATA/SEEK_HOLE) are measured.
     """
-    st = os.fstat(fd)
+    st = os.fstat(fd) if st is None else st
     if st.st_size == 0 or st.st_blocks == 0:
         return 0
     total = sum(w.count(1) for start, end in _data_extents(fd, st.st_size)
