@@ -382,8 +382,10 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
         if rule not in used:
             used.append(rule)
     if dsts:
-        cut = _halfway(sizes)
-        if helper is not None and sum(sizes) >= SPLIT_MIN_BYTES and cut < len(dsts):
+        # the halfway point is sought only for a call that may be split (never on CUDA)
+        split = helper is not None and sum(sizes) >= SPLIT_MIN_BYTES
+        cut = _halfway(sizes) if split else len(dsts)
+        if helper is not None and cut < len(dsts):
             other = helper.submit(_copy_many, dsts[cut:], srcs[cut:], non_blocking)
             try:
                 _copy_many(dsts[:cut], srcs[:cut], non_blocking)
