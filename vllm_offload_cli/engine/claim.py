@@ -362,8 +362,11 @@ def _fits(done: ClaimResult, size_bytes: int | None,
                    needed_bytes=size_bytes or 0)
     if size_bytes is None:
         return done
-    room = make_room(shm_dir, size_bytes) if room_enabled() else ()
     cap = capacity.measure(Path(shm_dir))
+    room: tuple[gc_report.RemovedRegion, ...] = ()
+    if size_bytes > tightest(cap) and room_enabled():  # else one measurement is enough
+        room = make_room(shm_dir, size_bytes)
+        cap = capacity.measure(Path(shm_dir))
     capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=done.engine_id)
     return replace(done, free_bytes=tightest(cap), reclaimed_for_room=room)
 
