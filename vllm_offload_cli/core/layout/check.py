@@ -330,15 +330,16 @@ def _slot_checks(fd: int, g: Geometry, rows: int, workers: list[AttachedWorker],
     """Who wrote which slot (residency), and whose slot sits on a remote NUMA node; a
     refused residency or NUMA measurement is a note."""
     try:
-        slots = _slot_reports(fd, g, rows, workers, problems, notes)
+        pages = residency.page_map(fd, 0, rows * g.row_stride)
     except OSError as exc:
         notes.append(_refused(exc, "slots not checked: their residency was not measured"))
         return [], []
-    slots = [_with_status(s, problems) for s in slots]
+    slots = [_with_status(s, problems) for s in _slot_reports(g, rows, pages, workers,
+                                                              problems, notes)]
     world = g.world_size or 0
-    try:
+    try:  # one mincore of the whole region serves both checks
         placed = check_workers(fd, g, rows, [
-            (w.pid, w.rank) for w in workers if 0 <= w.rank < world])
+            (w.pid, w.rank) for w in workers if 0 <= w.rank < world], resident=pages)
     except OSError as exc:
         placed = []
         notes.append(_refused(exc, "NUMA placement not checked"))
@@ -347,12 +348,11 @@ def _slot_checks(fd: int, g: Geometry, rows: int, workers: list[AttachedWorker],
     return slots, placed
 
 
-def _slot_reports(fd: int, g: Geometry, rows: int, workers: Sequence[AttachedWorker],
+def _slot_reports(g: Geometry, rows: int, pages: bytes, workers: Sequence[AttachedWorker],
                   problems: list[Problem], notes: list[Problem]) -> list[SlotReport]:
-    """Residency per slot over the `rows` rows the file holds."""
+    """Residency per slot over the `rows` rows the file holds (`pages`: its page map)."""
     world = g.world_size
     assert world is not None
-    pages = residency.page_map(fd, 0, rows * g.row_stride)
     per_row = g.row_stride // PAGESIZE
     resident_in_column = [pages[j::per_row].count(1) for j in range(per_row)]
     own, shared = _page_columns(g)
@@ -422,12 +422,15 @@ def _slot_nodes(fd: int, g: Geometry, rows: int, cols: list[int], resident: byte
 
 
 def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, int]], *,
-                  topo: memory.Topology | None = None) -> list[WorkerPlacement]:
-    """Affinity of each (pid, rank) against its slot's resident pages."""
+                  topo: memory.Topology | None = None, resident: bytes | None = None
+                  ) -> list[WorkerPlacement]:
+    """Affinity of each (pid, rank) against its slot's resident pages (`resident`: the
+    region's page map, when the caller already has it)."""
     topo = topo or memory.topology()
     if not workers or rows <= 0:
         return []
-    resident = residency.page_map(fd, 0, rows * g.row_stride)
+    if resident is None:
+        resident = residency.page_map(fd, 0, rows * g.row_stride)
     own = _page_columns(g)[0]
     out = []
     for pid, rank in workers:
