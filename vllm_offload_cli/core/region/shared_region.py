@@ -380,17 +380,16 @@ class SharedOffloadRegion:
             os.close(fd)  # unlinked (failed creator, gc) or replaced: retry
             self.fd = None
             return False
-        self._check_manifest_geometry()
+        self._check_manifest_geometry(st.st_uid)
         self._join_segments(timeout)
         logger.info("joined %s", self.mmap_path)
         return True
 
-    def _check_manifest_geometry(self) -> None:
+    def _check_manifest_geometry(self, owner_uid: int) -> None:
         """Same size but another slot size would still corrupt data: compare geometry."""
-        assert self.fd is not None
         try:
             m = manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids,
-                                 owner_uid=os.fstat(self.fd).st_uid)
+                                 owner_uid=owner_uid)
         except errors.RegionNotFoundError:
             return  # made by vLLM: nothing more to compare
         except manifest_io.ManifestError as exc:
