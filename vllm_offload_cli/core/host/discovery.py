@@ -379,13 +379,9 @@ def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool
         probe = not locked and run.needs_probe(st)
         return _from_stat(path, segment, st, fsguard.stat_problems(
             st, allowed_uids=run.allowed_uids), resident,
-            fsguard.probe(fd, retry=_PROBE_RETRY) if probe else None), locked
+            fsguard.probe(fd, retry=fsguard.QUICK_RETRY) if probe else None), locked
     finally:
         os.close(fd)  # also drops the probe lock
-
-
-# inspect only labels; gc decides under the lock with its own, patient lease
-_PROBE_RETRY = 0.02
 
 
 def _resident(fd: int, st: os.stat_result | None = None) -> tuple[int | None, str | None]:

@@ -614,14 +614,10 @@ def _recorded_region(fd: int) -> FileId | None:
     return FileId(dev, ino) if type(dev) is int and type(ino) is int else None
 
 
-# A probe refused this long sends the region to the /proc re-scan, which names its user.
-_PROBE_RETRY = 0.02
-
-
 def _sole_now(held: _Locked) -> bool:
     """The kernel granted a lease on every file: nobody else has any of them open or
     mapped right now (`_remove` asks again before anything is removed)."""
-    with fsguard.sole_opener([fd for _, fd, _ in held.files], retry=_PROBE_RETRY) as verdict:
+    with fsguard.sole_opener([fd for _, fd, _ in held.files], retry=fsguard.QUICK_RETRY) as verdict:
         return verdict.sole is True
 
 

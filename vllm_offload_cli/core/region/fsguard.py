@@ -343,6 +343,9 @@ def lock_shared(fd: int, *, timeout: float, path: str = "") -> None:
 # A refused lease is retried this long: another gc's or inspect's probe holds its
 # descriptor for microseconds, a real user for as long as it lives.
 _RETRY_SECONDS = 0.15
+# for a probe that only labels or sorts (inspect; gc's first pass, which re-scans /proc
+# for a refusal): the removal itself asks again with the patient default
+QUICK_RETRY = 0.02
 
 
 @dataclass(frozen=True)
