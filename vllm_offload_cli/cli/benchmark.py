@@ -5,7 +5,6 @@ torch and the copy path load inside the command only, so `--help` stays fast."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -89,7 +88,7 @@ def benchmark_cmd(inv: Invocation, device: str, size: int, cpu_page_size: tuple[
         shm_dir=shm_dir_checked(inv), device=resolved, size_bytes=size, block_sizes=blocks,
         world_size=world_size, blocks_per_transfer=blocks_per_transfer, repeat=repeat,
         patterns=pattern or PATTERNS,
-        populate_threads=threads or max(1, min(8, os.cpu_count() or 1)), huge_pages=huge_pages)
+        populate_threads=common.prefault_threads(threads), huge_pages=huge_pages)
     inv.info(f"benchmarking on {resolved}, block sizes "
              f"{', '.join(format_bytes(b) for b in blocks)}")
     with _sigterm_interrupts(), inv.progress("benchmark", 1) as update:

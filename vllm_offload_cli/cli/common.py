@@ -345,6 +345,12 @@ def shm_dir_checked(inv: Invocation) -> str:
     return os.fspath(inv.shm_dir)
 
 
+def prefault_threads(asked: int | None) -> int:
+    """Threads that pre-fault a region: as asked, else one per CPU up to 8 (create and
+    benchmark alike)."""
+    return asked or max(1, min(8, os.cpu_count() or 1))
+
+
 def warn_useless_waiver(inv: Invocation, waived: bool) -> None:
     """--shm-private-to-namespace outside a PID namespace is a misunderstanding: say so."""
     if not waived:

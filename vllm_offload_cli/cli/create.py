@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from vllm_offload_cli.cli import common
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Size, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionBusyError, UnsafeRegionError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc, with_statuses
@@ -208,7 +209,7 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
                 full_id, geometry.num_blocks, None, geometry.row_stride,
                 geometry.cpu_page_size, shm_dir=shm_dir, world_size=geometry.world_size,
                 create_only=True, persistent=not hold, populate_pages=not no_populate,
-                populate_threads=threads or max(1, min(8, os.cpu_count() or 1)), progress=progress,
+                populate_threads=common.prefault_threads(threads), progress=progress,
                 numa_node=nodes, numa_policy=numa_policy, huge_pages=huge_pages,
                 num_segments=files, min_segment_bytes=min_segment_bytes, vllm_layout_basis=basis,
             )
