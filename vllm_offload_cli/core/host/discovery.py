@@ -251,7 +251,8 @@ def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.
               partial: bool = False) -> _Listing:
     """One pass over the directory, one lstat per region-named file, nothing opened:
     memory is bounded by the caller's own files plus a fixed number of others."""
-    listing = _Listing(judge_uids=judge_uids)
+    # None is "the caller alone": resolved once here, not by a geteuid per listed file
+    listing = _Listing(judge_uids=(os.geteuid(),) if judge_uids is None else judge_uids)
     with os.scandir(shm_dir) as it:
         for n, entry in enumerate(it):
             if not n % 4096 and deadline.expired():
