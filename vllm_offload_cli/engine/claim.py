@@ -140,15 +140,17 @@ _UNDECIDED = ("ours", "unknown", "reader")  # every other kind says why it is fo
 def _holder_kind(pid: int, token: str | None, known: dict[int, str | None],
                  fids: set[FileId], tokens: _Tokens) -> str:
     """One holder: "ours", "reader", "unknown", or why it is another engine's."""
-    if token is not None and (pid == os.getpid() or known.get(pid) == token):
-        return "ours"
-    if token is not None and pid in known:
-        return "is attached to it for another engine"
-    if token is not None and pid not in tokens:
-        tokens[pid] = read_token(pid)
-    theirs, readable = tokens[pid] if token is not None else (None, True)
-    if token is not None and theirs == token:
-        return "ours"
+    theirs, readable = None, True  # without a token nothing is read, nothing is ours
+    if token is not None:
+        if pid == os.getpid() or known.get(pid) == token:
+            return "ours"
+        if pid in known:
+            return "is attached to it for another engine"
+        if pid not in tokens:
+            tokens[pid] = read_token(pid)
+        theirs, readable = tokens[pid]
+        if theirs == token:
+            return "ours"
     writes = procfs.may_write(pid, fids)
     if writes is False:
         return "reader"
