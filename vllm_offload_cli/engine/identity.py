@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from typing import TypeGuard
 
 from vllm_offload_cli.core.base.errors import RegionBusyError
 from vllm_offload_cli.core.system import processes, procfs
@@ -22,7 +23,7 @@ class EngineIdCollisionError(RegionBusyError):
     code = "engine_id_collision"
 
 
-def valid_token(token: str | None) -> bool:
+def valid_token(token: str | None) -> TypeGuard[str]:
     return token is not None and _TOKEN_RE.fullmatch(token) is not None
 
 
@@ -36,7 +37,7 @@ def engine_token() -> str:
     this process also holds the token's beacon."""
     global _beacon
     token = os.environ.get(ENGINE_TOKEN_ENV)
-    if token is None or not valid_token(token):
+    if not valid_token(token):
         token = os.environ[ENGINE_TOKEN_ENV] = secrets.token_hex(16)
     if _beacon is None or _beacon[0] != token:
         try:  # close-on-exec: an exec'd child of this engine has the token in its environment
