@@ -25,7 +25,7 @@ import click
 from click.core import ParameterSource
 
 from vllm_offload_cli.core.base import errors
-from vllm_offload_cli.core.base.exit_status import ExitStatus
+from vllm_offload_cli.core.base.exit_status import ExitStatus, with_statuses
 from vllm_offload_cli.core.base.text import json_safe, printable
 
 if TYPE_CHECKING:  # rich loads only when something is rendered for people
@@ -324,9 +324,10 @@ class Subcommand(click.Command):
 def subcommand(name: str, *, help: str | None = None
                ) -> Callable[[Callable[..., Outcome]], Subcommand]:
     """Make `fn(inv, **opts) -> Outcome` a subcommand: `help` is its line in the command
-    list, the docstring its full help."""
+    list, the docstring its full help (exit statuses named `{NAME}`)."""
 
     def build(fn: Callable[..., Outcome]) -> Subcommand:
+        fn.__doc__ = with_statuses(fn.__doc__ or "")
         cmd = click.command(name, cls=Subcommand, short_help=help)(fn)
         cmd.params.extend(common_params())
         cmd.body = fn

@@ -12,10 +12,10 @@ import click
 from vllm_offload_cli.cli import common
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Size, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionBusyError, UnsafeRegionError
-from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc, with_statuses
+from vllm_offload_cli.core.base.exit_status import ExitStatus, with_statuses
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import shortened
-from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.base.units import format_bytes, int_problem
 from vllm_offload_cli.core.region.geometry import (
     MIN_SEGMENT_BYTES,
     VLLM_CPU_SEGMENTS,
@@ -118,9 +118,8 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
                                 code="invalid_geometry")
     for flag, value in (("--world-size", world_size), ("--cpu-page-size", page),
                         ("--num-blocks", num_blocks), ("--size", total)):
-        if value is not None and value <= 0:
-            raise InvalidInputError(f"{flag} must be greater than 0, got {value}",
-                                    code="invalid_geometry")
+        if value is not None and (problem := int_problem(flag, value)) is not None:
+            raise InvalidInputError(problem, code="invalid_geometry")
     if num_blocks is not None:
         return Geometry.for_workers(num_blocks=num_blocks, world_size=world_size,
                                     cpu_page_size=page)
@@ -176,7 +175,6 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
               "min(32, size // 1GiB) files, vLLM 0.33's CPU spec), single-file (vLLM 0.31 and "
               "0.32, every tiering spec), or auto: what the CPU spec of the vLLM installed here "
               "makes (segmented when none is found).")
-@statuses_in_doc
 def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
            dp_rank: int | None, num_blocks: int | None, size: int | None, no_populate: bool,
            hold: bool, threads: int | None, numa_node: str | None,

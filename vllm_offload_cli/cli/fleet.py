@@ -152,13 +152,9 @@ def render_inspect(out: Out, result: FleetResult, *, wide: bool = False) -> None
     name is per host), then each node's footer."""
     rows, notes = [], []
     for label, _, data in _answered(result):
-        regions = dict_items(data.get("regions"))
-        refused = "residency" in (data.get("measurement_errors") or {})
-        rows += [[cell_text(label), *inspect_cli.region_row(r, wide=wide, refused=refused,
-                                                            owner=_uid)] for r in regions]
-        rows += [[cell_text(label), *inspect_cli.owner_row(a, owner=_uid)]
-                 for a in dict_items(data.get("aggregated"))]
-        notes += inspect_cli.region_notes(regions, prefix=f"{label} ")
+        rows += [[cell_text(label), *row]
+                 for row in inspect_cli.table_rows(data, wide=wide, owner=_uid)]
+        notes += inspect_cli.region_notes(dict_items(data.get("regions")), prefix=f"{label} ")
     if rows:
         out.print(common.text_table(["NODE", *inspect_cli.TABLE_HEADERS], rows,
                                     right=tuple(i + 1 for i in inspect_cli.TABLE_RIGHT)))

@@ -11,7 +11,7 @@ import click
 
 from vllm_offload_cli.cli import common, metrics
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome
-from vllm_offload_cli.core.base import deadline, exit_status
+from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important, with_statuses
@@ -103,7 +103,6 @@ def _kept_dict(k: Problem) -> dict[str, object]:
                                  "proven stale is removed in the rest, what is left is reported "
                                  "as not judged (a later run looks at it) and the run exits "
                                  "{PARTIAL}: seconds, or 90s, 5m, 2h; 0: already up."))
-@exit_status.statuses_in_doc
 def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
                     min_age: float, include_persistent: bool, all_users: bool,
                     prometheus: Path | None, shm_private_to_namespace: bool, no_syslog: bool,
@@ -312,38 +311,30 @@ def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) ->
         name: (doc, previous.get(name, 0) + n)
         for (name, doc), n in zip(TOTALS.items(), this_run, strict=True)})
 
-    def gauge(name: str, doc: str, value: float) -> None:
-        Gauge(name, doc, registry=registry).set(value)
-
-    gauge("vllm_offload_gc_last_run_timestamp_seconds",
-          "When the last garbage collection started (Unix time).", report.started_at)
-    gauge("vllm_offload_gc_exit_code", with_statuses(
-          "Exit status of the last run ({SUCCESS} ok, {FAILED} a removal failed, {USAGE} "
-          "bad usage, {UNSAFE} refused: a holder could be hidden, {PARTIAL} partial: not "
-          "every region was judged in time)."), int(code))
-    gauge("vllm_offload_gc_files_not_judged", "Region files the last run could have "
-          "removed but did not judge in its --timeout (a later run looks at them).",
-          report.not_judged_files)
-    gauge("vllm_offload_gc_duration_seconds", "How long the last run took.",
-          report.duration_seconds)
-    gauge("vllm_offload_gc_dry_run", "1 if the last run was a dry run (nothing removed).",
-          1 if report.options.dry_run else 0)
-    gauge("vllm_offload_gc_regions_seen", "Regions the last run examined.",
-          report.regions_seen)
-    gauge("vllm_offload_gc_regions_removed", "Regions the last run removed (would remove, "
-          "in a dry run).", len(report.removed))
-    gauge("vllm_offload_gc_freed_bytes", "tmpfs memory the last run gave back.",
-          report.freed_bytes)
-    gauge("vllm_offload_gc_orphan_manifests_removed",
-          "Orphaned manifests the last run removed.", len(report.orphan_manifests_removed))
-    gauge("vllm_offload_gc_errors", "Removals that failed in the last run.",
-          len(report.errors))
-    gauge("vllm_offload_gc_blind_spots", "Host-wide blind spots that made the last run "
-          "refuse to remove anything (PID namespace, hidepid): fix the deployment.",
-          len(report.blind_spots))
-    gauge("vllm_offload_gc_uninspectable_processes",
-          "Processes whose /proc entries the last run could not read.",
-          report.uninspectable_processes)
+    for name, doc, value in (
+            ("last_run_timestamp_seconds", "When the last garbage collection started (Unix "
+             "time).", report.started_at),
+            ("exit_code", with_statuses(
+                "Exit status of the last run ({SUCCESS} ok, {FAILED} a removal failed, {USAGE} "
+                "bad usage, {UNSAFE} refused: a holder could be hidden, {PARTIAL} partial: not "
+                "every region was judged in time)."), int(code)),
+            ("files_not_judged", "Region files the last run could have removed but did not "
+             "judge in its --timeout (a later run looks at them).", report.not_judged_files),
+            ("duration_seconds", "How long the last run took.", report.duration_seconds),
+            ("dry_run", "1 if the last run was a dry run (nothing removed).",
+             1 if report.options.dry_run else 0),
+            ("regions_seen", "Regions the last run examined.", report.regions_seen),
+            ("regions_removed", "Regions the last run removed (would remove, in a dry run).",
+             len(report.removed)),
+            ("freed_bytes", "tmpfs memory the last run gave back.", report.freed_bytes),
+            ("orphan_manifests_removed", "Orphaned manifests the last run removed.",
+             len(report.orphan_manifests_removed)),
+            ("errors", "Removals that failed in the last run.", len(report.errors)),
+            ("blind_spots", "Host-wide blind spots that made the last run refuse to remove "
+             "anything (PID namespace, hidepid): fix the deployment.", len(report.blind_spots)),
+            ("uninspectable_processes", "Processes whose /proc entries the last run could not "
+             "read.", report.uninspectable_processes)):
+        Gauge(f"vllm_offload_gc_{name}", doc, registry=registry).set(value)
     kept = Gauge("vllm_offload_gc_regions_kept", "Regions the last run kept, by reason.",
                  ["reason"], registry=registry)
     for reason, count in report.kept_by_code().items():

@@ -14,7 +14,7 @@ import click
 
 from vllm_offload_cli.cli import common, metrics
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.core.base import deadline, exit_status
+from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
 from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important, with_statuses
@@ -117,7 +117,6 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 @click.option("--check", is_flag=True, help=with_statuses(
     "Exit {PROBLEMS_FOUND} when a region shown is stale or has a problem, {SUCCESS} "
     "otherwise, like `fuser -s`; with -q nothing is printed on stdout."))
-@exit_status.statuses_in_doc
 def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: str,
                 output: Path | None, prometheus: Path | None, no_residency: bool, wide: bool,
                 everything: bool, shm_private_to_namespace: bool, timeout: float,
@@ -351,7 +350,7 @@ def bytes_text(value: object) -> str:
 
 
 def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
-               owner: Callable[[int | None], str] | None = None) -> list[str]:
+               owner: Callable[[int | None], str] = owner_name) -> list[str]:
     """A region's JSON dict as a row; `refused` residency shows `?`, not `-`."""
     name = cell_text(r.get("engine_id"))
     uid = r.get("uid")
@@ -359,7 +358,7 @@ def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
     resident = r.get("resident_bytes")
     return [name if r.get("linked") else f"{name} (unlinked)",
             "-" if r.get("dp_rank") is None else cell_text(r.get("dp_rank")),
-            cell_text(r.get("state")), (owner or owner_name)(uid), bytes_text(r.get("size_bytes")),
+            cell_text(r.get("state")), owner(uid), bytes_text(r.get("size_bytes")),
             "?" if refused and resident is None else bytes_text(resident), _layout_text(r),
             _numa_text(r), format_age(r.get("age_seconds")), _holders_text(r, wide),
             ",".join(cell_text(p.get("code")) for p in dict_items(r.get("problems"))) or "-"]
@@ -371,14 +370,23 @@ def _counts_text(value: object) -> str:
     return ",".join(f"{cell_text(k)}:{cell_text(n)}" for k, n in counts.items() if n) or "-"
 
 
-def owner_row(a: dict[str, Any], *, owner: Callable[[int | None], str] | None = None
+def owner_row(a: dict[str, Any], *, owner: Callable[[int | None], str] = owner_name
               ) -> list[str]:
     """One table row of an owner's regions summed (a JSON `aggregated` entry)."""
     uid = a.get("uid")
     return [f"({cell_text(a.get('regions'))} more)", "-", _counts_text(a.get("states")),
-            (owner or owner_name)(uid if is_int(uid) else None), bytes_text(a.get("size_bytes")),
+            owner(uid if is_int(uid) else None), bytes_text(a.get("size_bytes")),
             bytes_text(a.get("resident_bytes")), "-", "-", "-",
             cell_text(a.get("holders") or "-"), _counts_text(a.get("problems"))]
+
+
+def table_rows(data: dict[str, Any], *, wide: bool = False,
+               owner: Callable[[int | None], str] = owner_name) -> list[list[str]]:
+    """One answer's rows: its regions (`?` for refused residency), then the owners' sums."""
+    refused = "residency" in (data.get("measurement_errors") or {})
+    return [*(region_row(r, wide=wide, refused=refused, owner=owner)
+              for r in dict_items(data.get("regions"))),
+            *(owner_row(a, owner=owner) for a in dict_items(data.get("aggregated")))]
 
 
 def region_notes(regions: list[dict[str, Any]], *, why: bool = False, prefix: str = ""
@@ -423,10 +431,8 @@ def render_table(out: Out, data: dict[str, Any], *, wide: bool = False,
     if not regions:
         lines.append(f"No offload regions in {cell_text(data.get('shm_dir'))}.")
     else:
-        refused = "residency" in (data.get("measurement_errors") or {})
-        lines.append(common.text_table(TABLE_HEADERS, [
-            *(region_row(r, wide=wide, refused=refused) for r in regions),
-            *(owner_row(a) for a in summed)], right=TABLE_RIGHT))
+        lines.append(common.text_table(TABLE_HEADERS, table_rows(data, wide=wide),
+                                       right=TABLE_RIGHT))
         lines += region_notes(regions, why=why)
     if summed:
         lines.append(f"  (N more): other owners' regions past the first "

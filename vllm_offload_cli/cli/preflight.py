@@ -9,9 +9,8 @@ import click
 
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Size, shm_dir_checked, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.exit_status import statuses_in_doc
 from vllm_offload_cli.core.base.problems import jsonable
-from vllm_offload_cli.core.base.units import format_bytes
+from vllm_offload_cli.core.base.units import format_bytes, int_problem
 from vllm_offload_cli.core.region import capacity
 from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
 
@@ -33,7 +32,6 @@ from vllm_offload_cli.core.region.naming import validate_engine_id, with_dp_rank
               help="When the regions do not fit, first remove this user's stale leftovers of "
               "other engine_ids (a crashed engine's, as gc would), oldest first, only as many "
               "as needed. Off also with VLLM_OFFLOAD_RECLAIM_FOR_ROOM=0.")
-@statuses_in_doc
 def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run: bool,
               segments: int | None, reclaim_for_room: bool) -> Outcome:
     """Refuse an engine_id held by a live process, reclaim a provably stale leftover
@@ -56,8 +54,8 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
     )
 
     validate_engine_id(engine_id)
-    if size <= 0:
-        raise InvalidInputError("--size must be greater than 0", code="invalid_size")
+    if (problem := int_problem("--size", size)) is not None:
+        raise InvalidInputError(problem, code="invalid_size")
     ids = [engine_id] if dp_size == 1 else [with_dp_rank(engine_id, k) for k in range(dp_size)]
     shm_dir = shm_dir_checked(inv)
     with startup_lock(shm_dir, timeout=30.0):

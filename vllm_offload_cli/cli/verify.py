@@ -10,7 +10,7 @@ import click
 from vllm_offload_cli.cli import common
 from vllm_offload_cli.cli.common import Invocation, Outcome, shm_dir_checked, subcommand, text_table
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.base.exit_status import ExitStatus, statuses_in_doc
+from vllm_offload_cli.core.base.exit_status import ExitStatus
 from vllm_offload_cli.core.base.text import printable
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.region.ranks import DEVICE_MODULO, RANK_SOURCES, parse_rank_source
@@ -43,7 +43,6 @@ _SOURCES_HELP = "; ".join(f"{s.name}: {s.description}" for s in RANK_SOURCES.val
               "suffix (the multiprocessing path before vLLM PR 47987).")
 @click.option("--cpu-page-size", type=common.Size(), help="Live: bytes per worker slot, for a "
               "region without a manifest (e.g. 64KiB).")
-@statuses_in_doc
 def verify_rank_layout(inv: Invocation, engine_id: str | None, world_size: int | None,
                        dp_size: int | None, devices: str | None, rank_source: str | None,
                        no_dp_suffix: bool, cpu_page_size: int | None) -> Outcome:

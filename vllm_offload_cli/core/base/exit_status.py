@@ -7,10 +7,7 @@ core's errors, the fleet's merge and the generated docs all read this table.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
-from typing import TypeVar
-
-F = TypeVar("F", bound=Callable[..., object])
+from collections.abc import Iterable
 
 
 class ExitStatus(enum.IntEnum):
@@ -84,8 +81,3 @@ def with_statuses(text: str) -> str:
     """Help text with `{BUSY}`-style names as their numbers (a literal brace is `{{`)."""
     return text.format_map({s.name: int(s) for s in ExitStatus})
 
-
-def statuses_in_doc(fn: F) -> F:
-    """A command whose docstring (its help) names exit statuses as `{NAME}`."""
-    fn.__doc__ = with_statuses(fn.__doc__ or "")
-    return fn
