@@ -16,15 +16,8 @@ from vllm_offload_cli.core.base.exit_status import ExitStatus, with_statuses
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import shortened
 from vllm_offload_cli.core.base.units import format_bytes, int_problem
-from vllm_offload_cli.core.region.geometry import (
-    MIN_SEGMENT_BYTES,
-    VLLM_CPU_SEGMENTS,
-    Geometry,
-    effective_segments,
-    geometry_from_size,
-    layout_of,
-    split,
-)
+from vllm_offload_cli.core.region import geometry as geo
+from vllm_offload_cli.core.region.geometry import MIN_SEGMENT_BYTES, VLLM_CPU_SEGMENTS, Geometry
 from vllm_offload_cli.core.region.naming import with_dp_rank
 from vllm_offload_cli.core.system.memory import parse_cpulist
 
@@ -48,7 +41,7 @@ def _layout(choice: str, segments: int | None, geometry: Geometry
 
     root = vllm_root()
     if root is None:
-        files = effective_segments(VLLM_CPU_SEGMENTS, geometry.size_bytes)
+        files = geo.effective_segments(VLLM_CPU_SEGMENTS, geometry.size_bytes)
         warning = None if files == 1 else (
             "no vLLM is installed here, so the region has the newest release's layout "
             f"(vLLM 0.33's CPU spec: {files} files); an engine on vLLM 0.31 or 0.32, or on "
@@ -80,7 +73,7 @@ def _segments(requested: int, geometry: Geometry) -> int:
     """Exactly the file count asked for: one vLLM cannot make (no file under 1 GiB, each
     `cdiv(num_blocks, n)` rows) is refused with the counts that can be, never lowered."""
     def files(n: int) -> int:
-        return len(split(geometry.num_blocks, geometry.row_stride, n))
+        return len(geo.split(geometry.num_blocks, geometry.row_stride, n))
 
     cap = max(1, geometry.size_bytes // MIN_SEGMENT_BYTES)
     if requested <= cap and files(requested) == requested:
@@ -124,7 +117,7 @@ def _geometry(world_size: int, page: int, num_blocks: int | None,
         return Geometry.for_workers(num_blocks=num_blocks, world_size=world_size,
                                     cpu_page_size=page)
     assert total is not None
-    geometry, rest = geometry_from_size(total, world_size=world_size, cpu_page_size=page)
+    geometry, rest = geo.geometry_from_size(total, world_size=world_size, cpu_page_size=page)
     if rest:
         inv.warn("size_rounded", f"--size of {total} bytes is not a whole number of rows; using "
                  f"{geometry.num_blocks} rows ({format_bytes(geometry.size_bytes)}), "
@@ -189,9 +182,7 @@ def create(inv: Invocation, engine_id: str, world_size: int, cpu_page_size: int,
     `f` line); `gc` keeps it unless given --include-persistent.
     --hold ends on SIGINT (exit {INTERRUPTED}) or SIGTERM (exit {SUCCESS}), removing the region.
     """
-    from vllm_offload_cli.core.region.shared_region import (
-        SharedOffloadRegion,  # not needed by --help
-    )
+    from vllm_offload_cli.core.region.shared_region import SharedOffloadRegion  # not for --help
 
     full_id = with_dp_rank(engine_id, dp_rank)
     geometry = _geometry(world_size, cpu_page_size, num_blocks, size, inv)
@@ -251,7 +242,7 @@ def _created(region: SharedOffloadRegion, geometry: Geometry, hold: bool, basis:
         "populate_threads": None if stats is None else stats.threads,
         "persistent": not hold,
         "held": hold,
-        "vllm_layout": {"name": layout_of(len(region.segments)), "basis": basis,
+        "vllm_layout": {"name": geo.layout_of(len(region.segments)), "basis": basis,
                         "vllm_version": version},
         "placement": {**region.placement.to_record(),
                       "huge_page_bytes": region.huge_page_bytes},

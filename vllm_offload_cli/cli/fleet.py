@@ -21,9 +21,7 @@ from vllm_offload_cli.cli import common, gc, verify
 from vllm_offload_cli.cli import inspect as inspect_cli
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, Subcommand
 from vllm_offload_cli.cli.inspect import bytes_text, cell_text, dict_items
-from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT as NODE_TIMEOUT
-from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
-from vllm_offload_cli.core.base.exit_status import with_statuses
+from vllm_offload_cli.core.base import deadline, errors, exit_status
 from vllm_offload_cli.core.base.units import format_bytes, is_int
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.fleet import FleetResult, NodeResult, no_node_has, run_on_every_node
@@ -57,9 +55,9 @@ def _fleet_params() -> list[click.Parameter]:
                      "ray://head:10001); default $RAY_ADDRESS, else 'auto' (the cluster this "
                      "host belongs to)."),
         click.Option(["--timeout"], type=common.Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
-                     help=with_statuses("Report a node that has not answered by then as timed "
-                                        "out; the others' results are still shown (exit "
-                                        "{PARTIAL}). Seconds, or 90s, 5m, 1h.")),
+                     help=exit_status.with_statuses(
+                         "Report a node that has not answered by then as timed out; the others' "
+                         "results are still shown (exit {PARTIAL}). Seconds, or 90s, 5m, 1h.")),
         click.Option(["--shm-dir", "shm_dir"], type=click.Path(file_okay=False, path_type=Path),
                      metavar="DIR", show_default=False,
                      help="Directory that holds the regions on every node (default: each "
@@ -75,8 +73,8 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
         node_task, (command, options, None if shm_dir is None else os.fspath(shm_dir)),
         address=address, timeout=timeout)
     if not nodes:
-        raise OperationFailedError(f"the Ray cluster at {where!r} has no alive node",
-                                   code="no_nodes")
+        raise errors.OperationFailedError(f"the Ray cluster at {where!r} has no alive node",
+                                          code="no_nodes")
     return FleetResult(address=where, nodes=tuple(nodes), timeout=timeout)
 
 
@@ -91,8 +89,8 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: R
 
         def body(inv: Invocation, shm_dir: Path | None) -> Outcome:
             if shm_dir is not None and not shm_dir.is_absolute():
-                raise InvalidInputError(f"--shm-dir {shm_dir} must be an absolute path: it "
-                                        "is used on every node", code="usage")
+                raise errors.InvalidInputError(f"--shm-dir {shm_dir} must be an absolute path: "
+                                               "it is used on every node", code="usage")
             result = run_fleet(local_name, {**values, **fixed}, shm_dir=shm_dir,
                                address=address, timeout=timeout)
             for w in result.warnings(__version__):
@@ -105,7 +103,7 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: R
 
     doc = inspect.cleandoc(doc) + "\n\n" + _EXIT
     return click.Command(local_name, callback=run, params=[*own, *_fleet_params()],
-                         help=with_statuses(doc), short_help=doc.split("\n")[0])
+                         help=exit_status.with_statuses(doc), short_help=doc.split("\n")[0])
 
 
 # -- output for people: over the nodes' JSON data, exactly what --json carries; every
@@ -219,7 +217,7 @@ fleet_app = common.Group(
 
 fleet_app.add_command(_fleet_command(
     inspect_cli.inspect_cmd, {"fmt": "table", "output": None,
-                              "timeout": NODE_TIMEOUT},
+                              "timeout": deadline.DEFAULT_TIMEOUT},
     """inspect on every node: one table with a NODE column.
 
     Runs `vllm-offload inspect --json` on each alive node of the Ray cluster
@@ -229,7 +227,7 @@ fleet_app.add_command(_fleet_command(
     """, lambda out, result, _, values: render_inspect(out, result, wide=values["wide"])))
 
 fleet_app.add_command(_fleet_command(
-    gc.garbage_collect, {"prometheus": None, "timeout": NODE_TIMEOUT},
+    gc.garbage_collect, {"prometheus": None, "timeout": deadline.DEFAULT_TIMEOUT},
     """garbage-collect on every node; --dry-run shows the plan (alias: gc).
 
     It is node-local garbage-collect, run on each node: every safety rule

@@ -11,12 +11,10 @@ import click
 
 from vllm_offload_cli.cli import common, metrics
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome
-from vllm_offload_cli.core.base import deadline
-from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
+from vllm_offload_cli.core.base import deadline, testhook
 from vllm_offload_cli.core.base.errors import OffloadError, RegionNotFoundError
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important, with_statuses
 from vllm_offload_cli.core.base.problems import Problem, jsonable
-from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.base.text import printable, shortened
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
@@ -96,7 +94,7 @@ def _kept_dict(k: Problem) -> dict[str, object]:
 @click.option("--no-syslog", is_flag=True, help="Do not record removals in the system log (by "
               "default one line per removed region, identifier vllm-offload; socket /dev/log, "
               "env VLLM_OFFLOAD_SYSLOG_SOCKET).")
-@click.option("--timeout", type=common.Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
+@click.option("--timeout", type=common.Duration(), default=f"{deadline.DEFAULT_TIMEOUT:g}s",
               help=with_statuses("The run's budget: judging stops after part of it (your own "
                                  "regions, then the largest, first; other users' files are "
                                  "classified from lstat before anything is opened), what was "
@@ -161,7 +159,7 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
         (ExitStatus.FAILED, errors), (ExitStatus.UNSAFE, refusals), (ExitStatus.USAGE, missing),
         (ExitStatus.PARTIAL, report.partial)) if present)
     if prometheus is not None:
-        pause_at("gc_before_outputs")  # tests break the output here, after the removals
+        testhook.pause_at("gc_before_outputs")  # tests break the output here, after the removals
         try:
             metrics.emit(_registry(report, code, metrics.previous_totals(prometheus, TOTALS)),
                           prometheus)

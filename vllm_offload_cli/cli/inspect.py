@@ -14,9 +14,7 @@ import click
 
 from vllm_offload_cli.cli import common, metrics
 from vllm_offload_cli.cli.common import Invocation, Out, Outcome, shm_dir_checked, subcommand
-from vllm_offload_cli.core.base import deadline
-from vllm_offload_cli.core.base.deadline import DEFAULT_TIMEOUT
-from vllm_offload_cli.core.base.errors import InvalidInputError, RegionNotFoundError
+from vllm_offload_cli.core.base import deadline, errors
 from vllm_offload_cli.core.base.exit_status import ExitStatus, most_important, with_statuses
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.base.text import printable
@@ -109,7 +107,7 @@ def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
 @click.option("--shm-private-to-namespace", is_flag=True, help="The shm directory is used "
               "only inside this PID namespace: trust this namespace's /proc (regions are not "
               "shown `unknown` for it).")
-@click.option("--timeout", type=common.Duration(), default=f"{DEFAULT_TIMEOUT:g}s",
+@click.option("--timeout", type=common.Duration(), default=f"{deadline.DEFAULT_TIMEOUT:g}s",
               help=with_statuses("Give up after this long (exit {FAILED}): seconds, or 90s, "
                                  "5m, 2h."))
 @click.option("--state", "-s", "states", type=click.Choice(STATES), multiple=True, help="Only "
@@ -163,8 +161,8 @@ def inspect_cmd(inv: Invocation, engine_ids: tuple[str, ...], fmt: str,
     table = fmt != "prometheus" and bool(found.regions or not missing) \
         and not (check and inv.verbosity < 0)
     wrote = output if prometheus is None else None  # --prometheus is quiet
-    not_found = [{"code": RegionNotFoundError.code, "message": f"no region named {engine_id} "
-                  f"in {found.shm_dir}; `vllm-offload inspect` lists them all"}
+    not_found = [{"code": errors.RegionNotFoundError.code, "message": f"no region named "
+                  f"{engine_id} in {found.shm_dir}; `vllm-offload inspect` lists them all"}
                  for engine_id in missing]
 
     def render(out: Out) -> None:
@@ -197,8 +195,8 @@ def _output_options(inv: Invocation, fmt: str, output: Path | None,
     """(format, textfile): what cannot mean one thing is refused before anything is read."""
     if prometheus is not None:  # one way to write a textfile, as gc writes its own
         if output is not None or fmt != "table":
-            raise InvalidInputError("--prometheus FILE is --format prometheus --output FILE: "
-                                    "give one of them", code="usage")
+            raise errors.InvalidInputError("--prometheus FILE is --format prometheus --output "
+                                           "FILE: give one of them", code="usage")
         fmt, output = "prometheus", prometheus
         metrics.check_writable(output)
     textfile = fmt == "prometheus"
@@ -209,7 +207,7 @@ def _output_options(inv: Invocation, fmt: str, output: Path | None,
             (textfile and filtered, "--state and --check go with the table and JSON; the "
              "textfile always has every region")):
         if refused:
-            raise InvalidInputError(message, code="usage")
+            raise errors.InvalidInputError(message, code="usage")
     return fmt, output
 
 
@@ -487,11 +485,11 @@ def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]],
     summed = [*found.regions, *chain(*rest.values())]
     for s in STATES:
         count.labels(s).set(sum(r.state == s for r in summed))
-    errors = gauge("measurement_errors", "Regions whose measurement (residency: mincore; "
+    unmade = gauge("measurement_errors", "Regions whose measurement (residency: mincore; "
                    "numa: move_pages) a refused system call left unmade: a seccomp filter or "
                    "policy.", ("what",))
     for what in ("residency", "numa"):
-        errors.labels(what).set(data["measurement_errors"].get(what, {}).get("regions", 0))
+        unmade.labels(what).set(data["measurement_errors"].get(what, {}).get("regions", 0))
     for name, doc, value in (
             ("shm_total_bytes", "Size of the shm filesystem.", found.shm.total_bytes),
             ("shm_free_bytes", "Free bytes of the shm filesystem.", found.shm.free_bytes),

@@ -45,28 +45,23 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
     little room; {UNSAFE} a leftover that is not safe to touch, or a pre-provisioned
     region of another shape (the message gives the command that removes it).
     """
-    from vllm_offload_cli.engine.claim import (  # not needed by --help
-        RegionShape,
-        claim,
-        make_room,
-        room_enabled,
-        startup_lock,
-    )
+    from vllm_offload_cli.engine import claim as claims  # not needed by --help
 
     validate_engine_id(engine_id)
     if (problem := int_problem("--size", size)) is not None:
         raise InvalidInputError(problem, code="invalid_size")
     ids = [engine_id] if dp_size == 1 else [with_dp_rank(engine_id, k) for k in range(dp_size)]
     shm_dir = shm_dir_checked(inv)
-    with startup_lock(shm_dir, timeout=30.0):
+    shape = claims.RegionShape(size_bytes=size, num_segments=segments)
+    with claims.startup_lock(shm_dir, timeout=30.0):
         # capacity for all replicas together is checked below, once
-        results = [claim(eid, shm_dir=shm_dir, token=None, dry_run=dry_run,
-                         shape=RegionShape(size_bytes=size, num_segments=segments)) for eid in ids]
+        results = [claims.claim(eid, shm_dir=shm_dir, token=None, dry_run=dry_run, shape=shape)
+                   for eid in ids]
         needed = size * sum(1 for r in results if r.action != "join")
         # a dry run has not freed the leftovers yet: count them as room
         reclaimable = sum(r.reclaimed_bytes for r in results if r.action == "would_reclaim")
-        made = make_room(shm_dir, max(needed - reclaimable, 0), dry_run=dry_run) \
-            if reclaim_for_room and room_enabled() else ()
+        made = claims.make_room(shm_dir, max(needed - reclaimable, 0), dry_run=dry_run) \
+            if reclaim_for_room and claims.room_enabled() else ()
         reclaimable += sum(r.freed_bytes for r in made) if dry_run else 0
         cap = capacity.measure(shm_dir)
         capacity.check_fits(max(needed - reclaimable, 0), cap, shm_dir=shm_dir,
