@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -137,11 +138,38 @@ class SharedOffloadRegion:
             if populate_only_on_creator and barrier is None:
                 raise errors.InvalidInputError("populate_only_on_creator needs a barrier: joiners "
                                                "must not use pages the creator has not populated")
-            self._describe(num_chunks, kv_bytes_per_chunk, cpu_page_size, shm_dir=shm_dir,
-                           world_size=world_size, rank_source=rank_source,
-                           numa_node=numa_node, numa_policy=numa_policy,
-                           huge_pages=huge_pages, num_segments=num_segments,
-                           min_segment_bytes=min_segment_bytes)
+            # validated and computed before any file is touched
+            # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
+            self._rank_source = None if rank_source is None else parse_rank_source(rank_source).name
+            self.geometry = geometry.Geometry(num_blocks=num_chunks, row_stride=kv_bytes_per_chunk,
+                                              cpu_page_size=cpu_page_size, world_size=world_size)
+            if self.rank is not None:
+                geometry.check_rank(self.geometry, self.rank)
+                self._worker_offset = self.rank * cpu_page_size
+                self._worker_area_end = (self.rank + 1) * cpu_page_size
+            self._canonical_offset = 0
+            self.num_chunks = num_chunks
+            self.cpu_page_size = cpu_page_size
+            self._row_stride = kv_bytes_per_chunk
+            self.total_size_bytes = self.geometry.size_bytes
+            self.mmap_path = str(naming.region_path(shm_dir, self.engine_id))  # checks the id
+            self.manifest_path = str(manifest_path(shm_dir, self.engine_id))
+            self.shm_dir = Path(shm_dir)
+            # validated before the file exists: a request the host cannot meet creates nothing
+            self.placement = page_policy.choose(shm_dir, numa_nodes=numa_node,
+                                                numa_policy=numa_policy, huge_pages=huge_pages)
+            # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
+            self.segments: tuple[geometry.Segment, ...] = geometry.split(
+                num_chunks, kv_bytes_per_chunk,
+                geometry.effective_segments(num_segments, self.total_size_bytes,
+                                            min_bytes=min_segment_bytes))
+            self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
+            self._me = ProcessRef.current()
+            if not self.shm_dir.is_dir():
+                raise errors.InvalidInputError(
+                    f"shm directory {self.shm_dir} does not exist or is not a directory",
+                    path=str(self.shm_dir), engine_id=self.engine_id, code="bad_shm_dir",
+                )
             if create_only:  # an explicit create changes nothing where a damaged manifest is
                 with contextlib.suppress(errors.RegionNotFoundError):
                     manifest_io.read(self.manifest_path, allowed_uids=allowed_uids)
@@ -182,48 +210,9 @@ class SharedOffloadRegion:
                 self._attach()
         except BaseException as exc:
             self._abandon()
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and barrier is not None:
                 self._release_peers(barrier, barriers_owed)
             raise
-
-    def _describe(self, num_chunks: int, kv_bytes_per_chunk: int, cpu_page_size: int, *,
-                  shm_dir: str | os.PathLike[str], world_size: int | None,
-                  rank_source: str | RankSource | None,
-                  numa_node: int | Sequence[int] | None, numa_policy: str | None,
-                  huge_pages: str, num_segments: int, min_segment_bytes: int) -> None:
-        """Validate the request and compute what the region will be; touches no file."""
-        # recorded in the manifest by its registered name, so `verify-rank-layout` can judge it
-        self._rank_source = None if rank_source is None else parse_rank_source(rank_source).name
-        self.geometry = geometry.Geometry(num_blocks=num_chunks, row_stride=kv_bytes_per_chunk,
-                                          cpu_page_size=cpu_page_size, world_size=world_size)
-        if self.rank is not None:
-            geometry.check_rank(self.geometry, self.rank)
-            self._worker_offset = self.rank * cpu_page_size
-            self._worker_area_end = (self.rank + 1) * cpu_page_size
-        self._canonical_offset = 0
-        self.num_chunks = num_chunks
-        self.cpu_page_size = cpu_page_size
-        self._row_stride = kv_bytes_per_chunk
-        self.total_size_bytes = self.geometry.size_bytes
-        self.path = naming.region_path(shm_dir, self.engine_id)  # validates engine_id
-        self.mmap_path = str(self.path)
-        self.manifest_path = str(manifest_path(shm_dir, self.engine_id))
-        self.shm_dir = Path(shm_dir)
-        # validated before the file exists: a request the host cannot meet creates nothing
-        self.placement = page_policy.choose(shm_dir, numa_nodes=numa_node,
-                                            numa_policy=numa_policy, huge_pages=huge_pages)
-        # vLLM's rule and split: files `.mmap`, `.mmap.1`, ... mapped back to back
-        self.segments: tuple[geometry.Segment, ...] = geometry.split(
-            num_chunks, kv_bytes_per_chunk,
-            geometry.effective_segments(num_segments, self.total_size_bytes,
-                                        min_bytes=min_segment_bytes))
-        self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
-        self._me = ProcessRef.current()
-        if not self.shm_dir.is_dir():
-            raise errors.InvalidInputError(
-                f"shm directory {self.shm_dir} does not exist or is not a directory",
-                path=str(self.shm_dir), engine_id=self.engine_id, code="bad_shm_dir",
-            )
 
     def _shard_range(self, shard: tuple[int, int]) -> list[tuple[int, int]]:
         """vLLM's `populate_shard=(index, count)`: one contiguous, page-rounded share of
@@ -237,10 +226,8 @@ class SharedOffloadRegion:
             return []
         return [(start, min(share, self.total_size_bytes - start))]
 
-    def _release_peers(self, barrier: Callable[[], object] | None, owed: int) -> None:
+    def _release_peers(self, barrier: Callable[[], object], owed: int) -> None:
         """Arrive at the barriers still owed; our error stays the one raised."""
-        if barrier is None:
-            return
         for _ in range(owed):
             try:
                 barrier()
@@ -396,10 +383,7 @@ class SharedOffloadRegion:
             logger.warning("ignoring manifest: %s", exc)
             return
         mine, theirs = self.geometry, m.geometry
-        differs = geometry.mismatches(theirs, num_blocks=mine.num_blocks,
-                                      row_stride=mine.row_stride,
-                                      cpu_page_size=mine.cpu_page_size,
-                                      world_size=mine.world_size)
+        differs = geometry.mismatches(theirs, **asdict(mine))
         if (not differs and self.rank is not None and mine.world_size is None
                 and theirs.world_size is not None and self.rank >= theirs.world_size):
             raise errors.UnsafeRegionError(
@@ -486,10 +470,11 @@ class SharedOffloadRegion:
             return
         self._attached = True
 
-    def _abandon(self) -> None:
-        """Undo a failed open: never leave a stub that joiners would wait on."""
-        if self._creator and self.fd is not None:
-            self._unlink_names(manifest=self._manifest_written)
+    def _abandon(self, *, unlink: bool = True) -> None:
+        """Close; a creator also unlinks what it made (never a stub joiners would wait on)."""
+        if self._creator and unlink and self.fd is not None:
+            if self._unlink_names(manifest=self._manifest_written):
+                logger.info("removed %s", self.mmap_path)
             self._creator = False
         self._close()
 
@@ -599,11 +584,7 @@ class SharedOffloadRegion:
             except (errors.OffloadError, OSError) as exc:
                 logger.debug("detach from %s: %s", self.manifest_path, exc)
             self._attached = False
-        if self._creator and not self.persistent and self.fd is not None:
-            if self._unlink_names():
-                logger.info("removed %s", self.mmap_path)
-            self._creator = False
-        self._close()
+        self._abandon(unlink=not self.persistent)
 
     def add_close_callback(self, callback: Callable[[], None]) -> None:
         """Call `callback` in cleanup() before the mapping goes (the newest first): a copy
