@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vllm_offload_cli.core.base.errors import InvalidInputError
-from vllm_offload_cli.core.region import SharedOffloadRegion, ranks
+from vllm_offload_cli.core.region import SharedOffloadRegion
 from vllm_offload_cli.core.region.naming import manifest_path, region_path
 from vllm_offload_cli.core.region.ranks import (
     DEVICE_INDEX,
@@ -26,17 +26,17 @@ from vllm_offload_cli.core.region.ranks import (
 ])
 def test_device_modulo_folds_the_device_index_into_the_world(device: int, world: int,
                                                               slot: int) -> None:
-    assert ranks.device_modulo(WorkerPlace(local_rank=0, device_index=device,
-                                           world_size=world)) == slot
+    assert DEVICE_MODULO.slot(WorkerPlace(local_rank=0, device_index=device,
+                                         world_size=world)) == slot
 
 
 def test_logical_ignores_the_device() -> None:
     for device in (0, 2, 7):
-        assert ranks.logical(WorkerPlace(local_rank=1, device_index=device, world_size=2)) == 1
+        assert LOGICAL.slot(WorkerPlace(local_rank=1, device_index=device, world_size=2)) == 1
 
 
 def test_device_index_is_the_unfolded_pre_47987_behaviour() -> None:
-    assert ranks.device_index(WorkerPlace(local_rank=0, device_index=3, world_size=2)) == 3
+    assert DEVICE_INDEX.slot(WorkerPlace(local_rank=0, device_index=3, world_size=2)) == 3
 
 
 def test_every_worker_seeing_index_0_collides_only_for_device_based_sources() -> None:
@@ -69,7 +69,7 @@ def test_parse_refuses_unknown_names_listing_the_known_ones() -> None:
 
 def test_parse_accepts_registered_objects_only() -> None:
     assert parse_rank_source(LOGICAL) is LOGICAL
-    impostor = RankSource(name="logical", compute=ranks.device_modulo,
+    impostor = RankSource(name="logical", slot=DEVICE_MODULO.slot,
                           description="not the real one", device_based=True)
     with pytest.raises(InvalidInputError):
         parse_rank_source(impostor)

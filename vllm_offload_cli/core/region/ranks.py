@@ -36,43 +36,25 @@ class WorkerPlace:
                                     code="invalid_worker_place")
 
 
-def device_modulo(place: WorkerPlace) -> int:
-    """vLLM PR 47987: fold the device index into [0, world_size)."""
-    return place.device_index % place.world_size
-
-
-def logical(place: WorkerPlace) -> int:
-    """vLLM 0.32 and 0.33: the worker's logical rank within its replica."""
-    return place.local_rank
-
-
-def device_index(place: WorkerPlace) -> int:
-    """vLLM before PR 47987: the raw device index, unfolded (out of range past replica 0)."""
-    return place.device_index
-
-
 @dataclass(frozen=True, kw_only=True)
 class RankSource:
-    """A named way of computing a worker's slot."""
+    """A named way of computing a worker's slot: `slot(place)`."""
 
     name: str
-    compute: Callable[[WorkerPlace], int]
+    slot: Callable[[WorkerPlace], int]
     description: str
     device_based: bool  # two workers on one device index always get one slot
 
-    def slot(self, place: WorkerPlace) -> int:
-        return self.compute(place)
-
 
 DEVICE_MODULO = RankSource(
-    name="device-modulo", compute=device_modulo,
+    name="device-modulo", slot=lambda place: place.device_index % place.world_size,
     description="current_device_index() % world_size (vLLM PR 47987)", device_based=True)
 LOGICAL = RankSource(
-    name="logical", compute=logical,
+    name="logical", slot=lambda place: place.local_rank,
     description="the worker's logical rank within its replica (vLLM 0.32, 0.33)",
     device_based=False)
 DEVICE_INDEX = RankSource(
-    name="device-index", compute=device_index,
+    name="device-index", slot=lambda place: place.device_index,
     description="current_device_index() unfolded (vLLM before PR 47987)", device_based=True)
 
 RANK_SOURCES: Mapping[str, RankSource] = MappingProxyType(
