@@ -27,7 +27,6 @@ from vllm_offload_cli.core.system.files import FileId, open_proc_link
 
 PREFIX = "vllm-offload-manifest-"
 _TARGET = re.compile(r"/memfd:" + PREFIX + r"(\d+)-(\d+)(?: \(deleted\))?")
-_SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
 
 
 def carry(m: Manifest) -> int | None:
@@ -46,11 +45,8 @@ def carry(m: Manifest) -> int | None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        seals = 0
-        for name in _SEALS:
-            seals |= getattr(fcntl, name, 0)
-        if hasattr(fcntl, "F_ADD_SEALS"):  # immutable from here on
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK  # immutable
+                    | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
     except OSError:
         os.close(fd)
         return None
