@@ -34,7 +34,9 @@ class FakeEvent:
         return self.ready
 
     def synchronize(self) -> None:
-        self.ready = True
+        events = self.recorded_on.events  # as on a GPU, those recorded before it finish first
+        for event in events[:events.index(self) + 1]:
+            event.ready = True
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return 2.5  # milliseconds
@@ -60,7 +62,7 @@ class Lanes:
         self.device_rows = torch.arange(16 * 64, dtype=torch.int64).remainder(127).to(
             torch.int8).view(16, 64)
         self.host = torch.zeros(32, 64, dtype=torch.int8)
-        self.sink = ResultSink()
+        self.sink = ResultSink(64)
         pairs = [TensorPair(device=self.device_rows, region=self.host, row_bytes=64,
                             one_device=False)]
 
@@ -68,8 +70,7 @@ class Lanes:
             assert helper is None  # a stream lane issues on the caller's thread only
             return copy_job(pairs, job, non_blocking=True)
 
-        self.lanes = {d: StreamLane(d, copy, self.sink, 64,
-                                    torch.device("cpu")) for d in Direction}
+        self.lanes = {d: StreamLane(d, copy, self.sink, torch.device("cpu")) for d in Direction}
 
     def submit(self, job: int, src: list[int], dst: list[int],
                direction: Direction = Direction.STORE) -> None:

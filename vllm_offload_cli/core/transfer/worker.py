@@ -59,7 +59,8 @@ class TransferResult:
 class ResultSink:
     """Thread-safe store of results: filled by the lanes, drained by get_finished()."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_bytes: int) -> None:
+        self._block_bytes = block_bytes
         self._cond = threading.Condition()
         self._in_flight: set[int] = set()
         self._ready: list[TransferResult] = []
@@ -72,9 +73,19 @@ class ResultSink:
             self._in_flight.add(job_id)
             return True
 
-    def add(self, result: TransferResult) -> None:
+    def add(self, job: CopyJob, seconds: float, method: str,
+            error: BaseException | str | None) -> None:
+        """Report `job` finished; failed if `error` says why."""
+        if isinstance(error, BaseException):
+            logger.warning("%s job %d failed: %s", job.direction.value, job.job_id, error)
+            error = f"{type(error).__name__}: {error}"
+        result = TransferResult(job_id=job.job_id, direction=job.direction, success=error is None,
+                                bytes=job.num_blocks * self._block_bytes,
+                                seconds=seconds if error is None else 0.0,
+                                blocks=job.num_blocks, method=method if error is None else "",
+                                error=error)
         with self._cond:
-            self._in_flight.discard(result.job_id)
+            self._in_flight.discard(job.job_id)
             self._ready.append(result)
             self._cond.notify_all()
 
@@ -90,27 +101,13 @@ class ResultSink:
             return self._cond.wait_for(lambda: not wanted & self._in_flight, timeout)
 
 
-def _result(job: CopyJob, block_bytes: int, seconds: float, method: str,
-            error: BaseException | str | None) -> TransferResult:
-    if isinstance(error, BaseException):
-        logger.warning("%s job %d failed: %s", job.direction.value, job.job_id, error)
-        error = f"{type(error).__name__}: {error}"
-    return TransferResult(job_id=job.job_id, direction=job.direction, success=error is None,
-                          bytes=job.num_blocks * block_bytes,
-                          seconds=seconds if error is None else 0.0,
-                          blocks=job.num_blocks, method=method if error is None else "",
-                          error=error)
-
-
 class ThreadLane:
     """One direction of CPU copies: one thread copies the jobs in order, with a helper
     thread for half of a batched call."""
 
-    def __init__(self, direction: Direction, copy: Copier, sink: ResultSink,
-                 block_bytes: int) -> None:
+    def __init__(self, direction: Direction, copy: Copier, sink: ResultSink) -> None:
         self._copy = copy
         self._sink = sink
-        self._block_bytes = block_bytes
         self._cancel = False
         name = f"vllm-offload-{direction.value}"
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
@@ -133,14 +130,14 @@ class ThreadLane:
 
     def _run(self, job: CopyJob) -> None:
         if self._cancel:
-            self._sink.add(_result(job, self._block_bytes, 0.0, "", CANCELLED))
+            self._sink.add(job, 0.0, "", CANCELLED)
             return
         start = time.perf_counter()
         try:
             method, error = self._copy(job, self._helper), None
         except Exception as exc:  # reported as the job's result; the lane carries on
             method, error = "", exc
-        self._sink.add(_result(job, self._block_bytes, time.perf_counter() - start, method, error))
+        self._sink.add(job, time.perf_counter() - start, method, error)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -149,18 +146,17 @@ class _Queued:
     start: Any = None  # torch.cuda.Event
     end: Any = None
     method: str = ""
-    error: str | None = None
+    error: BaseException | str | None = None
 
 
 class StreamLane:
     """One direction of CUDA copies: queued on the lane's stream, completed by events."""
 
     def __init__(self, direction: Direction, copy: Copier, sink: ResultSink,
-                 block_bytes: int, device: torch.device) -> None:
+                 device: torch.device) -> None:
         torch = import_torch()
         self._copy = copy
         self._sink = sink
-        self._block_bytes = block_bytes
         self._device = device
         self._lock = threading.Lock()
         self.stream = torch.cuda.Stream(device=device)
@@ -179,8 +175,7 @@ class StreamLane:
                     entry.start.record(stream)
                     entry.method = self._copy(job, None)
             except Exception as exc:  # reported in order as a failed job, never dropped
-                entry.error = f"{type(exc).__name__}: {exc}"
-                logger.warning("%s job %d failed: %s", job.direction.value, job.job_id, exc)
+                entry.error = exc
             finally:
                 try:
                     if entry.end is not None:
@@ -200,31 +195,28 @@ class StreamLane:
                         if not head.end.query():
                             return
                     except Exception as exc:  # a sticky CUDA error: this job failed
-                        head.error = head.error or f"{type(exc).__name__}: {exc}"
+                        head.error = head.error or exc
                         head.end = None
-                self._queued.popleft()
-                self._sink.add(self._done(head))
+                self._done(self._queued.popleft())
 
-    def _done(self, entry: _Queued) -> TransferResult:
+    def _done(self, entry: _Queued) -> None:
         seconds = 0.0
         if entry.error is None:
             with contextlib.suppress(Exception):
                 seconds = entry.start.elapsed_time(entry.end) / 1e3
-        return _result(entry.job, self._block_bytes, seconds, entry.method, entry.error)
+        self._sink.add(entry.job, seconds, entry.method, entry.error)
 
     def wait(self, job_ids: set[int], timeout: float | None) -> bool:
         def done() -> bool | None:
             self.poll()
             with self._lock:
-                ahead = list(self._queued)
-            last = max((i for i, e in enumerate(ahead) if e.job.job_id in job_ids), default=-1)
-            if last < 0:
+                wanted = [e for e in self._queued if e.job.job_id in job_ids]
+            if not wanted:
                 return True
-            if timeout is None:
-                for entry in ahead[:last + 1]:  # on one stream the last would do
-                    if entry.end is not None:
-                        with contextlib.suppress(Exception):  # an error is a failed job
-                            entry.end.synchronize()
+            if timeout is None and wanted[-1].end is not None:
+                # events on one stream complete in order: the last covers all before it
+                with contextlib.suppress(Exception):  # an error is a failed job
+                    wanted[-1].end.synchronize()
             return None
         return poll_until(done, math.inf if timeout is None else timeout,
                           backoff=(0.0002, 0.0002)) is not None
@@ -240,7 +232,7 @@ class StreamLane:
             while self._queued:
                 entry = self._queued.popleft()
                 entry.error = entry.error or "did not complete before shutdown"
-                self._sink.add(self._done(entry))
+                self._done(entry)
 
 
 LAYOUTS = ("worker", "canonical")
@@ -314,15 +306,14 @@ class CopyWorker:
         self._region: SharedOffloadRegion | None = region
         self._lock = threading.Lock()
         self._closed = False
-        self._sink = ResultSink()
+        self._sink = ResultSink(self.bytes_per_block)
         self._pairs = [TensorPair.of(dev, reg) for dev, reg in zip(rows, self.region_views,
                                                                    strict=True)]
         if self.device.type == "cuda" and pin:
             self._pin(region)
         self._lanes: dict[Direction, ThreadLane | StreamLane] = {
-            d: ThreadLane(d, self._copy, self._sink, self.bytes_per_block)
-            if self.device.type == "cpu"
-            else StreamLane(d, self._copy, self._sink, self.bytes_per_block, self.device)
+            d: ThreadLane(d, self._copy, self._sink) if self.device.type == "cpu"
+            else StreamLane(d, self._copy, self._sink, self.device)
             for d in Direction
         }
         # cleanup() calls this before unmapping: no copy may outlive the mapping
