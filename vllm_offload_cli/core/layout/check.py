@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -334,12 +334,10 @@ def _slot_checks(fd: int, g: Geometry, rows: int, workers: list[AttachedWorker],
     except OSError as exc:
         notes.append(_refused(exc, "slots not checked: their residency was not measured"))
         return [], []
-    slots = [_with_status(s, problems) for s in _slot_reports(g, rows, pages, workers,
-                                                              problems, notes)]
-    world = g.world_size or 0
+    slots = _slot_reports(g, rows, pages, workers, problems, notes)
     try:  # one mincore of the whole region serves both checks
         placed = check_workers(fd, g, rows, [
-            (w.pid, w.rank) for w in workers if 0 <= w.rank < world], resident=pages)
+            (w.pid, w.rank) for w in workers if 0 <= w.rank < len(slots)], resident=pages)
     except OSError as exc:
         placed = []
         notes.append(_refused(exc, "NUMA placement not checked"))
@@ -350,14 +348,13 @@ def _slot_checks(fd: int, g: Geometry, rows: int, workers: list[AttachedWorker],
 
 def _slot_reports(g: Geometry, rows: int, pages: bytes, workers: Sequence[AttachedWorker],
                   problems: list[Problem], notes: list[Problem]) -> list[SlotReport]:
-    """Residency per slot over the `rows` rows the file holds (`pages`: its page map)."""
-    world = g.world_size
-    assert world is not None
+    """Residency per slot over the `rows` rows the file holds (`pages`: its page map); its
+    status: the codes of the problems about it."""
     per_row = g.row_stride // PAGESIZE
     resident_in_column = [pages[j::per_row].count(1) for j in range(per_row)]
     own, shared = _page_columns(g)
     reports = []
-    for slot in range(world):
+    for slot in range(g.world_size or g.max_slots):  # the slots _page_columns knows
         rng = g.slot(slot)
         claim = tuple(w for w in workers if w.rank == slot)
         report = SlotReport(
@@ -367,7 +364,6 @@ def _slot_reports(g: Geometry, rows: int, pages: bytes, workers: Sequence[Attach
             shared_pages=len(shared[slot]) * rows,
             shared_resident_pages=sum(resident_in_column[j] for j in shared[slot]),
         )
-        reports.append(report)
         where = f"bytes {rng.start}..{rng.end} of each of {rows} rows"
         if report.pages == 0:
             notes.append(Problem(
@@ -382,6 +378,9 @@ def _slot_reports(g: Geometry, rows: int, pages: bytes, workers: Sequence[Attach
                 "slot_unpopulated", f"slot {slot} ({where}) was never populated: none of its "
                 f"{report.pages} page(s) is resident; {who}", slot=slot,
                 pids=tuple(w.pid for w in claim)))
+        codes = tuple(dict.fromkeys(p.code for p in problems if slot in (p.slot, *p.ranks)))
+        reports.append(replace(report, status=codes or (
+            ("unmeasurable",) if report.pages == 0 else ())))
     return reports
 
 
@@ -458,12 +457,6 @@ def _refused(exc: OSError, what: str) -> Problem:
     if not residency.refused(exc):
         raise exc
     return Problem("measurement_refused", f"{what}: {exc.strerror} ({residency.REFUSED_HINT})")
-
-
-def _with_status(s: SlotReport, problems: Iterable[Problem]) -> SlotReport:
-    codes = tuple(dict.fromkeys(p.code for p in problems
-                                if p.slot == s.slot or s.slot in p.ranks))
-    return replace(s, status=codes or (("unmeasurable",) if s.pages == 0 else ()))
 
 
 def _origin(w: AttachedWorker) -> str:

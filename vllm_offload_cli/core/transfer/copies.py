@@ -343,12 +343,6 @@ def _pieces(pair: TensorPair, job: CopyJob, dsts: list[Tensor], srcs: list[Tenso
     sizes += (lengths * pair.row_bytes).tolist()
 
 
-def _halfway(sizes: list[int]) -> int:
-    """The piece index that splits `sizes` into two halves of about equal bytes."""
-    ends = list(itertools.accumulate(sizes))  # C loops: a job has thousands of pieces
-    return min(bisect.bisect_left(ends, ends[-1] / 2) + 1, len(sizes))
-
-
 def _copy_many(dsts: list[Tensor], srcs: list[Tensor], non_blocking: bool) -> None:
     """dsts[i].copy_(srcs[i]) for every i, in one C++ loop."""
     import_torch()._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
@@ -382,9 +376,11 @@ def copy_job(pairs: list[TensorPair], job: CopyJob, *, non_blocking: bool = Fals
         if rule not in used:
             used.append(rule)
     if dsts:
-        # the halfway point is sought only for a call that may be split (never on CUDA)
-        split = helper is not None and sum(sizes) >= SPLIT_MIN_BYTES
-        cut = _halfway(sizes) if split else len(dsts)
+        cut = len(dsts)
+        if helper is not None and sum(sizes) >= SPLIT_MIN_BYTES:  # never on CUDA
+            # the piece that halves the bytes (C loops: a job has thousands of pieces)
+            ends = list(itertools.accumulate(sizes))
+            cut = min(bisect.bisect_left(ends, ends[-1] / 2) + 1, len(sizes))
         if helper is not None and cut < len(dsts):
             other = helper.submit(_copy_many, dsts[cut:], srcs[cut:], non_blocking)
             try:
