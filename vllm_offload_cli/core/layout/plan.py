@@ -79,7 +79,6 @@ class DeviceLayout:
         return tuple(visible[k * world_size:(k + 1) * world_size] for k in range(dp_size))
 
 
-
 def parse_devices(spec: str | None, *, environ: Mapping[str, str] | None = None
                   ) -> DeviceLayout:
     """A keyword, or `0,2;1,3` (`;` between replicas, `,` between workers): indices each
