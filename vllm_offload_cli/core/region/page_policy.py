@@ -195,5 +195,5 @@ def huge_bytes_of(mm: mmap.mmap) -> int | None:
 
 def pmd_mapped(pid: int, start: int) -> int | None:
     """Huge (PMD-mapped) bytes of the mapping of `pid` that begins at `start`; None if none."""
-    found = (procfs.read_smaps(pid, start=start) or {}).get(start)
+    found = (procfs.read_smaps(pid, starts={start}) or {}).get(start)
     return None if found is None else found.huge_bytes

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from vllm_offload_cli.core.system.files import FileId
 
 PROC = "/proc"
-DELETED_SUFFIX = " (deleted)"
 
 
 class Unreadable(enum.Enum):
@@ -43,7 +42,7 @@ def read(pid: int, name: str) -> bytes | Unreadable:
 
 def strip_deleted(path: str) -> tuple[str, bool]:
     """'/dev/shm/x (deleted)' -> ('/dev/shm/x', True)."""
-    stripped = path.removesuffix(DELETED_SUFFIX)
+    stripped = path.removesuffix(" (deleted)")
     return stripped, stripped != path
 
 
@@ -85,11 +84,6 @@ class Mapping:
     file_id: FileId
     path: str  # as shown, without " (deleted)"
     deleted: bool
-
-    @property
-    def extent(self) -> int:
-        """Bytes of the file this mapping reaches: its offset plus its length."""
-        return self.offset + self.end - self.start
 
 
 def parse_maps_line(raw: bytes) -> Mapping | None:
@@ -172,26 +166,10 @@ def may_write(pid: int, fids: Collection[FileId]) -> bool | Unreadable:
         devs = {maps_dev_token(fid.dev) for fid in fids}  # parse only lines of their devices
         lines = b"\n".join(x for x in maps.splitlines() if any(d in x for d in devs))
         starts = {m.start for m in parse_maps(lines) if m.file_id in fids}
-        if starts:
-            return _maps_writable(pid, starts)
+        if starts:  # smaps read in address order, up to the last of them
+            return any(p.may_write for p in _smaps(pid, None, starts).values())
     except OSError as exc:
         return _why(exc)
-    return False
-
-
-def _maps_writable(pid: int, starts: set[int]) -> bool:
-    """Whether any mapping starting at `starts` may write; smaps read in address order."""
-    last, start = max(starts), -1
-    with open(f"{PROC}/{pid}/smaps", "rb") as f:
-        for line in f:
-            head = line.split(b" ", 1)[0]
-            if b"-" in head:  # a mapping's first line
-                start = int(head.split(b"-")[0], 16)
-            elif start in starts and line.startswith(b"VmFlags:"):
-                if b"mw" in line.split():
-                    return True
-                if start == last:
-                    break
     return False
 
 
@@ -232,41 +210,51 @@ _HUGE_KEYS = (b"ShmemPmdMapped", b"FilePmdMapped")
 
 @dataclass(kw_only=True)
 class MappedPages:
-    """What smaps says of one mapping: resident and PMD (huge) mapped bytes."""
+    """What smaps says of one mapping: resident and PMD (huge) mapped bytes, and whether
+    it may write (VmFlags `mw`)."""
 
     file_id: FileId
     rss_bytes: int = 0
     huge_bytes: int = 0
+    may_write: bool = False
     nodes: dict[int, int] = field(default_factory=dict)  # node -> bytes, from numa_maps
 
 
-def read_smaps(pid: int, *, wanted: set[FileId] | None = None, start: int | None = None
-               ) -> dict[int, MappedPages] | None:
-    """Mappings by start address, only of `wanted` files or only the one at `start`;
+def read_smaps(pid: int, *, wanted: set[FileId] | None = None,
+               starts: Collection[int] | None = None) -> dict[int, MappedPages] | None:
+    """Mappings by start address, only of `wanted` files and only those at `starts`;
     None when smaps cannot be read or parsed."""
-    out: dict[int, MappedPages] = {}
     try:
-        with open(f"{PROC}/{pid}/smaps", "rb") as f:
-            current: MappedPages | None = None
-            for line in f:
-                m = parse_maps_line(line)
-                if m is not None:
-                    if start is not None and m.start > start:
-                        break  # mappings come in address order: the one wanted is read
-                    keep = ((wanted is None or m.file_id in wanted)
-                            and (start is None or m.start == start))
-                    current = (out.setdefault(m.start, MappedPages(file_id=m.file_id)) if keep
-                               else None)
-                    continue
-                if current is None:
-                    continue
-                key, _, rest = line.partition(b":")
-                if key == b"Rss":
-                    current.rss_bytes += int(rest.split()[0]) * 1024
-                elif key in _HUGE_KEYS:
-                    current.huge_bytes += int(rest.split()[0]) * 1024
+        return _smaps(pid, wanted, starts)
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _smaps(pid: int, wanted: set[FileId] | None, starts: Collection[int] | None
+           ) -> dict[int, MappedPages]:
+    out: dict[int, MappedPages] = {}
+    last = None if starts is None else max(starts, default=-1)
+    with open(f"{PROC}/{pid}/smaps", "rb") as f:
+        current: MappedPages | None = None
+        for line in f:
+            m = parse_maps_line(line)
+            if m is not None:
+                if last is not None and m.start > last:
+                    break  # mappings come in address order: the ones wanted are read
+                keep = ((wanted is None or m.file_id in wanted)
+                        and (starts is None or m.start in starts))
+                current = (out.setdefault(m.start, MappedPages(file_id=m.file_id)) if keep
+                           else None)
+                continue
+            if current is None:
+                continue
+            key, _, rest = line.partition(b":")
+            if key == b"Rss":
+                current.rss_bytes += int(rest.split()[0]) * 1024
+            elif key in _HUGE_KEYS:
+                current.huge_bytes += int(rest.split()[0]) * 1024
+            elif key == b"VmFlags":
+                current.may_write = b"mw" in rest.split()
     return out
 
 
