@@ -19,7 +19,7 @@ from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.region.naming import PREFIX
 from vllm_offload_cli.core.system import processes, procfs
 from vllm_offload_cli.core.system.files import FileId
-from vllm_offload_cli.core.system.procfs import DENIED, GONE
+from vllm_offload_cli.core.system.procfs import GONE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,13 +46,6 @@ class ProcessScan:
     denied_pids: list[int] = field(default_factory=list)
     # pid -> files on the shm filesystem past NAMED_PER_PROCESS, counted, not looked up
     unnamed: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def denied(self) -> int:
-        return len(self.denied_pids)
-
-    def holders(self, fid: FileId) -> list[FileUse]:
-        return self.uses.get(fid, [])
 
 
 class _Filter:
@@ -97,11 +90,8 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
     """Matching descriptors of `pid` into `scan.uses` (one per file); True denied, None
     gone. Past NAMED_PER_PROCESS files only a name could make ours, the rest are counted."""
     stats = procfs.fd_stats(pid, skip)
-    if stats is GONE:
-        return None
-    if stats is DENIED:
-        return True
-    assert not isinstance(stats, procfs.Unreadable)
+    if isinstance(stats, procfs.Unreadable):
+        return None if stats is GONE else True
     uses = scan.uses
     named = 0
     for fd, st in stats:  # one per distinct file
@@ -127,11 +117,8 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
 def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bool | None:
     """Matching mappings of `pid` into `uses`, one FileUse per file and name shown."""
     data = procfs.read(pid, "maps")
-    if data is GONE:
-        return None
-    if data is DENIED:
-        return True
-    assert isinstance(data, bytes)
+    if isinstance(data, procfs.Unreadable):
+        return None if data is GONE else True
     if not want.may_hold(data):
         return False
     extents: dict[tuple[FileId, str, bool], tuple[int, tuple[int, int]]] = {}
@@ -139,7 +126,7 @@ def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bo
         if want.keeps(m.file_id, m.path):
             key = (m.file_id, m.path, m.deleted)
             extent, span = extents.get(key, (0, (m.start, m.end)))
-            extents[key] = (max(extent, m.extent), span)
+            extents[key] = (max(extent, m.offset + m.end - m.start), span)
     for (fid, path, deleted), (extent, span) in extents.items():
         uses[fid].append(FileUse(pid=pid, kind="map", path=path, deleted=deleted,
                                  size_hint=extent, span=span))
