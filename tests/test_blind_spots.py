@@ -140,18 +140,18 @@ PROC_AND_BINFMT = ("/proc proc rw", "/proc/sys/fs/binfmt_misc autofs rw")
     ("rw,hidepid=invisible,subset=pid", [visibility.HIDEPID, visibility.PROC_SUBSET]),
 ])
 def test_proc_mount_options(options: str, codes: list[str]) -> None:
-    mount = visibility.proc_mount(table(f"/proc proc {options}", PROC_AND_BINFMT[1]))
-    spots = visibility.mount_blind_spots(mount, {4242})
+    spots = visibility.mount_blind_spots(table(f"/proc proc {options}", PROC_AND_BINFMT[1]),
+                                         {4242})
     assert [s.code for s in spots] == codes
 
 
 def test_the_proc_mount_on_top_is_the_one_that_counts() -> None:
     over = (*PROC_AND_BINFMT, "/proc proc rw,nosuid,hidepid=2")
-    on_top = visibility.proc_mount(table(*over))
-    assert on_top == visibility.ProcMount("2", None, None)
+    [on_top] = visibility.mount_blind_spots(table(*over), set())
+    assert on_top.code == visibility.HIDEPID and "hidepid=2" in on_top.message
     covered = (*over, "/proc tmpfs rw")
     # not a proc at all any more
-    assert visibility.proc_mount(table(*covered)) is None
+    assert visibility.mount_blind_spots(table(*covered), set()) == []
 
 
 def test_this_host_is_seen_whole() -> None:

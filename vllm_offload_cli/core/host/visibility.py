@@ -86,33 +86,18 @@ def namespace_blind_spots() -> list[Problem]:
                       "map a region are invisible")]
 
 
-@dataclass(frozen=True)
-class ProcMount:
-    hidepid: str | None
-    subset: str | None
-    gid: int | None
-
-
-def proc_mount(table: list[mounts.Mount]) -> ProcMount | None:
-    """The options of the proc mount that path lookups of /proc see; None if not proc."""
+def mount_blind_spots(table: list[mounts.Mount], groups: Collection[int]) -> list[Problem]:
+    """hidepid hides processes we may not ptrace; subset=pid hides /proc/locks. What
+    counts is the proc mount that path lookups of /proc see."""
     top = mounts.top_mount_at(procfs.PROC, table)
     if top is None or top.fstype != "proc":
-        return None  # nothing there, or something else mounted over /proc
-    gid = top.options.get("gid")
-    return ProcMount(top.options.get("hidepid"), top.options.get("subset"),
-                     int(gid) if gid and gid.isdigit() else None)
-
-
-def mount_blind_spots(mount: ProcMount | None, groups: Collection[int]) -> list[Problem]:
-    """hidepid hides processes we may not ptrace; subset=pid hides /proc/locks."""
-    if mount is None:
-        return []
+        return []  # nothing there, or something else mounted over /proc
+    hidepid, gid = top.options.get("hidepid"), top.options.get("gid")
     spots = []
-    if mount.hidepid not in (None, "0", "off") and not (
-            mount.gid is not None and mount.gid in groups):
-        spots.append(Problem(HIDEPID, f"/proc is mounted with hidepid={mount.hidepid}, so "
+    if hidepid not in (None, "0", "off") and not (gid and gid.isdigit() and int(gid) in groups):
+        spots.append(Problem(HIDEPID, f"/proc is mounted with hidepid={hidepid}, so "
                                "processes this user may not inspect are hidden or unreadable"))
-    if mount.subset == "pid":
+    if top.options.get("subset") == "pid":
         spots.append(Problem(PROC_SUBSET, "/proc is mounted with subset=pid, which hides "
                                "/proc/locks (who holds a region's lock)"))
     return spots
@@ -121,7 +106,7 @@ def mount_blind_spots(mount: ProcMount | None, groups: Collection[int]) -> list[
 def host_blind_spots() -> list[Problem]:
     """Every host-wide blind spot of this process, read afresh."""
     groups = {os.getegid(), *os.getgroups()}
-    return namespace_blind_spots() + mount_blind_spots(proc_mount(mounts.mounts()), groups)
+    return namespace_blind_spots() + mount_blind_spots(mounts.mounts(), groups)
 
 
 def hidden_process(pid: int) -> HiddenProcess | None:
