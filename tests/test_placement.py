@@ -370,7 +370,7 @@ def test_own_mapping_sees_the_node_of_every_resident_page(shm_dir: Path) -> None
         # measuring allocated nothing: the untouched pages are still holes
         from vllm_offload_cli.core.host import residency
         assert residency.resident_bytes(fd) == 32 * PAGE
-        empty = observed.sample_resident(fd, 64 * PAGE, pages=bytes(64))
+        empty = observed.sample_pages(fd, 64 * PAGE, [])
         assert empty.asked == 0 and empty.nodes == {}
     finally:
         mm.close()

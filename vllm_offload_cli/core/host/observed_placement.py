@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_offload_cli.core.host import residency
 from vllm_offload_cli.core.host.discovery import RegionInfo, SegmentFile
@@ -89,16 +89,14 @@ class Sampled:
 _PMD = 2 * 1024 * 1024
 
 
-def sample_resident(fd: int, length: int, *, sample: int = SAMPLE_PAGES,
-                    pages: bytes | None = None) -> Sampled:
+def sample_resident(fd: int, length: int, *, sample: int = SAMPLE_PAGES) -> Sampled:
     """Nodes (and huge pages) of the resident pages of the first `length` bytes of `fd`.
 
     Only resident pages are faulted into our read-only mapping (move_pages sees mapped
     pages only), so nothing is allocated. The mapping asks for huge pages: the share of
     sampled 2 MiB windows smaps calls PMD-mapped estimates the huge bytes.
     """
-    if pages is None:
-        pages = residency.page_map(fd, 0, length)
+    pages = residency.page_map(fd, length)
     return sample_pages(fd, length, [i for i, v in enumerate(pages) if v], sample=sample)
 
 
@@ -165,12 +163,11 @@ def _observe(r: RegionInfo, topo: memory.Topology, thp: ThpSupport, scans: Holde
     if best is not None and best.nodes:
         return Placement(numa_nodes=best.nodes, huge_page_bytes=best.huge_bytes,
                          source="numa_maps", pid=best.pid)
-    pid = None if best is None else best.pid
     unknown = Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None,
-                        source="unknown", pid=pid)
+                        source="unknown", pid=None if best is None else best.pid)
     if not r.linked or not libc.numa_syscalls_available():  # sampling maps the file by name
         return unknown
-    return _sample_files(r.segments, pid, no_huge) or unknown
+    return _sample_files(r.segments, unknown)
 
 
 def _widest_holder(holder_pids: Iterable[int], ids: set[FileId], scans: HolderScans
@@ -185,10 +182,9 @@ def _widest_holder(holder_pids: Iterable[int], ids: set[FileId], scans: HolderSc
     return best
 
 
-def _sample_files(segments: Sequence[SegmentFile], pid: int | None, no_huge: bool
-                  ) -> Placement | None:
-    """Sample every segment through our own mapping; None when one cannot be read, an
-    unknown placement with its `error` when a system call was refused."""
+def _sample_files(segments: Sequence[SegmentFile], unknown: Placement) -> Placement:
+    """Sample every segment through our own mapping; `unknown` when one cannot be read,
+    with its `error` when a system call was refused."""
     totals: Counter[int] = Counter()
     asked = 0
     huge: int | None = 0
@@ -197,19 +193,18 @@ def _sample_files(segments: Sequence[SegmentFile], pid: int | None, no_huge: boo
             continue
         fd = open_regular(s.path, s.file_id)
         if fd is None:
-            return None
+            return unknown
         try:
             got = sample_resident(fd, s.size_bytes,
                                   sample=max(1, SAMPLE_PAGES // len(segments)))
         except OSError as exc:  # no NUMA syscalls, refused, or truncated meanwhile (EFAULT)
             if not residency.refused(exc):
-                return None
-            return Placement(numa_nodes=None, huge_page_bytes=0 if no_huge else None,
-                             source="unknown", pid=pid, error=exc.strerror or str(exc))
+                return unknown
+            return replace(unknown, error=exc.strerror or str(exc))
         finally:
             os.close(fd)
         asked += got.asked
         huge = None if got.huge_bytes is None or huge is None else huge + got.huge_bytes
         totals.update(got.nodes)
-    return Placement(numa_nodes=dict(totals), huge_page_bytes=huge, source="move_pages", pid=pid,
-                     sampled_pages=asked)
+    return Placement(numa_nodes=dict(totals), huge_page_bytes=huge, source="move_pages",
+                     pid=unknown.pid, sampled_pages=asked)

@@ -30,13 +30,9 @@ def _windows(fd: int, pos: int, end: int) -> Iterator[bytes]:
         pos += size
 
 
-def page_map(fd: int, offset: int = 0, length: int | None = None) -> bytes:
-    """One byte per page of [offset, offset+length): 1 resident, 0 not."""
-    if length is None:
-        length = os.fstat(fd).st_size - offset
-    if offset % PAGESIZE:
-        raise ValueError("offset must be page aligned")
-    return b"".join(_windows(fd, offset, offset + length))
+def page_map(fd: int, length: int | None = None) -> bytes:
+    """One byte per page of the first `length` bytes (default: all): 1 resident, 0 not."""
+    return b"".join(_windows(fd, 0, os.fstat(fd).st_size if length is None else length))
 
 
 def resident_bytes(fd: int, st: os.stat_result | None = None) -> int:

@@ -330,7 +330,7 @@ def _slot_checks(fd: int, g: Geometry, rows: int, workers: list[AttachedWorker],
     """Who wrote which slot (residency), and whose slot sits on a remote NUMA node; a
     refused residency or NUMA measurement is a note."""
     try:
-        pages = residency.page_map(fd, 0, rows * g.row_stride)
+        pages = residency.page_map(fd, rows * g.row_stride)
     except OSError as exc:
         notes.append(_refused(exc, "slots not checked: their residency was not measured"))
         return [], []
@@ -429,7 +429,7 @@ def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, 
     if not workers or rows <= 0:
         return []
     if resident is None:
-        resident = residency.page_map(fd, 0, rows * g.row_stride)
+        resident = residency.page_map(fd, rows * g.row_stride)
     own = _page_columns(g)[0]
     out = []
     for pid, rank in workers:
