@@ -32,7 +32,7 @@ def _region(engine_id: str, *, state: str, holders: int = 0, linked: bool = True
     base, _, rank = engine_id.rpartition("_dp")
     seg = SegmentFile(path=f"/dev/shm/vllm_offload_{engine_id}.mmap", segment=0,
                       file_id=None, size_bytes=3 << 30, uid=uid, mode=0o600, mtime=0.0,
-                      linked=linked, resident_bytes=1 << 30, allocated_bytes=1 << 30)
+                      resident_bytes=1 << 30, allocated_bytes=1 << 30)
     return RegionInfo(
         engine_id=engine_id, base_engine_id=base if rank.isdigit() else engine_id,
         dp_rank=int(rank) if rank.isdigit() else None, segments=(seg,), linked=linked,

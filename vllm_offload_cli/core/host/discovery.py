@@ -60,7 +60,6 @@ class SegmentFile:
     uid: int | None
     mode: int | None
     mtime: float | None
-    linked: bool
     resident_bytes: int | None = None
     problems: tuple[Problem, ...] = ()
     resident_error: str | None = None  # why resident_bytes is None: a refusal ("mincore: ...")
@@ -138,7 +137,6 @@ class OrphanManifest:
     path: str
     file_id: FileId
     uid: int
-    mtime: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,17 +181,12 @@ MAX_SEGMENT = 64
 _Entry = tuple[int, str, os.stat_result]
 
 
-class Counts:
-    """Per-owner counts of files a run left out of its list."""
-
-    def __init__(self) -> None:
-        self.by_uid: dict[int, list[int]] = {}
+class Counts(dict[int, tuple[int, int, int]]):
+    """Per-owner counts (files, size, allocated) of files a run left out of its list."""
 
     def add_file(self, uid: int, size: int = 0, allocated: int = 0, files: int = 1) -> None:
-        c = self.by_uid.setdefault(uid, [0, 0, 0])
-        c[0] += files
-        c[1] += size
-        c[2] += allocated
+        had = self.get(uid, (0, 0, 0))
+        self[uid] = (had[0] + files, had[1] + size, had[2] + allocated)
 
     def add(self, *stats: os.stat_result) -> None:
         for st in stats:
@@ -206,7 +199,7 @@ class Counts:
 
     def tallies(self) -> tuple[Tally, ...]:
         return tuple(Tally(uid=uid, files=c[0], size_bytes=c[1], allocated_bytes=c[2])
-                     for uid, c in sorted(self.by_uid.items()))
+                     for uid, c in sorted(self.items()))
 
 
 @dataclass
@@ -331,11 +324,13 @@ class _Run:
     lease_wait: fsguard.LeaseWait = field(default_factory=fsguard.LeaseWait)  # one for all opens
     linked: set[FileId] = field(default_factory=set)  # files judged by name
     memfds: dict[int, dict[tuple[int, int], int] | None] = field(default_factory=dict)
+    # a process's name, read once per run however many regions it holds
+    name_of: Callable[[int], str | None] = field(default_factory=lambda: functools.cache(comm))
 
     def needs_probe(self, st: os.stat_result) -> bool:
         """Ask the kernel only where /proc may have missed a holder and saw none."""
         return (not self.vis.blind and bool(self.vis.could_hide(st.st_uid, st.st_mode))
-                and not self.scan.holders(FileId.of(st)))
+                and not self.scan.uses.get(FileId.of(st)))
 
 
 def _from_stat(path: str, segment: int, st: os.stat_result, problems: Iterable[Problem] = (),
@@ -347,9 +342,9 @@ def _from_stat(path: str, segment: int, st: os.stat_result, problems: Iterable[P
     return SegmentFile(path=path, segment=segment, file_id=FileId.of(st) if regular else None,
                        size_bytes=st.st_size if regular else 0, uid=st.st_uid,
                        allocated_bytes=st.st_blocks * 512 if regular else None,
-                       mode=stat.S_IMODE(st.st_mode), mtime=st.st_ctime, linked=True,
-                       resident_bytes=resident[0], resident_error=resident[1],
-                       problems=tuple(problems), sole_opener=sole_opener)
+                       mode=stat.S_IMODE(st.st_mode), mtime=st.st_ctime, resident_bytes=resident[0],
+                       resident_error=resident[1], problems=tuple(problems),
+                       sole_opener=sole_opener)
 
 
 def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool]:
@@ -398,15 +393,15 @@ def _resident(fd: int, st: os.stat_result | None = None) -> tuple[int | None, st
         raise
 
 
-def holders_of(uses: Iterable[FileUse], manifest: Manifest | None = None
-               ) -> tuple[Holder, ...]:
+def holders_of(uses: Iterable[FileUse], manifest: Manifest | None = None,
+               name: Callable[[int], str | None] = comm) -> tuple[Holder, ...]:
     """One Holder per process, with its rank when the manifest records it."""
     kinds: dict[int, set[str]] = defaultdict(set)
     for use in uses:
         kinds[use.pid].add(use.kind)
     ranks = {} if manifest is None else {a.pid: a.rank for a in manifest.live_attachments()}
     return tuple(
-        Holder(pid=pid, name=comm(pid), rank=ranks.get(pid), via=tuple(sorted(kinds[pid])))
+        Holder(pid=pid, name=name(pid), rank=ranks.get(pid), via=tuple(sorted(kinds[pid])))
         for pid in sorted(kinds)
     )
 
@@ -554,7 +549,7 @@ def _inventory(shm: str, regions: list[RegionInfo], orphans: list[OrphanManifest
                listing: _Listing, scan: ProcessScan, vis: Visibility) -> Inventory:
     return Inventory(
         shm_dir=shm, regions=tuple(regions), orphan_manifests=tuple(orphans),
-        shm=shm_usage(shm), uninspectable_processes=scan.denied, visibility=vis,
+        shm=shm_usage(shm), uninspectable_processes=len(scan.denied_pids), visibility=vis,
         not_judged=listing.not_judged.tallies(), counted=listing.counted.tallies(),
         listed_all=listing.complete, unnamed_held=tuple(sorted(scan.unnamed.items())),
     )
@@ -597,8 +592,9 @@ def _region(run: _Run, engine_id: str, segments: list[SegmentFile], locked: bool
     geometry = manifest.geometry if manifest is not None else None
     problems += [p for p in (mproblem, *_files_problems(segments, bare, size, geometry))
                  if p is not None]
-    uses = [u for s in segments if s.file_id is not None for u in run.scan.holders(s.file_id)]
-    holders = holders_of(uses, manifest)
+    uses = [u for s in segments if s.file_id is not None
+            for u in run.scan.uses.get(s.file_id, ())]
+    holders = holders_of(uses, manifest, run.name_of)
     age = _age(segments, manifest, run.now)
     first = bare or segments[0]
     state, creation = _state(manifest, bool(holders or locked))
@@ -693,8 +689,8 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
     resident, refusal = _resident_through(uses, fid) if run.measure else (None, None)
     parsed = parse_region_filename(os.path.basename(path))
     seg = SegmentFile(path=path, segment=0 if parsed is None else parsed.segment, file_id=fid,
-                      size_bytes=size, uid=uid, mode=None, mtime=None,
-                      linked=False, resident_bytes=resident, resident_error=refusal)
+                      size_bytes=size, uid=uid, mode=None, mtime=None, resident_bytes=resident,
+                      resident_error=refusal)
     manifest = carried.carried_by((u.pid for u in uses if u.kind != "lock"), fid, uid,
                                   run.memfds)
     if manifest is not None and manifest.engine_id != engine_id:
@@ -705,9 +701,8 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
         mode=mode,
         age_seconds=None if manifest is None else max(run.now - manifest.created_at, 0.0),
         geometry=None if manifest is None else manifest.geometry, manifest=manifest,
-        manifest_path=None, holders=holders_of(uses, manifest), locked=False, state=LIVE,
-        problems=(),
-    )
+        manifest_path=None, holders=holders_of(uses, manifest, run.name_of), locked=False,
+        state=LIVE, problems=())
 
 
 def _resident_through(uses: list[FileUse], fid: FileId) -> tuple[int | None, str | None]:
@@ -789,13 +784,11 @@ def _flag_collisions(regions: list[RegionInfo]) -> list[RegionInfo]:
 
 
 def _orphan(engine_id: str, path: str) -> OrphanManifest | None:
-    """A manifest file, with its ctime as mtime (an owner sets mtime, never ctime)."""
     try:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return None
-    return OrphanManifest(engine_id=engine_id, path=path, file_id=FileId.of(st),
-                          uid=st.st_uid, mtime=st.st_ctime)
+    return OrphanManifest(engine_id=engine_id, path=path, file_id=FileId.of(st), uid=st.st_uid)
 
 
 def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | None
@@ -841,7 +834,7 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
     return Inventory(
         shm_dir=shm, regions=tuple(_flag_collisions(regions)),
         orphan_manifests=() if orphan is None else (orphan,), shm=shm_usage(shm),
-        uninspectable_processes=scan.denied, visibility=run.vis)
+        uninspectable_processes=len(scan.denied_pids), visibility=run.vis)
 
 
 def open_released(shm_dir: str | os.PathLike[str], engine_id: str
@@ -853,19 +846,10 @@ def open_released(shm_dir: str | os.PathLike[str], engine_id: str
     shm = _shm_dir(shm_dir)
     naming.validate_engine_id(engine_id)
     run = _Run(shm=shm, scan=scan_processes(shm, name=naming.region_filename(engine_id)))
-    best: tuple[int, RegionInfo] | None = None
-    for fid, uses in _deleted_only(run.scan, set(), shm).get(engine_id, {}).items():
-        # _deleted_only keeps only unlinked files with a name: is it the bare file?
-        parsed = parse_region_filename(os.path.basename(next(u for u in uses if u.path).path))
-        if parsed is None or parsed.segment != 0:
-            continue
-        info = _deleted_region(run, engine_id, fid, uses)
-        if best is not None and (best[1].manifest is not None or info.manifest is None):
-            continue
-        fd = _through_users(uses, fid, open_proc_link)
-        if fd is None:
-            continue
-        if best is not None:
-            os.close(best[0])
-        best = (fd, info)
-    return best
+    found = _deleted_only(run.scan, set(), shm).get(engine_id, {}).items()
+    infos = [(_deleted_region(run, engine_id, fid, uses), fid, uses) for fid, uses in found]
+    for info, fid, uses in sorted(infos, key=lambda x: x[0].manifest is None):
+        fd = None if info.segments[0].segment else _through_users(uses, fid, open_proc_link)
+        if fd is not None:
+            return fd, info
+    return None
