@@ -192,7 +192,7 @@ def test_the_cpu_baseline_copies_between_the_workers_own_buffers(shm_dir: Path,
         device = torch.randint(-128, 128, (num_blocks, block), dtype=torch.int8,
                                generator=torch.Generator().manual_seed(3))
         view = region.create_next_worker_view(block)
-        baseline = _Baseline.for_device("cpu", n * block, device, view)
+        baseline = _Baseline("cpu", n * block, device, view)
         assert baseline.nbytes == n * block and not baseline.cuda
         assert baseline.batch(store=True, count=1) > 0
         total = num_blocks * row_stride

@@ -1,11 +1,7 @@
-"""Live mode of `verify-rank-layout`: does an existing region hold what it claims?
-
-Checks its size against its geometry (the manifest's, or the operator's for a region vLLM
-made without one), its row stride, the live workers its manifest records, which slots
-were ever populated and whether each worker's CPUs are on its slot's NUMA node (a note:
-remote is only slow). The file is opened read-only without following links, and
-residency is read on a mapping never touched, so checking faults nothing in.
-"""
+"""Live mode of `verify-rank-layout`: does an existing region hold what it claims (size,
+row stride, the manifest's live workers, populated slots; a remote NUMA node is a note, as
+it is only slow)? The file is opened read-only without following links, and residency is
+read on a mapping never touched, so checking faults nothing in."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The measurement behind `vllm-offload benchmark`: copy workers against a plain memcpy.
-
-Each round times PIPELINE_DEPTH jobs in flight between two plain copies of the same bytes;
-the ratio is the median of the rounds' worker/baseline ratios, so a burst of load
-elsewhere on the host hits both sides of a round.
-"""
+"""The measurement behind `vllm-offload benchmark`: copy workers against a plain memcpy."""
 
 from __future__ import annotations
 
@@ -185,22 +180,18 @@ class _Baseline:
     """A plain copy between two contiguous buffers: on CPU the memory a contiguous job
     moves (the device tensor's first bytes, the mapping's last), on CUDA pinned <-> GPU."""
 
-    def __init__(self, host: Tensor, dev: Tensor, cuda: bool) -> None:
-        self.host = host
-        self.dev = dev
-        self.cuda = cuda
-        self.nbytes = host.numel()
-
-    @classmethod
-    def for_device(cls, device: str, nbytes: int, device_rows: Tensor,
-                   region_view: Tensor) -> _Baseline:
+    def __init__(self, device: str, nbytes: int, device_rows: Tensor,
+                 region_view: Tensor) -> None:
         torch = import_torch()
-        if device == "cuda":
-            return cls(torch.full((nbytes,), 1, dtype=torch.int8, pin_memory=True),
-                       torch.full((nbytes,), 2, dtype=torch.int8, device="cuda"), True)
-        mapping = region_view.untyped_storage().nbytes()
-        tail = region_view.as_strided((nbytes,), (1,), mapping - nbytes)
-        return cls(tail, device_rows.view(-1)[:nbytes], False)
+        self.nbytes = nbytes
+        self.cuda = device == "cuda"
+        if self.cuda:
+            self.host = torch.full((nbytes,), 1, dtype=torch.int8, pin_memory=True)
+            self.dev = torch.full((nbytes,), 2, dtype=torch.int8, device="cuda")
+        else:
+            mapping = region_view.untyped_storage().nbytes()
+            self.host = region_view.as_strided((nbytes,), (1,), mapping - nbytes)
+            self.dev = device_rows.view(-1)[:nbytes]
 
     def batch(self, store: bool, count: int) -> float:
         """Seconds for `count` copies back to back: device -> host for a store, host ->
@@ -221,10 +212,10 @@ class _Bench:
         self.torch = import_torch()
         self.progress = progress
         self.done = 0
-        self.total = 0
         self.engine_id = f"bench-{os.getpid()}-{secrets.token_hex(4)}"
         self.generator = self.torch.Generator().manual_seed(config.seed)
         self.modes = ("cpu",) if config.device == "cpu" else ("pinned", "pageable")
+        self.total = self.plan_total()  # also validates every size before any region exists
         self.pinned: bool | None = None
         self.pin_warning: str | None = None
         self.removed = True
@@ -296,7 +287,8 @@ class _Bench:
     def direction(self, worker: CopyWorker, baseline: _Baseline, store: bool, src: Tensor,
                   dst: Tensor) -> Throughput:
         """Rounds of: one plain copy, PIPELINE_DEPTH jobs in flight, one plain copy (their
-        baseline, so a change of the host's memory bandwidth weighs on both alike)."""
+        baseline, so a burst of load elsewhere on the host weighs on both alike); the ratio
+        is the median of the rounds' worker/baseline ratios."""
         depth = PIPELINE_DEPTH
         self.jobs(worker, store, src, dst, depth)  # warm-up, both of them
         baseline.batch(store, depth)
@@ -355,7 +347,7 @@ class _Bench:
             device_rows = self.torch.full((num_blocks, block), 0x5A, dtype=self.torch.int8,
                                           device=c.device)
             view = region.create_next_worker_view(block)
-            baseline = _Baseline.for_device(c.device, n * block, device_rows, view)
+            baseline = _Baseline(c.device, n * block, device_rows, view)
             for mode in modes:
                 worker = CopyWorker(region, [device_rows], region_views=[view],
                                     pin=mode == "pinned")
@@ -429,7 +421,6 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
         raise InvalidInputError(f"unknown pattern {unknown[0]!r}; choose from "
                                 f"{', '.join(PATTERNS)}", code="invalid_pattern")
     bench = _Bench(config, progress)
-    bench.total = bench.plan_total()  # also validates every size before any region exists
     rows: list[BenchRow] = []
     prefault: list[PrefaultFigure] = []
     for block in config.block_sizes:
