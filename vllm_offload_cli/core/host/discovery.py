@@ -11,6 +11,7 @@ import contextlib
 import errno
 import functools
 import heapq
+import operator
 import os
 import stat
 import time
@@ -817,24 +818,18 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
     shm = _shm_dir(shm_dir)
     found = _by_name(shm, engine_id)
     me = os.geteuid()
-    mode = 0o600
-    for _, _, st in found:
-        mode |= stat.S_IMODE(st.st_mode) if st.st_uid == me else 0
-    only = visibility.MayOpen(me, mode)
+    only = visibility.MayOpen(me, functools.reduce(operator.or_, (
+        stat.S_IMODE(st.st_mode) for _, _, st in found if st.st_uid == me), 0o600))
     scan = scan_processes(shm, {FileId.of(st) for _, _, st in found},
                           name=naming.region_filename(engine_id), only=only)
     run = _Run(shm=shm, scan=scan, vis=visibility.assess(scan.denied_pids, seen=only.seen),
                allowed_uids=fsguard.inspection_uids())
     # the same judgement as discover()'s: a lock counts only on the owner's files
-    named = _judge(run, engine_id, found) if found else None
-    regions = [] if named is None else [judge_visibility(named, run.vis)]
-    run.linked = {s.file_id for s in (named.segments if named else ()) if s.file_id is not None}
+    regions = _judge_listed(run, [(engine_id, found)], None, False)
     regions += _unlinked(run, {engine_id}, partial=False)
     orphan = None if regions else _orphan(engine_id, str(manifest_path(shm, engine_id)))
-    return Inventory(
-        shm_dir=shm, regions=tuple(_flag_collisions(regions)),
-        orphan_manifests=() if orphan is None else (orphan,), shm=shm_usage(shm),
-        uninspectable_processes=len(scan.denied_pids), visibility=run.vis)
+    return _inventory(shm, _flag_collisions(regions), [orphan] if orphan else [], run.listing,
+                      scan, run.vis)
 
 
 def open_released(shm_dir: str | os.PathLike[str], engine_id: str
