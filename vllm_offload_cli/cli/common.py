@@ -8,7 +8,6 @@ rich is imported only for what a terminal shows (progress bars, coloured warning
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -65,7 +64,7 @@ class Outcome:
     data: dict[str, Any]
     exit_code: ExitStatus = ExitStatus.SUCCESS
     errors: list[dict[str, str]] = field(default_factory=list)
-    render: Callable[[Out], None] | None = None
+    render: Callable[[Out], object] | None = None
 
 
 class _Diagnostics(logging.Handler):
@@ -93,12 +92,11 @@ class Invocation:
     shm_dir: Path
     json_output: bool
     verbosity: int
-    out_file: TextIO = field(default_factory=lambda: sys.stdout)
     warnings: list[dict[str, str]] = field(default_factory=list)
 
     @cached_property
     def out(self) -> Out:
-        return Out(self.out_file)
+        return Out(sys.stdout)
 
     @cached_property
     def err(self) -> Out:
@@ -368,8 +366,7 @@ def envelope_of(sub: Subcommand, options: Mapping[str, Any], *, shm_dir: Path,
     """What `sub --json` prints (options not given take their defaults), built without
     printing it; a bug's traceback goes to stderr."""
     body, options = sub.body, {**sub.defaults(), **options}
-    inv = Invocation(command=str(sub.name), shm_dir=shm_dir, json_output=True, verbosity=verbosity,
-                     out_file=io.StringIO())
+    inv = Invocation(command=str(sub.name), shm_dir=shm_dir, json_output=True, verbosity=verbosity)
     with _logging_to(inv):
         doc, _, bug = evaluate(inv, lambda: body(inv, **options))
     if bug is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from vllm_offload_cli.cli.common import Invocation, Out, Outcome, subcommand
+from vllm_offload_cli.cli.common import Invocation, Outcome, subcommand
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 
 # where the wheel installs each file under its data prefix (pyproject.toml), the
@@ -73,9 +73,5 @@ def completion(inv: Invocation, shell: str | None, manpath: bool) -> Outcome:
         return Outcome(data={"manpath": str(where), "path": str(path)},
                        render=lambda out: out.print(str(where)))
     text = path.read_text()
-
-    def render(out: Out) -> None:
-        out.file.write(text)
-
     return Outcome(data={"shell": shell, "path": str(path), "install": INSTALLED[shell][2]},
-                   render=render)
+                   render=lambda out: out.file.write(text))

@@ -123,14 +123,13 @@ def render_nodes(out: Out, result: FleetResult) -> None:
     """One line per node that did not simply succeed, then the verdict."""
     for n in result.nodes:
         label = result.label(n)
-        status = n.status
-        if status in (fleet.OK, fleet.ABSENT):
+        if n.status in (fleet.OK, fleet.ABSENT):
             continue
         if n.outcome != fleet.ANSWERED:
             what = "TIMED OUT" if n.outcome == fleet.TIMED_OUT else "FAILED"
             out.print(f"node {label}: {what}: {n.reason} (its regions are not shown)")
             continue
-        what = "REFUSED" if status == fleet.REFUSED else f"exit {n.exit_code}"
+        what = "REFUSED" if n.status == fleet.REFUSED else f"exit {n.exit_code}"
         for e in dict_items((n.envelope or {}).get("errors")) or [{"message": "(no message)"}]:
             out.print(f"node {label}: {what}: {e.get('message', '')}")
     nowhere = result.on_no_node()

@@ -58,15 +58,10 @@ class NodeResult:
     def status(self) -> str:
         if self.outcome != ANSWERED or self.envelope is None:
             return self.outcome
-        code = self.exit_code
-        if code == ExitStatus.SUCCESS:
-            return OK
-        if code == ExitStatus.UNSAFE:
-            return REFUSED
-        said = self._errors()
+        code, said = self.exit_code, self._errors()
         if code == ExitStatus.USAGE and said and all(e.get("code") == NOT_FOUND for e in said):
             return ABSENT
-        return ERROR
+        return OK if code == ExitStatus.SUCCESS else REFUSED if code == ExitStatus.UNSAFE else ERROR
 
     @property
     def interrupted(self) -> bool:
