@@ -4,8 +4,6 @@
 import gc
 import sys
 
-EXIT_INTERRUPTED = 130  # ExitStatus.INTERRUPTED; not imported: it may be mid-import
-
 
 def main() -> None:
     gc.disable()  # loading makes no garbage, yet ~40 collections; get_command re-enables
@@ -15,7 +13,7 @@ def main() -> None:
         run()
     except KeyboardInterrupt:  # the command's own boundary turns later ones into 130 too
         sys.stderr.write("Error: interrupted\n")
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(130)  # ExitStatus.INTERRUPTED, not imported: it may be mid-import
     finally:
         gc.freeze()  # exit frees everything at once: spare the collector's walk over it all
 

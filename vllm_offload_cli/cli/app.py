@@ -1,8 +1,5 @@
-"""The `vllm-offload` command tree and its entry point.
-
-Subcommands load on demand (click's lazy-loading group pattern): `inspect --json`
-imports nothing of create, benchmark or the fleet, `--version` none of them.
-"""
+"""The `vllm-offload` command tree. Subcommands load on demand (click's lazy-loading group
+pattern): `inspect --json` imports nothing of create, benchmark or fleet, `--version` none."""
 
 from __future__ import annotations
 

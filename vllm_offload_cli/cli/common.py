@@ -1,10 +1,6 @@
-"""What every subcommand shares: common options, value types, the JSON envelope, the
-error boundary.
-
-A subcommand is `(inv: Invocation, **its_options) -> Outcome` under click's
-option decorators; `subcommand()` adds the common options and the boundary.
-rich is imported only for what a terminal shows (progress bars, coloured warnings).
-"""
+"""What every subcommand shares: common options, value types, the JSON envelope, the error
+boundary. A subcommand is `(inv, **its_options) -> Outcome` under click's option decorators
+(`subcommand()` adds the rest); rich loads only for a terminal's progress bars and warnings."""
 
 from __future__ import annotations
 

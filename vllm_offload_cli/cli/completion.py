@@ -1,8 +1,5 @@
-"""`vllm-offload completion SHELL`: the shell completion script, and where the man page is.
-
-pip puts both under the environment's `share/`, where a shell or man(1) finds them only
-for /usr/local; this prints what a venv install needs to link or source.
-"""
+"""`vllm-offload completion SHELL`: the completion script, and where the man page is. pip
+puts both in the environment's `share/`, read by a shell or man(1) only for /usr/local."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""`vllm-offload fleet inspect|gc|verify-rank-layout`: the node-local command on every Ray node.
-
-Each node runs the same subcommand body in-process in a Ray task pinned to it and
-ships back the envelope `<command> --json` would print there (`common.envelope_of`):
-no interpreter start per node, no guess at which executable is on its PATH.
-"""
+"""`vllm-offload fleet inspect|gc|verify-rank-layout`: each node runs the subcommand's body
+in-process in a Ray task pinned to it and ships back the envelope `<command> --json` would
+print there (`common.envelope_of`): no interpreter start, no guess at the node's PATH."""
 
 from __future__ import annotations
 

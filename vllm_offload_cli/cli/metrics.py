@@ -1,8 +1,6 @@
-"""node_exporter textfile output, and what bounds it, shared by `inspect` and `gc`.
-
-The write is ours, not prometheus_client's `write_to_textfile`, whose predictable
-`PATH.PID.TID` follows a planted symlink.
-"""
+"""node_exporter textfile output, and what bounds it, for `inspect` and `gc`. The write is
+ours: prometheus_client's `write_to_textfile` uses a predictable `PATH.PID.TID`, which
+follows a planted symlink."""
 
 from __future__ import annotations
 

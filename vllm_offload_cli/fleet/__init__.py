@@ -1,11 +1,7 @@
-"""Run a node-local command on every node of a Ray cluster, one task pinned per node, and
-merge the answers into one fleet answer and one exit code. Ray is imported only inside
-`run_on_every_node`.
-
-A node that failed or did not answer in time is never hidden behind the others:
-it is listed with why, and the answer is partial unless a node said something more
-important (`exit_status.PRECEDENCE`).
-"""
+"""Run a node-local command on every node of a Ray cluster (one task pinned per node; Ray
+imported only in `run_on_every_node`) and merge the answers into one answer and exit code.
+A node that failed or did not answer is listed with why, never hidden: the answer is partial
+unless a node said something more important (`exit_status.PRECEDENCE`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""One overall deadline per command, and waits that end by themselves.
-
-The work calls `check()` where it can stop cleanly, so what was done is still
-reported; nothing is interrupted from outside, since every open of an untrusted name
-is non-blocking and every wait on another process is a bounded `poll_until`.
-"""
+"""One overall deadline per command, and waits that end by themselves. The work calls
+`check()` where it can stop cleanly, so what was done is still reported; nothing is
+interrupted from outside: every open of an untrusted name is non-blocking and every wait on
+another process a bounded `poll_until`."""
 
 from __future__ import annotations
 

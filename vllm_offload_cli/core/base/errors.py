@@ -98,7 +98,6 @@ class MissingExtraError(InvalidInputError):
 
     code = "extra_not_installed"
 
-    def __init__(self, message: str, *, extra: str, install: str) -> None:
+    def __init__(self, message: str, *, install: str) -> None:
         super().__init__(message)
-        self.extra = extra
         self.install = install

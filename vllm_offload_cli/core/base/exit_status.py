@@ -1,8 +1,5 @@
-"""Exit statuses of `vllm-offload`: the one table of what each code means.
-
-The numbers are a contract with scripts and launchers and never change; the CLI, the
-core's errors, the fleet's merge and the generated docs all read this table.
-"""
+"""Exit statuses of `vllm-offload`, the one table of what each code means: a contract with
+scripts and launchers that never changes, read by the CLI, errors, fleet merge and docs."""
 
 from __future__ import annotations
 

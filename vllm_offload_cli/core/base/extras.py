@@ -29,7 +29,7 @@ def missing_extra(extra: str, missing: list[str], *, what: str) -> MissingExtraE
     verb, pronoun = ("is", "it") if len(missing) == 1 else ("are", "them")
     line = install_line(extra)
     return MissingExtraError(f"{what} needs {names}, which {verb} not installed; install "
-                             f"{pronoun} with: {line}", extra=extra, install=line)
+                             f"{pronoun} with: {line}", install=line)
 
 
 def require(extra: str, *, what: str) -> None:

@@ -1,10 +1,7 @@
-"""Showing strings from outside (file and process names, manifests) safely.
-
-Any local user can name a file or a process, so a name may carry escape sequences
-aimed at root's terminal: human output shows control characters as `\\xNN`. JSON keeps
-them (its encoder escapes them), but bytes that were not UTF-8 (lone surrogates,
-which no encoder writes) become `\\xNN` in both.
-"""
+"""Strings from outside (file and process names, manifests) shown safely: any local user
+can name a file or process, so human output shows control characters as `\\xNN` (no escape
+sequence reaches root's terminal). JSON keeps them (its encoder escapes them), but bytes that
+were not UTF-8 (lone surrogates, which no encoder writes) become `\\xNN` in both."""
 
 from __future__ import annotations
 

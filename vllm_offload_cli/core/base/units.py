@@ -1,8 +1,5 @@
-"""Sizes and durations read the way Linux tools read them, and printed back readably.
-
-Sizes as coreutils reads them, except that a lone `b` (512-byte blocks there) is
-refused rather than guessed; durations as systemd reads them (`1h30m`).
-"""
+"""Sizes as coreutils reads them (a lone `b`, 512-byte blocks there, is refused rather than
+guessed), durations as systemd does (`1h30m`), and both printed back readably."""
 
 from __future__ import annotations
 
