@@ -31,8 +31,7 @@ SHM_DIR_ENV = "VLLM_OFFLOAD_SHM_DIR"
 
 def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *,
                right: Iterable[int] = ()) -> str:
-    """A table as `ps` prints one: one line per row whatever the width, never cut; `right`
-    lists the columns aligned right. Cells must already be printable (`printable`)."""
+    """A table as `ps` prints one: a line per row, never cut; cells already `printable`."""
     lines = [list(headers), *(list(r) for r in rows)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
     aligned = set(right)
@@ -43,8 +42,7 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *,
 
 @dataclass(frozen=True)
 class Out:
-    """A stream for people: plain text as is, control characters shown as `\\xNN`
-    (names and manifest fields come from other users: no ESC may reach a terminal)."""
+    """Text for people, control characters as `\\xNN`: names come from other users."""
 
     file: TextIO
 
@@ -64,8 +62,7 @@ class Outcome:
 
 
 class _Diagnostics(logging.Handler):
-    """Core log lines on stderr from `shown` up, escaped (they carry paths and names from
-    outside); warnings also in the JSON envelope's `warnings`."""
+    """Core log lines on stderr from `shown` up, escaped; warnings also in the envelope."""
 
     def __init__(self, warnings: list[dict[str, str]], shown: int) -> None:
         super().__init__()
@@ -123,8 +120,7 @@ class Invocation:
 
     @contextmanager
     def progress(self, description: str, total: int) -> Iterator[Callable[[int, int], None]]:
-        """A transient progress bar on stderr (none with --json: one document, nothing
-        else); yields an update(done, total) callback."""
+        """A transient progress bar on stderr, none with --json; yields update(done, total)."""
         if self.verbosity < 0 or self.json_output or not sys.stderr.isatty():
             yield lambda done, total: None
             return
@@ -171,8 +167,7 @@ def _logging_to(inv: Invocation) -> Iterator[None]:
 
 def evaluate(inv: Invocation, body: Callable[[], Outcome]
              ) -> tuple[dict[str, Any], Outcome | None, Exception | None]:
-    """(envelope, outcome or None when it failed, the bug raised outside the error
-    hierarchy) of `body` in the error boundary, printing nothing (the fleet's nodes too)."""
+    """(envelope, outcome or None, a bug outside the error hierarchy) of `body`; no output."""
     bug = None
     try:
         outcome = body()
@@ -341,8 +336,7 @@ def shm_dir_checked(inv: Invocation) -> str:
 
 
 def prefault_threads(asked: int | None) -> int:
-    """Threads that pre-fault a region: as asked, else one per CPU up to 8 (create and
-    benchmark alike)."""
+    """Threads that pre-fault a region: as asked, else one per CPU up to 8."""
     return asked or max(1, min(8, os.cpu_count() or 1))
 
 
@@ -359,8 +353,7 @@ def warn_useless_waiver(inv: Invocation, waived: bool) -> None:
 
 def envelope_of(sub: Subcommand, options: Mapping[str, Any], *, shm_dir: Path,
                 verbosity: int = -1) -> dict[str, Any]:
-    """What `sub --json` prints (options not given take their defaults), built without
-    printing it; a bug's traceback goes to stderr."""
+    """What `sub --json` would print (defaults for options not given); bugs go to stderr."""
     body, options = sub.body, {**sub.defaults(), **options}
     inv = Invocation(command=str(sub.name), shm_dir=shm_dir, json_output=True, verbosity=verbosity)
     with _logging_to(inv):

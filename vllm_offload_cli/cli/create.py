@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 
 def _layout(choice: str, segments: int | None, geometry: Geometry
             ) -> tuple[int, int, str, str | None, str | None]:
-    """(segment files asked for, vLLM's smallest file, basis, vLLM version, warning).
-    `auto` reads the code of the vLLM installed here; without one it takes the newest
-    release's layout and warns where that excludes older releases."""
+    """(files asked for, vLLM's smallest file, basis, vLLM version, warning): `auto` reads the
+    vLLM installed here, else takes the newest release's layout and warns for older ones."""
     if segments is not None and choice != "auto":
         raise InvalidInputError("give one of --segments and --vllm-layout", code="usage")
     if segments is not None:
@@ -306,8 +305,7 @@ def parse_owner(text: str) -> tuple[int, int]:
 
 
 def parse_mode(text: str) -> int:
-    """Octal permission bits the joining engine accepts: the owner's read and write, no
-    group or other bits (it refuses those), nothing special."""
+    """Octal bits a joining engine accepts: owner read+write, no group, other or special."""
     try:
         value = int(text, 8)
     except ValueError:

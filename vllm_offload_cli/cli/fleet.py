@@ -36,8 +36,7 @@ LOCAL: dict[str, Subcommand] = {str(s.name): s for s in (
 
 
 def node_task(command: str, options: dict[str, Any], shm_dir: str | None) -> dict[str, Any]:
-    """Runs on one node: the node-local command's envelope, plus who answered (without
-    --shm-dir, in the node's own default directory)."""
+    """On one node: the command's envelope and who answered (default: the node's shm dir)."""
     where = Path(shm_dir or os.environ.get(common.SHM_DIR_ENV) or DEFAULT_SHM_DIR)
     doc = common.envelope_of(LOCAL[command], options, shm_dir=where)
     doc["node"] = {"hostname": socket.gethostname(), "pid": os.getpid(),
@@ -142,8 +141,7 @@ def render_nodes(out: Out, result: FleetResult) -> None:
 
 
 def render_inspect(out: Out, result: FleetResult, *, wide: bool = False) -> None:
-    """inspect's table over every node's regions, NODE first; owners as numbers (a user
-    name is per host), then each node's footer."""
+    """inspect's table over every node, NODE first, owners as uids (names are per host)."""
     rows, notes = [], []
     for label, _, data in _answered(result):
         rows += [[cell_text(label), *row]

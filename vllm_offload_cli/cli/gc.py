@@ -247,8 +247,7 @@ def _render(inv: Invocation, out: Out, report: GcReport, errors: list[dict[str, 
 
 
 def _kept_lines(report: GcReport, verb: str) -> list[str]:
-    """Every other decision: what was kept and why, the leftovers removed, what is left
-    for a later run."""
+    """Every other decision: kept and why, leftovers removed, what a later run looks at."""
     from vllm_offload_cli.core.region.fsguard import user_text
 
     kept, summed = kept_listed(report)
@@ -296,9 +295,8 @@ TOTALS = {
 
 
 def _registry(report: GcReport, code: ExitStatus, previous: dict[str, float]) -> Any:
-    """Gauges of this run and its exit status `code` (an unwritable textfile cannot report
-    itself: the previous one stays, its timestamp ageing), and `*_total` counters carried
-    over from the file's `previous` values."""
+    """Gauges of this run and its exit `code` (an unwritable textfile keeps the previous one,
+    its timestamp ageing), and `*_total` counters carried on from the `previous` values."""
     from prometheus_client import CollectorRegistry, Gauge
 
     registry = CollectorRegistry()

@@ -49,9 +49,8 @@ _PREVIOUS_MAX_BYTES = 1 << 20
 
 
 def previous_totals(output: Path, names: Iterable[str]) -> dict[str, float]:
-    """The `*_total` counters last written into `output`, so they keep counting across
-    runs; read only from a small regular file of this user, not through a link. Anything
-    else starts again at 0, which increase() reads as a counter reset."""
+    """The `*_total` counters last written into `output`, read only from a small regular file
+    of this user, not through a link; anything else restarts at 0 (a reset to increase())."""
     wanted = set(names)
     try:
         with open(os.open(output, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC),

@@ -94,8 +94,7 @@ _RECORD_LISTS = ("regions", "removed", "kept", "problems", "failures")
 
 
 def malformed(doc: object) -> str | None:
-    """Why another host's answer is not an envelope the merge, the table and `--json` can
-    take (JSON-clean, the envelope's shape); None when it is."""
+    """Why another host's answer is no JSON-clean envelope we can merge and show, or None."""
     try:
         json.dumps(doc, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -324,11 +323,9 @@ def run_on_every_node(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...], 
 
 def _submit(ray: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...],
             node_ids: list[str]) -> dict[str, Any]:
-    """One task per node, pinned there (soft=False); node id -> its object ref.
-
-    No CPU asked for: vLLM's workers hold every CPU and GPU, and a task that waits for
-    one would never run. No retry: one elsewhere would answer for the wrong node.
-    """
+    """One task per node, pinned there (soft=False); node id -> its object ref. No CPU asked
+    for: vLLM's workers hold every CPU and GPU, and a task waiting for one would never run.
+    No retry: one elsewhere would answer for the wrong node."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     remote = ray.remote(fn)

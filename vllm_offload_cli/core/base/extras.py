@@ -1,7 +1,6 @@
-"""Optional dependencies (extras) and the one refusal: an entry point that needs one
-calls `require()` before any work, so a missing module is a MissingExtraError naming
-the `pip install` line, never an ImportError from deep inside a copy. torch itself is
-imported in one place, lazily: `import_torch`."""
+"""Extras: an entry point calls `require()` before any work, so a missing module is a
+MissingExtraError naming the `pip install` line, never an ImportError from deep inside a
+copy; torch is imported in one place, lazily (`import_torch`)."""
 
 from __future__ import annotations
 

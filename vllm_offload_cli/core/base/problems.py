@@ -1,6 +1,5 @@
-"""One record for every finding (a region's problem, a layout flaw, a blind spot, a
-region gc kept, a failed removal): a stable code, a sentence for people, and what it
-is about; JSON shows the details a finding has."""
+"""One record for every finding (a problem, layout flaw, blind spot, kept region, failed
+removal): a stable code, a sentence for people, what it is about (JSON: what it has)."""
 
 from __future__ import annotations
 

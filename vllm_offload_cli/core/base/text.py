@@ -24,8 +24,7 @@ def _escape(match: re.Match[str]) -> str:
 
 
 def printable(text: str) -> str:
-    """`text` with control characters and bytes that were not UTF-8 escaped as `\\xNN`:
-    safe to show on a terminal, and encodable."""
+    """`text` with control characters and non-UTF-8 bytes as `\\xNN`: terminal-safe, encodable."""
     return _CONTROL_RE.sub(_escape, text)
 
 
