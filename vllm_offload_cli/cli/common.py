@@ -245,8 +245,6 @@ class ParsedChoice(click.Choice):  # type: ignore[type-arg]
             self.fail(exc.message, param, ctx)
 
 
-# -- common options -------------------------------------------------------------
-
 COMMON = ("shm_dir", "json_output", "verbose", "quiet")
 ALIASES = {"gc": "garbage-collect"}
 

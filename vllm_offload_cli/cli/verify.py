@@ -83,8 +83,6 @@ def _outcome(mode: str, found: LayoutPlan | LiveCheck, lines: list[str], good: s
                    render=lambda out: out.print("\n".join(lines)))
 
 
-# -- plan mode ---------------------------------------------------------------------
-
 def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices: str | None,
           rank_source: str | None, no_dp_suffix: bool) -> Outcome:
     if world_size is None:
@@ -130,8 +128,6 @@ def _plan_lines(plan: LayoutPlan) -> list[str]:
                             rows, right=(0, 2, 4)))
     return lines
 
-
-# -- live mode ---------------------------------------------------------------------
 
 def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | None
           ) -> Outcome:

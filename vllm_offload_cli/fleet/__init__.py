@@ -224,8 +224,6 @@ def no_node_has(engine_ids: list[str]) -> str:
     return f"no node has {named}"
 
 
-# -- running on every node -----------------------------------------------------
-
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
 
