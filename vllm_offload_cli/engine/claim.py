@@ -108,6 +108,7 @@ class _Holders:
 
 
 _Tokens = dict[int, tuple[str | None, bool]]  # pid -> read_token(pid), one read per look
+_UNDECIDED = ("ours", "unknown", "reader")  # every other kind says why it is foreign
 
 
 def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens) -> _Holders:
@@ -126,15 +127,8 @@ def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens) -> _Hold
                 and m.creator_alive()):
             known[m.creator_pid] = token
     kinds = [(h.pid, _holder_kind(h.pid, token, known, fids, tokens)) for h in r.holders]
-
-    def having(kind: str) -> tuple[int, ...]:
-        return tuple(pid for pid, k in kinds if k == kind)
-
-    return _Holders(having("ours"), tuple(x for x in kinds if x[1] not in _UNDECIDED),
-                    having("unknown"), having("reader"))
-
-
-_UNDECIDED = ("ours", "unknown", "reader")  # every other kind says why it is foreign
+    ours, unknown, readers = (tuple(p for p, k in kinds if k == kind) for kind in _UNDECIDED)
+    return _Holders(ours, tuple(x for x in kinds if x[1] not in _UNDECIDED), unknown, readers)
 
 
 def _holder_kind(pid: int, token: str | None, known: dict[int, str | None],
@@ -243,10 +237,10 @@ def _classify(r: RegionInfo, want: RegionShape | None, done: ClaimResult,
             if patient:
                 return _WAIT
             raise _undecided(who, path, r.engine_id)
-        refuse_held_other_shape(r, want, path, who.ours)
+        refuse_other_shape(r, want, path, shm_dir, who.ours)
         return replace(done, action=JOIN, engine_holders=who.ours)
     if r.state == discovery.PERSISTENT:
-        refuse_persistent_other_shape(r, want, path, shm_dir)
+        refuse_other_shape(r, want, path, shm_dir, None)
         return replace(done, action=JOIN, notes=("pre-provisioned by `vllm-offload create`",))
     if r.state != STALE:
         why = f" ({r.problems[-1].message})" if r.problems else ""
@@ -407,41 +401,29 @@ def mismatch(r: RegionInfo, want: RegionShape | None) -> str | None:
     return "; ".join(why) or None
 
 
-def _shape_code(r: RegionInfo, want: RegionShape | None) -> str:
-    """The codes the core's own joiner uses for the same conditions."""
-    return "size_mismatch" if want is None or r.size_bytes != want.size_bytes \
-        else "geometry_mismatch"
-
-
-def refuse_held_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
-                             ours: tuple[int, ...]) -> None:
-    """Joining a live region of another shape would hang (size) or corrupt (geometry)."""
+def refuse_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
+                       shm_dir: str | os.PathLike[str], ours: tuple[int, ...] | None) -> None:
+    """Joining a held region (`ours` not None) of another shape would hang (size) or corrupt
+    (geometry); a pre-provisioned one is never removed for an engine: say how to remove it."""
     why = mismatch(r, want)
     if why is None:
         return
-    pids = ours or tuple(h.pid for h in r.holders)
-    who = pids_text(pids, 3, comm) or "a process"
-    raise errors.RegionBusyError(
-        f"{path} is in use by {who} with another shape than this engine asks for ({why}); "
-        "it cannot be joined. Start every rank with the same configuration, or stop "
-        f"{'that process' if len(pids) == 1 else 'those processes'} first",
-        path=path, engine_id=r.engine_id, pid=pids[0] if pids else None,
-        code=_shape_code(r, want))
-
-
-def refuse_persistent_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
-                                   shm_dir: str | os.PathLike[str]) -> None:
-    """A pre-provisioned region is never removed for an engine: say how to remove it."""
-    why = mismatch(r, want)
-    if why is None:
-        return
+    code = "geometry_mismatch" if want and r.size_bytes == want.size_bytes else "size_mismatch"
+    if ours is not None:
+        pids = ours or tuple(h.pid for h in r.holders)
+        who = pids_text(pids, 3, comm) or "a process"
+        raise errors.RegionBusyError(
+            f"{path} is in use by {who} with another shape than this engine asks for ({why}); "
+            "it cannot be joined. Start every rank with the same configuration, or stop "
+            f"{'that process' if len(pids) == 1 else 'those processes'} first",
+            path=path, engine_id=r.engine_id, pid=pids[0] if pids else None, code=code)
     command = naming.gc_command(shm_dir, r.engine_id, include_persistent=True,
                                 all_users=r.uid is not None and r.uid != os.geteuid())
     raise errors.UnsafeRegionError(
         f"{path} was pre-provisioned (`vllm-offload create`) with another shape than this "
         f"engine asks for ({why}); it is neither joined nor removed. Remove it with "
         f"`{command}`, or pre-provision it again with the engine's shape",
-        path=path, engine_id=r.engine_id, code=_shape_code(r, want))
+        path=path, engine_id=r.engine_id, code=code)
 
 
 # -- room for a new region: this user's stale leftovers of other engine_ids give way,
