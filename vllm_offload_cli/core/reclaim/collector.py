@@ -176,7 +176,6 @@ class _Run:
                 self.private_fd = fsguard.private_dir(self.shm_dir)
             except (OSError, OffloadError) as exc:  # unwritable directory, squatted name
                 logger.warning("removals are checked by name only: %s", exc)
-                return None
             self.private_made = not existed
         return self.private_fd
 
@@ -190,7 +189,10 @@ class _Run:
                 os.rmdir(os.path.join(self.shm_dir, fsguard.private_dir_name()))
 
     def _unlink(self, path: str, fd: int, engine_id: str | None) -> bool | None:
-        """Unlink `path` if it still names `fd`'s inode; None when the system refused."""
+        """Unlink `path` if it still names `fd`'s inode (a dry run: True, nothing done);
+        None when the system refused."""
+        if self.options.dry_run:
+            return True
         try:
             return fsguard.unlink_if_same(path, fd, private_fd=self._private())
         except OSError as exc:
@@ -420,11 +422,7 @@ class _Run:
         """Removes (in a dry run, records) what is held; the lease, if any, is asked again."""
         if leased and not all(fsguard.still_sole(fd) for _, fd, _ in held.files):
             return self._opened_elsewhere(held.region, [])  # an open() waits on our lease
-        if self.options.dry_run:
-            gone = held.files
-            manifest = held.manifest_path if held.manifest_fd is not None else None
-        else:
-            gone, manifest = self._unlink_region(held)
+        gone, manifest = self._unlink_region(held)
         if gone:
             self.removed.append(RemovedRegion(
                 engine_id=held.region.engine_id, paths=tuple(seg.path for seg, _, _ in gone),
@@ -451,7 +449,7 @@ class _Run:
                 gone.insert(0, (seg, fd, st))
             elif unlinked is False:
                 self.vanished.append(r.engine_id)
-        if gone:
+        if gone and not self.options.dry_run:
             logger.info("removed %s (%d bytes)", ", ".join(seg.path for seg, _, _ in gone),
                         sum(st.st_size for _, _, st in gone))
         return gone, manifest
@@ -508,7 +506,7 @@ class _Run:
                     or time.time() - st.st_ctime < self.options.min_age
                     or (orphan is not None and not self._still_orphan(orphan, fd, st))):
                 return False
-            return self.options.dry_run or bool(self._unlink(path, fd, engine_id))
+            return bool(self._unlink(path, fd, engine_id))
         except OSError as exc:
             self._fail(path, exc, engine_id)
             return False
@@ -622,9 +620,8 @@ def _sole_now(held: _Locked) -> bool:
 
 
 def _holders_text(holders: Sequence[discovery.Holder]) -> str:
-    shown = [f"pid {h.pid} ({h.name or '?'}, {'+'.join(h.via)})" for h in holders[:3]]
-    more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
-    return ", ".join(shown) + more
+    names = {h.pid: f"{h.name or '?'}, {'+'.join(h.via)}" for h in holders}
+    return pids_text([h.pid for h in holders], 3, names.get)
 
 
 def _first_pid(holders: Sequence[discovery.Holder]) -> int | None:
