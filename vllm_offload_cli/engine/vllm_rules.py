@@ -119,17 +119,15 @@ def read_rules(root: Path | None = None) -> VllmRules:
     _check_region_signature(region, release)
     specs = {module: _Source(root, module) for module in _SPEC_METHODS}
     for module, (name, methods) in _SPEC_METHODS.items():
-        cls = specs[module].cls(name)
         for method in methods:
-            specs[module].method(cls, method)
+            specs[module].method(specs[module].cls(name), method)
     segments = (1 if release.segments_constant is None
                 else specs[CPU_SPEC_MODULE].integer(release.segments_constant))
     min_bytes = (region.integer("_MIN_SEGMENT_BYTES") if "num_segments" in release.keywords
                  else 1 << 30)  # never used: nothing is split
     return VllmRules(
         root=str(root), version=version, min_segment_bytes=min_bytes,
-        cpu_worker=RegionCall(segments=segments, rank_source=release.rank_source,
-                              barrier=True),
+        cpu_worker=RegionCall(segments=segments, rank_source=release.rank_source, barrier=True),
         tiering_worker=RegionCall(segments=1, rank_source=release.rank_source, barrier=False),
         tiering_scheduler=RegionCall(segments=1, rank_source=None, barrier=False))
 
@@ -267,11 +265,9 @@ def _check_region_signature(region: _Source, release: Release) -> None:
 def _version(root: Path) -> str | None:
     """`vllm/_version.py`'s string, for messages; None when it is not plain."""
     try:
-        with open(root / "vllm" / "_version.py", "rb") as f:
-            tree = ast.parse(f.read(1 << 16))
-    except (OSError, SyntaxError, ValueError):
+        value = _assigned(_Source(root, "vllm._version").tree, "__version__")
+    except UnsupportedVllm:
         return None
-    value = _assigned(tree, "__version__")
     if isinstance(value, ast.Constant) and isinstance(value.value, str):
         return value.value[:64]
     return None

@@ -81,10 +81,10 @@ def _open(spec: Any, rules: VllmRules, call: RegionCall) -> RegionHold | None:
         return None
 
 
-def _held(spec: Any, which: str, build: Callable[[], Any]
-            ) -> tuple[Any, RegionHold | None, RegionCall | None]:
-    """Take our hold first (for the RegionCall `which`), then let vLLM build on it;
-    never keep a hold vLLM failed on. vLLM not understood: it builds alone."""
+def _held(spec: Any, which: str, attr: str, build: Callable[[], Any]
+          ) -> tuple[Any, RegionHold | None, RegionCall | None]:
+    """Take our hold first (for the RegionCall `which`, kept as `spec.<attr>`), then let
+    vLLM build on it; never keep a hold vLLM failed on. vLLM not understood: it builds alone."""
     rules = vllm_rules.rules_or_none(strict=bool(spec.extra_config.get(STRICT_KEY)))  # None: warned
     call: RegionCall | None = None if rules is None else getattr(rules, which)
     hold = None if rules is None or call is None else _open(spec, rules, call)
@@ -96,6 +96,7 @@ def _held(spec: Any, which: str, build: Callable[[], Any]
         raise
     if hold is not None:
         close_on_shutdown(built, hold)
+        setattr(spec, attr, hold)
     return built, hold, call
 
 
@@ -120,14 +121,12 @@ class HardenedCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     """vLLM's CPU spec (the files and slots of the vLLM in use), hardened."""
 
     def create_worker(self, kv_caches: Any) -> Any:
-        worker, hold, call = _held(self, "cpu_worker", lambda: super(
+        worker, hold, call = _held(self, "cpu_worker", "_vllm_offload_hold", lambda: super(
             HardenedCPUOffloadingSpec, self).create_worker(kv_caches))
-        if hold is not None:
-            self._vllm_offload_hold = hold
-            if hold.creator and call is not None and call.barrier:
-                # vLLM's barrier has passed: every worker mapped the region. vLLM
-                # unlinks here too when it created the file; we created it.
-                hold.release_name()
+        if hold is not None and hold.creator and call is not None and call.barrier:
+            # vLLM's barrier has passed: every worker mapped the region. vLLM
+            # unlinks here too when it created the file; we created it.
+            hold.release_name()
         return worker
 
 
@@ -136,19 +135,14 @@ class HardenedTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc
     joins after every worker mapped the region, so that is where the name is released."""
 
     def create_worker(self, kv_caches: Any) -> Any:
-        worker, hold, _ = _held(self, "tiering_worker", lambda: super(
-            HardenedTieringOffloadingSpec, self).create_worker(kv_caches))
-        if hold is not None:
-            self._vllm_offload_hold = hold
-        return worker
+        return _held(self, "tiering_worker", "_vllm_offload_hold", lambda: super(
+            HardenedTieringOffloadingSpec, self).create_worker(kv_caches))[0]
 
     def get_manager(self) -> Any:
         if self._manager:
             return super().get_manager()
-        manager, hold, _ = _held(self, "tiering_scheduler", lambda: super(
-            HardenedTieringOffloadingSpec, self).get_manager())
-        if hold is not None:
-            self._vllm_offload_scheduler_hold = hold
-            if not hold.creator:  # workers made it and mapped it: nobody needs the name
-                hold.release_name()
+        manager, hold, _ = _held(self, "tiering_scheduler", "_vllm_offload_scheduler_hold",
+                                 lambda: super(HardenedTieringOffloadingSpec, self).get_manager())
+        if hold is not None and not hold.creator:  # workers made and mapped it: name unneeded
+            hold.release_name()
         return manager
