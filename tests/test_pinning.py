@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vllm_offload_cli.core.region import SharedOffloadRegion
-from vllm_offload_cli.core.transfer.pinning import MAX_PIN_CHUNK, PinState, pin, pin_chunks, unpin
+from vllm_offload_cli.core.transfer.worker import MAX_PIN_CHUNK, PinState, pin, pin_chunks, unpin
 
 GiB = 1024**3
 

@@ -17,13 +17,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.extras import COPY, import_torch, require
 from vllm_offload_cli.core.base.units import is_int
-from vllm_offload_cli.core.transfer import pinning
 from vllm_offload_cli.core.transfer.copies import CopyJob, Direction, TensorPair, copy_job, make_job
 
 if TYPE_CHECKING:
@@ -266,6 +265,96 @@ def byte_rows(tensor: torch.Tensor, *, what: str) -> torch.Tensor:
     return raw
 
 
+# -- Pinning: cudaHostRegister, as vLLM does (row-aligned chunks of at most 64 GiB; on failure,
+# pageable with a warning). Each call runs on a short-lived thread: a failed runtime call leaves
+# a per-thread "last error" that torch would raise later from an unrelated kernel launch.
+
+MAX_PIN_CHUNK = 64 * 1024**3  # bytes per cudaHostRegister call, as vLLM
+CUDA_HOST_REGISTER_DEFAULT = 0
+T = TypeVar("T")
+
+
+def pin_chunks(total: int, row_stride: int, limit: int = MAX_PIN_CHUNK) -> list[tuple[int, int]]:
+    """(offset, length) chunks covering [0, total), each <= limit and ending on a row."""
+    if total <= 0:
+        return []
+    step = max(1, limit // row_stride) * row_stride
+    return [(offset, min(step, total - offset)) for offset in range(0, total, step)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PinState:
+    """What pinning achieved: the registered chunks, or why there are none."""
+
+    pinned: bool
+    ptr: int
+    chunks: tuple[tuple[int, int], ...]
+    device_index: int | None
+    warning: str | None = None
+
+
+def _code(rc: Any) -> int:
+    return int(getattr(rc, "value", rc))
+
+
+def _describe(cudart: Any, rc: Any) -> str:
+    try:
+        return f"{cudart.cudaGetErrorString(rc)} (cudaError {_code(rc)})"
+    except Exception:  # the description is a nicety: it never costs the warning
+        return f"cudaError {_code(rc)}"
+
+
+def _off_thread(fn: Callable[[Any], T], device_index: int | None, cudart: Any) -> T:
+    """fn(runtime) on a short-lived thread, on `device_index` (the real runtime only)."""
+
+    def run() -> T:
+        if cudart is not None:
+            return fn(cudart)
+        torch = import_torch()
+        if device_index is not None:
+            torch.cuda.set_device(device_index)
+        return fn(torch.cuda.cudart())
+
+    with ThreadPoolExecutor(1, thread_name_prefix="vllm-offload-pin") as thread:
+        return thread.submit(run).result()
+
+
+def pin(ptr: int, total: int, row_stride: int, *, device_index: int | None,
+        cudart: Any = None, limit: int = MAX_PIN_CHUNK) -> PinState:
+    """Register [ptr, ptr+total); on any failure undo what was registered and say why."""
+
+    def register(rt: Any) -> PinState:
+        done: list[tuple[int, int]] = []
+        for offset, length in pin_chunks(total, row_stride, limit):
+            rc = rt.cudaHostRegister(ptr + offset, length, CUDA_HOST_REGISTER_DEFAULT)
+            if _code(rc) != 0:
+                for d_offset, _ in done:
+                    rt.cudaHostUnregister(ptr + d_offset)
+                return PinState(pinned=False, ptr=ptr, chunks=(), device_index=device_index,
+                                warning=(
+                    f"cudaHostRegister of {length} bytes at offset {offset} failed: "
+                    f"{_describe(rt, rc)}; copies run from pageable memory, much slower "
+                    "(check `ulimit -l` / RLIMIT_MEMLOCK and the container's locked-memory "
+                    "limit)"))
+            done.append((offset, length))
+        return PinState(pinned=True, ptr=ptr, chunks=tuple(done), device_index=device_index)
+
+    return _off_thread(register, device_index, cudart)
+
+
+def unpin(state: PinState, *, cudart: Any = None) -> list[str]:
+    """Unregister every chunk of `state`; returns problems (never raises for one chunk)."""
+    if not state.pinned:
+        return []
+
+    def unregister(rt: Any) -> list[str]:
+        return [f"cudaHostUnregister at offset {offset}: {_describe(rt, rc)}"
+                for offset, _ in state.chunks
+                if _code(rc := rt.cudaHostUnregister(state.ptr + offset)) != 0]
+
+    return _off_thread(unregister, state.device_index, cudart)
+
+
 class CopyWorker:
     """Store (device -> region) and load (region -> device) KV blocks asynchronously.
     `device_tensors`: one per KV tensor, (num_device_blocks, ...), any dtype. Each gets the
@@ -302,7 +391,7 @@ class CopyWorker:
         self.bytes_per_block = sum(self.row_bytes)
         self.pinned = False
         self.pin_warning: str | None = None
-        self._pin_state: pinning.PinState | None = None
+        self._pin_state: PinState | None = None
         self._region: SharedOffloadRegion | None = region
         self._lock = threading.Lock()
         self._closed = False
@@ -343,8 +432,8 @@ class CopyWorker:
     def _pin(self, region: SharedOffloadRegion) -> None:
         if not region.is_pinned:  # else another worker of this process pinned it: enough
             storage = self.region_views[0].untyped_storage()
-            state = pinning.pin(storage.data_ptr(), storage.nbytes(),
-                                region.geometry.row_stride, device_index=self.device.index)
+            state = pin(storage.data_ptr(), storage.nbytes(), region.geometry.row_stride,
+                        device_index=self.device.index)
             if not state.pinned:
                 self.pin_warning = state.warning
                 logger.warning("%s: %s", region.mmap_path, state.warning)
@@ -405,7 +494,7 @@ class CopyWorker:
         if region is not None:
             region.remove_close_callback(self.shutdown)
         if self._pin_state is not None:
-            for problem in pinning.unpin(self._pin_state):
+            for problem in unpin(self._pin_state):
                 logger.warning("%s", problem)
             self._pin_state = None
             if region is not None:
