@@ -72,12 +72,8 @@ class ResultSink:
             self._in_flight.add(job_id)
             return True
 
-    def add(self, job: CopyJob, seconds: float, method: str,
-            error: BaseException | str | None) -> None:
+    def add(self, job: CopyJob, seconds: float, method: str, error: str | None) -> None:
         """Report `job` finished; failed if `error` says why."""
-        if isinstance(error, BaseException):
-            logger.warning("%s job %d failed: %s", job.direction.value, job.job_id, error)
-            error = f"{type(error).__name__}: {error}"
         result = TransferResult(job_id=job.job_id, direction=job.direction, success=error is None,
                                 bytes=job.num_blocks * self._block_bytes,
                                 seconds=seconds if error is None else 0.0,
@@ -98,6 +94,13 @@ class ResultSink:
         wanted = set(job_ids)
         with self._cond:
             return self._cond.wait_for(lambda: not wanted & self._in_flight, timeout)
+
+
+def _failure(job: CopyJob, exc: Exception) -> str:
+    """Log a failed job; its error, as a string (a kept exception would keep, through its
+    traceback, the tensors of the failed copy and so the region's mapping)."""
+    logger.warning("%s job %d failed: %s", job.direction.value, job.job_id, exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 class ThreadLane:
@@ -135,7 +138,7 @@ class ThreadLane:
         try:
             method, error = self._copy(job, self._helper), None
         except Exception as exc:  # reported as the job's result; the lane carries on
-            method, error = "", exc
+            method, error = "", _failure(job, exc)
         self._sink.add(job, time.perf_counter() - start, method, error)
 
 
@@ -145,7 +148,7 @@ class _Queued:
     start: Any = None  # torch.cuda.Event
     end: Any = None
     method: str = ""
-    error: BaseException | str | None = None
+    error: str | None = None
 
 
 class StreamLane:
@@ -174,7 +177,7 @@ class StreamLane:
                     entry.start.record(stream)
                     entry.method = self._copy(job, None)
             except Exception as exc:  # reported in order as a failed job, never dropped
-                entry.error = exc
+                entry.error = _failure(job, exc)
             finally:
                 try:
                     if entry.end is not None:
@@ -194,7 +197,7 @@ class StreamLane:
                         if not head.end.query():
                             return
                     except Exception as exc:  # a sticky CUDA error: this job failed
-                        head.error = head.error or exc
+                        head.error = head.error or _failure(head.job, exc)
                         head.end = None
                 self._done(self._queued.popleft())
 
