@@ -29,7 +29,7 @@ class HolderPages:
     """What one process maps of one file: bytes per node and PMD-mapped (huge) bytes."""
 
     pid: int
-    mapped_bytes: int  # Rss of the matching mappings
+    rss_bytes: int  # of the matching mappings
     huge_bytes: int  # ShmemPmdMapped + FilePmdMapped
     nodes: dict[int, int]  # node -> bytes, from numa_maps (empty if unreadable)
 
@@ -46,14 +46,12 @@ class Placement:
     error: str | None = None  # why it is unknown when a system call was refused
 
 
-def _summed(pid: int, parts: Iterable[HolderPages]) -> HolderPages:
+def _summed(pid: int, parts: Sequence[HolderPages | procfs.MappedPages]) -> HolderPages:
     nodes: Counter[int] = Counter()
-    mapped = huge = 0
     for part in parts:
         nodes.update(part.nodes)
-        mapped += part.mapped_bytes
-        huge += part.huge_bytes
-    return HolderPages(pid=pid, mapped_bytes=mapped, huge_bytes=huge, nodes=dict(nodes))
+    return HolderPages(pid=pid, rss_bytes=sum(p.rss_bytes for p in parts),
+                       huge_bytes=sum(p.huge_bytes for p in parts), nodes=dict(nodes))
 
 
 def merge(pid: int, found: dict[FileId, HolderPages] | None,
@@ -68,12 +66,10 @@ def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | No
     found = procfs.read_smaps(pid, wanted=wanted)
     if found is None:
         return None
-    if found:
-        procfs.add_numa_nodes(pid, found, PAGESIZE)
-    by_file: dict[FileId, list[HolderPages]] = defaultdict(list)
+    procfs.add_numa_nodes(pid, found, PAGESIZE)
+    by_file: dict[FileId, list[procfs.MappedPages]] = defaultdict(list)
     for m in found.values():
-        by_file[m.file_id].append(HolderPages(pid=pid, mapped_bytes=m.rss_bytes,
-                                              huge_bytes=m.huge_bytes, nodes=m.nodes))
+        by_file[m.file_id].append(m)
     return {fid: _summed(pid, parts) for fid, parts in by_file.items()}
 
 
@@ -172,14 +168,9 @@ def _observe(r: RegionInfo, topo: memory.Topology, thp: ThpSupport, scans: Holde
 
 def _widest_holder(holder_pids: Iterable[int], ids: set[FileId], scans: HolderScans
                    ) -> HolderPages | None:
-    """The holder that maps most of the region: its numa_maps say the most."""
-    best: HolderPages | None = None
-    for holder in holder_pids:
-        found = merge(holder, scans[holder] if holder in scans else scan_holder(holder, ids),
-                      ids)
-        if found is not None and (best is None or found.mapped_bytes > best.mapped_bytes):
-            best = found
-    return best
+    """The holder that maps most of the region (the first of equals): its numa_maps say most."""
+    found = [merge(h, scans[h] if h in scans else scan_holder(h, ids), ids) for h in holder_pids]
+    return max((f for f in found if f is not None), key=lambda f: f.rss_bytes, default=None)
 
 
 def _sample_files(segments: Sequence[SegmentFile], unknown: Placement) -> Placement:
