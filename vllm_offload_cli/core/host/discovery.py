@@ -328,11 +328,6 @@ class _Run:
     # a process's name, read once per run however many regions it holds
     name_of: Callable[[int], str | None] = field(default_factory=lambda: functools.cache(comm))
 
-    def needs_probe(self, st: os.stat_result) -> bool:
-        """Ask the kernel only where /proc may have missed a holder and saw none."""
-        return (not self.vis.blind and bool(self.vis.could_hide(st.st_uid, st.st_mode))
-                and not self.scan.uses.get(FileId.of(st)))
-
 
 def _from_stat(path: str, segment: int, st: os.stat_result, problems: Iterable[Problem] = (),
                resident: tuple[int | None, str | None] = (None, None),
@@ -373,7 +368,9 @@ def _inspect_file(path: str, segment: int, run: _Run) -> tuple[SegmentFile, bool
             raise FileNotFoundError(path)  # replaced between lstat and open: rescan later
         resident = _resident(fd, st) if run.measure else (None, None)
         locked = not fsguard.try_lock(fd)
-        probe = not locked and run.needs_probe(st)
+        # ask the kernel only where /proc may have missed a holder and saw none
+        probe = (not locked and not run.vis.blind and not run.scan.uses.get(FileId.of(st))
+                 and bool(run.vis.could_hide(st.st_uid, st.st_mode)))
         return _from_stat(path, segment, st, fsguard.stat_problems(
             st, allowed_uids=run.allowed_uids), resident,
             fsguard.probe(fd, retry=fsguard.QUICK_RETRY) if probe else None), locked
