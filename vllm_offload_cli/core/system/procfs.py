@@ -116,11 +116,9 @@ def fd_stats(pid: int, skip: Collection[int] = ()
              ) -> list[tuple[int, os.stat_result]] | Unreadable:
     """(fd, stat of the open file) for each distinct file a process has open: a million
     dups cost one entry. A directory we may list but not follow is DENIED."""
-    fd_dir = f"{PROC}/{pid}/fd"
-    out = []
-    seen: set[tuple[int, int]] = set()
+    out: dict[tuple[int, int], tuple[int, os.stat_result]] = {}
     try:
-        with os.scandir(fd_dir) as entries:
+        with os.scandir(f"{PROC}/{pid}/fd") as entries:
             for entry in entries:
                 fd = int(entry.name)
                 if fd in skip:
@@ -131,13 +129,11 @@ def fd_stats(pid: int, skip: Collection[int] = ()
                     return DENIED
                 except OSError:
                     continue
-                fid = (st.st_dev, st.st_ino)  # a plain tuple: this runs once per descriptor
-                if fid not in seen:
-                    seen.add(fid)
-                    out.append((fd, st))
+                # a plain tuple, not a FileId: this runs once per descriptor
+                out.setdefault((st.st_dev, st.st_ino), (fd, st))
     except OSError as exc:
         return _why(exc)
-    return out
+    return list(out.values())
 
 
 def may_write(pid: int, fids: Collection[FileId]) -> bool | Unreadable:
