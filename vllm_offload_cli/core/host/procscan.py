@@ -67,22 +67,18 @@ class _Filter:
             b"(?:" + b"|".join(re.escape(t) for t in self.tokens) + rb")(\d+) ")
 
     def keeps(self, fid: FileId, path: str | None) -> bool:
-        if fid in self.ids:
-            return True
-        return (self._name_text is not None and path is not None and fid.dev in self.devs
-                and self._name_text in path)
+        return fid in self.ids or (self._name_text is not None and path is not None
+                                   and fid.dev in self.devs and self._name_text in path)
 
-    def _named(self, text: bytes) -> bool:
-        return ((self.name is not None and self.name in text)
-                or not self.inodes.isdisjoint(self._inode_field.findall(text)))
-
-    def may_hold(self, maps: bytes) -> bool:
-        return any(t in maps for t in self.tokens) and self._named(maps)
+    def may_hold(self, text: bytes) -> bool:
+        """A device we watch is in `text`, and our name or one of our inodes."""
+        return any(t in text for t in self.tokens) and (
+            (self.name is not None and self.name in text)
+            or not self.inodes.isdisjoint(self._inode_field.findall(text)))
 
     def lines(self, maps: bytes) -> bytes:
         """Only the lines that may be kept, for parsing."""
-        return b"\n".join(line for line in maps.splitlines()
-                          if any(t in line for t in self.tokens) and self._named(line))
+        return b"\n".join(line for line in maps.splitlines() if self.may_hold(line))
 
 
 def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
@@ -133,8 +129,9 @@ def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bo
     return False
 
 
-def _scan(want: _Filter, own_fds: Collection[int],
+def _scan(want: _Filter, own_fds: Collection[int], locks: Callable[[procfs.LockEntry], bool],
           only: Callable[[int], bool] | None = None) -> ProcessScan:
+    """Every process's matching uses, then the `locks` of /proc/locks that count."""
     scan = ProcessScan()
     me = os.getpid()
     for pid in processes.pids():
@@ -148,6 +145,9 @@ def _scan(want: _Filter, own_fds: Collection[int],
             continue  # exited mid-scan: it holds nothing now
         if fds or maps:
             scan.denied_pids.append(pid)
+    for lock in procfs.lock_entries():
+        if locks(lock):
+            scan.uses[lock.file_id].append(FileUse(pid=lock.pid, kind="lock"))
     return scan
 
 
@@ -157,11 +157,8 @@ def scan_processes(shm_dir: str | os.PathLike[str], ids: Collection[FileId] = ()
     """Every use (locks included) of the files `ids`, and of any file on shm_dir's
     filesystem named `name`* (a region's by default), by any process `only` admits."""
     shm_dev = os.stat(os.path.realpath(shm_dir)).st_dev
-    scan = _scan(_Filter(dev=shm_dev, ids=ids, name=b"/" + name.encode()), (), only)
-    for lock in procfs.lock_entries():
-        if lock.file_id.dev == shm_dev:
-            scan.uses[lock.file_id].append(FileUse(pid=lock.pid, kind="lock"))
-    return scan
+    return _scan(_Filter(dev=shm_dev, ids=ids, name=b"/" + name.encode()), (),
+                 lambda lock: lock.file_id.dev == shm_dev, only)
 
 
 def users_of(fids: Collection[FileId], *, own_fds: Collection[int] = ()
@@ -172,10 +169,7 @@ def users_of(fids: Collection[FileId], *, own_fds: Collection[int] = ()
     if not fids:
         return defaultdict(list), []
     want = _Filter(ids=fids)
-    scan = _scan(want, own_fds)
-    for lock in procfs.lock_entries():
-        if lock.kind != "FLOCK" and lock.file_id in want.ids:
-            scan.uses[lock.file_id].append(FileUse(pid=lock.pid, kind="lock"))
+    scan = _scan(want, own_fds, lambda lock: lock.kind != "FLOCK" and lock.file_id in want.ids)
     return scan.uses, scan.denied_pids
 
 
