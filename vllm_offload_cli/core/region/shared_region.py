@@ -210,8 +210,14 @@ class SharedOffloadRegion:
                 self._attach()
         except BaseException as exc:
             self._abandon()
-            if isinstance(exc, Exception) and barrier is not None:
-                self._release_peers(barrier, barriers_owed)
+            # arrive at the barriers still owed; our error stays the one raised
+            while isinstance(exc, Exception) and barrier is not None and barriers_owed > 0:
+                barriers_owed -= 1
+                try:
+                    barrier()
+                except Exception:
+                    logger.warning("failed to release the peers waiting at the barrier of %s",
+                                   getattr(self, "mmap_path", self.engine_id), exc_info=True)
             raise
 
     def _shard_range(self, shard: tuple[int, int]) -> list[tuple[int, int]]:
@@ -220,20 +226,10 @@ class SharedOffloadRegion:
         index, count = shard
         if count <= 0 or not 0 <= index < count:
             raise errors.InvalidInputError(f"populate_shard {shard!r} needs 0 <= index < count")
-        share = geometry.round_up(-(-self.total_size_bytes // count), PAGESIZE)
-        start = min(index * share, self.total_size_bytes)
-        if start >= self.total_size_bytes:
-            return []
-        return [(start, min(share, self.total_size_bytes - start))]
-
-    def _release_peers(self, barrier: Callable[[], object], owed: int) -> None:
-        """Arrive at the barriers still owed; our error stays the one raised."""
-        for _ in range(owed):
-            try:
-                barrier()
-            except Exception:
-                logger.warning("failed to release the peers waiting at the barrier of %s",
-                               getattr(self, "mmap_path", self.engine_id), exc_info=True)
+        total = self.total_size_bytes
+        share = geometry.round_up(-(-total // count), PAGESIZE)
+        start = index * share
+        return [(start, min(share, total - start))] if start < total else []
 
     def _map(self, fd: int) -> mmap.mmap:
         """One mapping of the whole region; segment files are laid over it back to back."""
@@ -258,9 +254,8 @@ class SharedOffloadRegion:
             except FileExistsError:
                 if create_only:
                     raise self._name_taken() from None
-                if self._join(join_timeout):
-                    assert self.fd is not None
-                    return self.fd
+                if (fd := self._join(join_timeout)) is not None:
+                    return fd
                 continue  # the name changed under us: start over
             self._creator = True
             self._create(preflight)
@@ -332,12 +327,12 @@ class SharedOffloadRegion:
                                     allowed_uids=self._allowed_uids, expected_size=seg.length)
             fsguard.lock_shared(fd, timeout=timeout, path=path)
 
-    def _join(self, timeout: float) -> bool:
-        """Join an existing region; False when the name vanished or was replaced."""
+    def _join(self, timeout: float) -> int | None:
+        """Join an existing region; None when the name vanished or was replaced."""
         try:
             fd = fsguard.open_existing(self.mmap_path, os.O_RDWR, engine_id=self.engine_id)
         except errors.RegionNotFoundError:
-            return False
+            return None
         self.fd = fd
         st = os.fstat(fd)
         fsguard.raise_if_unsafe(st, self.mmap_path, engine_id=self.engine_id,
@@ -366,11 +361,11 @@ class SharedOffloadRegion:
         if not found:
             os.close(fd)  # unlinked (failed creator, gc) or replaced: retry
             self.fd = None
-            return False
+            return None
         self._check_manifest_geometry(st.st_uid)
         self._join_segments(timeout)
         logger.info("joined %s", self.mmap_path)
-        return True
+        return fd
 
     def _check_manifest_geometry(self, owner_uid: int) -> None:
         """Same size but another slot size would still corrupt data: compare geometry."""
