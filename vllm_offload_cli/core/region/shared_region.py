@@ -377,36 +377,28 @@ class SharedOffloadRegion:
         except manifest_io.ManifestError as exc:
             logger.warning("ignoring manifest: %s", exc)
             return
-        mine, theirs = self.geometry, m.geometry
+        mine, theirs, path = self.geometry, m.geometry, self.mmap_path
         differs = geometry.mismatches(theirs, **asdict(mine))
-        if (not differs and self.rank is not None and mine.world_size is None
-                and theirs.world_size is not None and self.rank >= theirs.world_size):
-            raise errors.UnsafeRegionError(
-                f"rank {self.rank} is outside [0, {theirs.world_size}): {self.mmap_path} was "
-                f"created for {theirs.world_size} workers; its slot would be another "
-                "engine's padding", path=self.mmap_path, engine_id=self.engine_id,
-                code="rank_out_of_range",
-            )
-        if m.segments != len(self.segments):
-            raise errors.UnsafeRegionError(
-                f"{self.mmap_path} was created as {m.segments} file(s) but this opener expects "
-                f"{len(self.segments)}; the rows would be mapped from the wrong files",
-                path=self.mmap_path, engine_id=self.engine_id, code="geometry_mismatch",
-            )
-        if (self.engine_token is not None and m.engine_token is not None
-                and m.engine_token != self.engine_token):
-            raise errors.RegionBusyError(
-                f"{self.mmap_path} belongs to another engine started with the same engine_id "
-                f"(created by pid {m.creator_pid}); refusing to share its bytes",
-                path=self.mmap_path, engine_id=self.engine_id, pid=m.creator_pid,
-                code="engine_id_collision",
-            )
-        if differs:
-            raise errors.UnsafeRegionError(
-                f"{self.mmap_path} was created with geometry {jsonable(theirs)} but this opener "
-                f"expects {jsonable(mine)}; joining would misplace every slot",
-                path=self.mmap_path, engine_id=self.engine_id, code="geometry_mismatch",
-            )
+        workers = theirs.world_size if mine.world_size is None else None  # only theirs says
+        for bad, error, code, message in (  # in this order: the first that applies is raised
+            (not differs and self.rank is not None and workers is not None
+             and self.rank >= workers, errors.UnsafeRegionError, "rank_out_of_range",
+             f"rank {self.rank} is outside [0, {workers}): {path} was created for {workers} "
+             "workers; its slot would be another engine's padding"),
+            (m.segments != len(self.segments), errors.UnsafeRegionError, "geometry_mismatch",
+             f"{path} was created as {m.segments} file(s) but this opener expects "
+             f"{len(self.segments)}; the rows would be mapped from the wrong files"),
+            (self.engine_token is not None and m.engine_token not in (None, self.engine_token),
+             errors.RegionBusyError, "engine_id_collision",
+             f"{path} belongs to another engine started with the same engine_id (created by "
+             f"pid {m.creator_pid}); refusing to share its bytes"),
+            (bool(differs), errors.UnsafeRegionError, "geometry_mismatch",
+             f"{path} was created with geometry {jsonable(theirs)} but this opener expects "
+             f"{jsonable(mine)}; joining would misplace every slot"),
+        ):
+            if bad:
+                raise error(message, path=path, engine_id=self.engine_id, code=code,
+                            pid=m.creator_pid if error is errors.RegionBusyError else None)
         if not m.creator_alive() and not m.persistent:
             logger.warning("joining %s whose creator (pid %d) is gone; nobody will unlink it",
                            self.mmap_path, m.creator_pid)
