@@ -61,8 +61,3 @@ def check_fits(size_bytes: int, capacity: Capacity, *, shm_dir: str | Path,
         if free is not None and size_bytes > free:
             raise InsufficientSpaceError(f"region needs {need} but {why}", path=str(shm_dir),
                                          engine_id=engine_id, code=code)
-
-def preflight(size_bytes: int, shm_dir: str | Path, *, engine_id: str | None = None) -> Capacity:
-    capacity = measure(shm_dir)
-    check_fits(size_bytes, capacity, shm_dir=shm_dir, engine_id=engine_id)
-    return capacity

@@ -189,11 +189,8 @@ def effective_segments(requested: int, size_bytes: int, *,
 
 
 def split(num_blocks: int, row_stride: int, segments: int) -> tuple[Segment, ...]:
-    """The files of a region of `segments` (already effective) parts, as vLLM lays them
+    """The files of a region of `segments` (>= 1, already effective) parts, as vLLM lays them
     out: `cdiv(num_blocks, segments)` rows a file, so there may be fewer files."""
-    if segments < 1:
-        raise InvalidInputError(f"segments must be >= 1, got {segments}",
-                                code="invalid_segments")
     rows = max(1, -(-num_blocks // segments))
     return tuple(
         Segment(i, row * row_stride, min(rows, num_blocks - row) * row_stride)

@@ -46,12 +46,6 @@ logger = logging.getLogger(__name__)
 _RETRIES = 8  # restarts of the open protocol when a name changes under us
 
 
-def _positive(tensor_page_size: int) -> int:
-    if tensor_page_size <= 0:
-        raise errors.InvalidInputError(f"tensor page size must be > 0, got {tensor_page_size}")
-    return tensor_page_size
-
-
 def _pausing(progress: Progress | None) -> Progress:
     """Report progress, and let the crash tests stop us half-way (test hook)."""
     def update(done: int, total: int) -> None:
@@ -272,7 +266,8 @@ class SharedOffloadRegion:
         if self._creator_memory_check is not None:  # vLLM's hook, e.g. HiSparse's host RAM
             self._creator_memory_check(self.total_size_bytes)
         if preflight:
-            capacity.preflight(self.total_size_bytes, self.shm_dir, engine_id=self.engine_id)
+            capacity.check_fits(self.total_size_bytes, capacity.measure(self.shm_dir),
+                                shm_dir=self.shm_dir, engine_id=self.engine_id)
         st = os.fstat(self.fd)
         # written before ftruncate, so every joiner that saw the full size finds it
         manifest_io.write(self.manifest_path, manifest_io.Manifest(
@@ -507,10 +502,17 @@ class SharedOffloadRegion:
             aligned = start - start % PAGESIZE
             yield aligned, geometry.round_up(start + self.cpu_page_size, PAGESIZE) - aligned
 
-    def _strided(self, offset: int, tensor_page_size: int) -> torch.Tensor:
+    def _strided(self, offset: int, size: int, limit: int, overflow: Callable[[int], str]
+                 ) -> torch.Tensor:
+        """(num_chunks, size) at `offset` of every row, strides (row, 1); a view that would
+        end past `limit` is refused with `overflow(end)`."""
+        if size <= 0:
+            raise errors.InvalidInputError(f"tensor page size must be > 0, got {size}")
+        if offset + size > limit:
+            raise errors.SlotOverflowError(overflow(offset + size))
         view: torch.Tensor = import_torch().as_strided(
-            self.base_tensor, size=(self.num_chunks, tensor_page_size),
-            stride=(self._row_stride, 1), storage_offset=offset)
+            self.base_tensor, size=(self.num_chunks, size), stride=(self._row_stride, 1),
+            storage_offset=offset)
         self._views.append(view)
         return view
 
@@ -518,26 +520,20 @@ class SharedOffloadRegion:
         """The next tensor's page in this worker's slot: (num_chunks, size), strides (row, 1)."""
         if self.rank is None:
             raise errors.InvalidInputError("a rank-less region has no worker slot; pass a rank")
-        end = self._worker_offset + _positive(tensor_page_size)
-        if end > self._worker_area_end:
-            raise errors.SlotOverflowError(
-                f"worker offset {end} exceeds worker area end {self._worker_area_end}: a "
-                f"tensor page of {tensor_page_size} bytes overflows rank {self.rank}'s slot "
-                f"by {end - self._worker_area_end} bytes (cpu_page_size "
-                f"{self.geometry.cpu_page_size})")
-        view = self._strided(self._worker_offset, tensor_page_size)
-        self._worker_offset = end
+        area_end = self._worker_area_end
+        view = self._strided(self._worker_offset, tensor_page_size, area_end, lambda end: (
+            f"worker offset {end} exceeds worker area end {area_end}: a tensor page of "
+            f"{tensor_page_size} bytes overflows rank {self.rank}'s slot by {end - area_end} "
+            f"bytes (cpu_page_size {self.geometry.cpu_page_size})"))
+        self._worker_offset += tensor_page_size
         return view
 
     def create_next_canonical_view(self, tensor_page_size: int) -> torch.Tensor:
         """The next tensor's page carved from offset 0 of every row, shared by all workers."""
-        end = self._canonical_offset + _positive(tensor_page_size)
-        if end > self._row_stride:
-            raise errors.SlotOverflowError(
-                f"canonical pages need {end} bytes per row, more than the row stride "
-                f"{self._row_stride}")
-        view = self._strided(self._canonical_offset, tensor_page_size)
-        self._canonical_offset = end
+        view = self._strided(self._canonical_offset, tensor_page_size, self._row_stride,
+                             lambda end: f"canonical pages need {end} bytes per row, more "
+                             f"than the row stride {self._row_stride}")
+        self._canonical_offset += tensor_page_size
         return view
 
     def create_kv_memoryview(self) -> memoryview:
