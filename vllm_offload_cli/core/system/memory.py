@@ -90,8 +90,6 @@ def selected_word(text: str) -> str:
     return ""
 
 
-# -- NUMA topology ------------------------------------------------------------------------
-
 NODE_ROOT = "/sys/devices/system/node"
 
 

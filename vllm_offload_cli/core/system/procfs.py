@@ -57,8 +57,6 @@ def maps_dev_token(dev: int) -> bytes:
     return f" {os.major(dev):02x}:{os.minor(dev):02x} ".encode()
 
 
-# -- /proc/PID/stat -------------------------------------------------------------------
-
 def stat_identity(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) of `pid`; None if unreadable."""
     data = read(pid, "stat")
@@ -71,8 +69,6 @@ def stat_identity(pid: int) -> tuple[str, int] | None:
     except (IndexError, ValueError, UnicodeDecodeError):
         return None
 
-
-# -- /proc/PID/maps -------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
 class Mapping:
@@ -109,8 +105,6 @@ def parse_maps(data: bytes) -> Iterator[Mapping]:
         if m is not None and m.file_id.ino != 0:
             yield m
 
-
-# -- /proc/PID/fd -------------------------------------------------------------------
 
 def fd_stats(pid: int, skip: Collection[int] = ()
              ) -> list[tuple[int, os.stat_result]] | Unreadable:
@@ -196,9 +190,8 @@ def map_link(pid: int, start: int, end: int) -> str:
     return f"{PROC}/{pid}/map_files/{start:x}-{end:x}"
 
 
-# -- /proc/PID/smaps and numa_maps: a page-table walk each, so read at most once per
-# process, for every file wanted at once ----------------------------------------------
-
+# smaps and numa_maps are a page-table walk each: read at most once per process, for
+# every file wanted at once
 _NODE = re.compile(rb"\bN(\d+)=(\d+)")
 _KPAGE = re.compile(rb"\bkernelpagesize_kB=(\d+)")
 _HUGE_KEYS = (b"ShmemPmdMapped", b"FilePmdMapped")
@@ -279,8 +272,6 @@ def add_numa_nodes(pid: int, mappings: dict[int, MappedPages], page_size: int) -
     return True
 
 
-# -- /proc/locks ----------------------------------------------------------------------
-
 @dataclass(frozen=True, kw_only=True)
 class LockEntry:
     """One granted lock from /proc/locks (waiters are skipped)."""
@@ -309,8 +300,6 @@ def lock_entries() -> Iterator[LockEntry]:
             continue
         yield LockEntry(kind=fields[1], exclusive=fields[3] == "WRITE", pid=pid, file_id=fid)
 
-
-# -- status, namespaces ---------------------------------------------------------------
 
 def credentials(pid: int) -> tuple[frozenset[int], int] | Unreadable:
     """(real, effective, saved and filesystem uids; CapPrm | CapEff): one status read."""
