@@ -347,8 +347,6 @@ def pin(ptr: int, total: int, row_stride: int, *, device_index: int | None,
 
 def unpin(state: PinState, *, cudart: Any = None) -> list[str]:
     """Unregister every chunk of `state`; returns problems (never raises for one chunk)."""
-    if not state.pinned:
-        return []
 
     def unregister(rt: Any) -> list[str]:
         return [f"cudaHostUnregister at offset {offset}: {_describe(rt, rc)}"
@@ -494,14 +492,13 @@ class CopyWorker:
         self._pairs = []
         self.region_views = []
         region, self._region = self._region, None
-        if region is not None:
-            region.remove_close_callback(self.shutdown)
-        if self._pin_state is not None:
+        assert region is not None  # set in __init__, dropped only here, and this runs once
+        region.remove_close_callback(self.shutdown)
+        if self._pin_state is not None:  # set only once pinned
             for problem in unpin(self._pin_state):
                 logger.warning("%s", problem)
             self._pin_state = None
-            if region is not None:
-                region.is_pinned = False
+            region.is_pinned = False
 
     def __enter__(self) -> CopyWorker:
         return self
