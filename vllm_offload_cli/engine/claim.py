@@ -62,9 +62,8 @@ STARTUP_LOCK_NAME = "startup.lock"
 
 @contextlib.contextmanager
 def startup_lock(shm_dir: str | os.PathLike[str], *, timeout: float = 120.0) -> Iterator[None]:
-    """Serialise this user's engine start-ups on this shm directory; RegionBusyError naming
-    the holder after `timeout`. The lock is in this user's private directory (0700), so
-    no other user can hold it to stall our start-up."""
+    """Serialise this user's engine start-ups on this shm directory (RegionBusyError after
+    `timeout`); in this user's private directory (0700), so no other user can stall it."""
     path = os.path.join(os.fspath(shm_dir), fsguard.private_dir_name(), STARTUP_LOCK_NAME)
     for attempt in range(3):
         dfd = fsguard.private_dir(shm_dir)
@@ -113,11 +112,9 @@ _UNDECIDED = ("ours", "unknown", "reader")  # every other kind says why it is fo
 
 def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens) -> _Holders:
     """Split a region's holders into this engine's, another engine's, readers and undecided.
-
-    "Ours": this process, or our token in a live attachment, the live creator's
-    manifest or the holder's environment (no token: nothing is ours). A holder whose
-    every hold is read-only in the kernel's record (`procfs.may_write`) is a reader:
-    our own probes are, no engine is (it maps its region writable)."""
+    "Ours": this process, or our token in a live attachment, the live creator's manifest
+    or the holder's environment. A reader holds it read-only (`procfs.may_write`), as our
+    own probes do and no engine does."""
     m = r.manifest
     fids = {s.file_id for s in r.segments if s.file_id is not None}
     known: dict[int, str | None] = {}  # pid -> token, of live attachments and our creator
@@ -225,8 +222,7 @@ def _classify(r: RegionInfo, want: RegionShape | None, done: ClaimResult,
               shm_dir: str | os.PathLike[str], token: str | None, tokens: _Tokens | None, *,
               patient: bool) -> ClaimResult | str:
     """Join (the result), wait or reclaim the named region `r`; refuse (raise) the rest.
-    A holder not yet told apart is waited for while `patient`; `tokens` None: identity
-    is not checked."""
+    `tokens` None: identity is not checked."""
     path = done.path
     if r.holders or r.locked:
         who = classify_holders(r, token, tokens) if tokens is not None else _Holders(
@@ -280,7 +276,7 @@ def _would_reclaim(done: ClaimResult, r: RegionInfo, want: RegionShape | None
 
 def _reclaim_once(inv: Inventory, done: ClaimResult) -> tuple[ClaimResult, bool]:
     """Remove the stale region by gc's own rules, audit-logged: (the claim so far,
-    whether its name is free). A leftover gc keeps for good is refused here."""
+    whether its name is free); a leftover gc keeps for good is refused."""
     report = reclaim(inv, gc_report.GcOptions(dry_run=False, min_age=0.0),
                      engine_ids=[done.engine_id])
     audit.record_removals(report.removed)  # "what deleted my region?": this start-up
@@ -305,8 +301,7 @@ _FOREIGN = ("a regular file", "foreign_owner")
 
 
 def _refuse_squatters(regions: Iterable[RegionInfo], mpath: str, engine_id: str) -> None:
-    """Refuse, naming the squatter, a name of this engine_id that another user or
-    anything but a regular file holds: we can neither create, join nor remove it."""
+    """Refuse, naming the squatter, a name of this engine_id another user or a non-file holds."""
     me = os.geteuid()
     for r in (r for r in regions if r.linked):
         for seg in r.segments:
@@ -340,8 +335,7 @@ def _squat_error(path: str, engine_id: str, uid: int | None, kind: tuple[str, st
 def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str | None,
                                        engine_id: str, tokens: _Tokens) -> None:
     """Two live engines under one engine_id collide even when one's name was released;
-    only a holder proven to be another engine's refuses. Another user's region, or an
-    unknown owner's (a mapping seen without CAP_SYS_ADMIN), never makes a name in use."""
+    only a holder proven another engine's refuses, and only in this user's region."""
     for r in regions:
         if r.linked or r.uid != os.geteuid():
             continue
@@ -358,22 +352,15 @@ def _fits(done: ClaimResult, size_bytes: int | None,
                    needed_bytes=size_bytes or 0)
     if size_bytes is None:
         return done
-    cap = capacity.measure(Path(shm_dir))
-    room: tuple[gc_report.RemovedRegion, ...] = ()
-    if size_bytes > tightest(cap) and room_enabled():  # else one measurement is enough
-        room = make_room(shm_dir, size_bytes)
-        cap = capacity.measure(Path(shm_dir))
-    capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=done.engine_id)
+    room = make_room(shm_dir, size_bytes)
+    cap = capacity.preflight(size_bytes, Path(shm_dir), engine_id=done.engine_id)
     return replace(done, free_bytes=tightest(cap), reclaimed_for_room=room)
-
-
-# -- the shape an engine asks for: a joiner of another size hangs, of another geometry
-# reads its neighbours' KV bytes, of another segment count finds no files
 
 
 @dataclass(frozen=True, kw_only=True)
 class RegionShape:
-    """What the engine will map; None fields are not compared."""
+    """What the engine will map (None fields are not compared): a joiner of another size
+    hangs, of another geometry reads its neighbours' KV bytes."""
 
     size_bytes: int
     num_segments: int | None = None
@@ -426,10 +413,8 @@ def refuse_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
         path=path, engine_id=r.engine_id, code=code)
 
 
-# -- room for a new region: this user's stale leftovers of other engine_ids give way,
-# oldest first and only as many as needed, by gc's own verdict and removal; a live one's
-# never do. A restarted engine has a fresh engine_id: without this, its predecessor's
-# leftover would refuse it (exit 5) for ever.
+# -- room: a restarted engine has a fresh engine_id, so its predecessor's stale leftover
+# would refuse it (exit 5) for ever; this user's leftovers give way, by gc's own verdict.
 
 RECLAIM_FOR_ROOM_ENV = "VLLM_OFFLOAD_RECLAIM_FOR_ROOM"
 
@@ -448,19 +433,18 @@ def tightest(cap: capacity.Capacity) -> int:
 
 def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
               dry_run: bool = False) -> tuple[gc_report.RemovedRegion, ...]:
-    """Remove (or, dry, name) the oldest stale leftovers of this user until `size_bytes`
-    fit; what was removed. Nothing when it fits already or nothing may give way."""
+    """Remove (or, dry, name) this user's oldest stale leftovers until `size_bytes` fit;
+    what was removed (nothing when it fits, or `room_enabled()` says no)."""
     short = size_bytes - tightest(capacity.measure(os.fspath(shm_dir)))
-    if short <= 0:
+    if short <= 0 or not room_enabled():
         return ()
     me = os.geteuid()
-    # this user's files, and the processes that could open them: the collector
-    # re-checks each removal against every process and the kernel's lease
+    # the collector re-checks each removal against every process and the kernel's lease
     inv = discovery.discover(shm_dir, measure_residency=False, judge_uids=[me],
                              only=visibility.MayOpen(me, 0o600))
-    # gc's own verdict, and this user's: a linked `stale` region (so not persistent,
-    # creating or unknown) whose every file we own
-    oldest = sorted((r for r in inv.regions if r.linked and r.state == STALE
+    # gc's own verdict: a linked `stale` region (not persistent) whose every file we own
+    oldest = sorted(
+(r for r in inv.regions if r.linked and r.state == STALE
                      and not r.persistent and all(s.uid == me for s in r.segments)),
                     key=lambda r: -(r.age_seconds or 0.0))
     freed_before = accumulate((r.allocated_bytes for r in oldest), initial=0)

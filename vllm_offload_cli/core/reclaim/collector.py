@@ -1,10 +1,8 @@
 """Garbage collection: remove offload regions that are provably stale, and nothing else.
 
-Deleting by name is unsafe in /dev/shm (vLLM maps without a lock, a creator may be between
-O_EXCL and ftruncate, anyone can plant a symlink), so a region goes only when every test
-of docs/architecture.md ("Why gc removes only what nobody uses") agrees on state read
-under its exclusive lock. The manifest goes first, the bare name last, each checked
-through this user's private directory; the deadline stops a run between batches only.
+A region goes only when every test of docs/architecture.md ("Why gc removes only what
+nobody uses") agrees on state read under its exclusive lock; the manifest goes first, the
+bare name last, each checked through this user's private directory.
 """
 
 from __future__ import annotations
@@ -60,11 +58,8 @@ def collect(
     judge_seconds: float | None = None,
 ) -> GcReport:
     """Find and remove every provably stale region in shm_dir (or only `engine_ids`).
-
-    Judging (own regions first, then the largest; others' files classified from lstat
-    alone) stops after `judge_seconds`, so what was proven stale is removed in the time
-    left; the rest is counted as `not_judged` (the run exits PARTIAL).
-    """
+    Judging stops after `judge_seconds`: what was proven stale is still removed, the rest
+    is counted as `not_judged` (the run exits PARTIAL)."""
     started, clock = time.time(), time.monotonic()
     inventory = discovery.discover(
         shm_dir, engine_ids=engine_ids, measure_residency=False,
@@ -89,8 +84,7 @@ def reclaim(
         run.blind = visibility.assess(
             (), namespace_waived=options.shm_private_to_namespace).effective
         run.regions(inventory.regions)
-        # pid-based judgements need the whole host; what the deadline leaves waits for the
-        # next run, counted where it can be
+        # pid-based judgements need the whole host and the time left
         if not run.blind and not run.expired:
             with contextlib.suppress(deadline.DeadlineExpiredError):
                 run.orphan_manifests(inventory.orphan_manifests)
@@ -167,8 +161,7 @@ class _Run:
             self.not_judged.add_file(t.uid, t.size_bytes, t.allocated_bytes, files=t.files)
 
     def _private(self) -> int | None:
-        """This user's private directory, where removals are checked without a race
-        (fsguard.unlink_if_same); made on the first removal, removed after if we made it."""
+        """This user's private directory (fsguard.unlink_if_same), made on first use."""
         if self.private_fd is None and not self.private_tried:
             self.private_tried = True
             existed = os.path.lexists(os.path.join(self.shm_dir, fsguard.private_dir_name()))
@@ -189,8 +182,7 @@ class _Run:
                 os.rmdir(os.path.join(self.shm_dir, fsguard.private_dir_name()))
 
     def _unlink(self, path: str, fd: int, engine_id: str | None) -> bool | None:
-        """Unlink `path` if it still names `fd`'s inode (a dry run: True, nothing done);
-        None when the system refused."""
+        """Unlink `path` if it still names `fd`'s inode (dry run: True); None if refused."""
         if self.options.dry_run:
             return True
         try:
@@ -259,9 +251,7 @@ class _Run:
                 held = self._lock(r)
                 if held is not None:
                     locked.append(held)
-            # The kernel's lease answers "used anywhere?" for a region at once; /proc is
-            # walked again only for regions it cannot answer for (leases disabled, not
-            # the owner and no CAP_LEASE) or that it says are in use (to name the user).
+            # /proc is walked again only for what the kernel's lease cannot clear
             rescan = [h for h in locked if not _sole_now(h)]
             uses: dict[FileId, list[FileUse]] = {}
             vis = self.inventory.visibility
@@ -311,7 +301,8 @@ class _Run:
 
     def _fd_problem(self, r: RegionInfo, seg: discovery.SegmentFile, fd: int, st: os.stat_result
                     ) -> Problem | None:
-        """Judges a segment on its descriptor and locks it; keeps the region if it must."""
+        """Judges a segment on its descriptor and locks it."""
+
         name = os.path.basename(seg.path)
         if FileId.of(st) != seg.file_id:
             return self._keep(r, report.CHANGED, f"{name} was replaced by another file during this "
@@ -332,9 +323,8 @@ class _Run:
         return None
 
     def _read_manifest(self, held: _Locked) -> None:
-        """The manifest as it is now, kept open so only this inode is ever unlinked. One
-        that describes another inode (an earlier file of that name, or a live region's
-        renamed onto it) stays: once the region is gone it is judged as an orphan."""
+        """The manifest, kept open so only this inode is ever unlinked; one describing
+        another inode stays, to be judged as an orphan once the region is gone."""
         try:
             fd = os.open(held.manifest_path, os.O_RDONLY | UNTRUSTED_OPEN_FLAGS)
         except OSError:
@@ -392,7 +382,6 @@ class _Run:
                                 suspects=tuple(suspects))
 
     def _stale_text(self, m: Manifest | None, age: float, leased: bool) -> str:
-        """Why a region about to go was judged stale: the system log records it."""
         why = [("the kernel granted a write lease: no process anywhere has it open or mapped"
                 if leased else
                 "no process maps it or has it open (/proc, scanned again after locking)"),
@@ -434,9 +423,8 @@ class _Run:
         return None
 
     def _unlink_region(self, held: _Locked) -> tuple[list[_Held], str | None]:
-        """Unlinks the manifest first (while the region's name is taken, no creator can
-        write a new one), then the segments, the bare name last (a creator starts from it);
-        returns what really went."""
+        """Manifest first (no creator writes one while the name is taken), the bare name
+        last (a creator starts from it); returns what really went."""
         r = held.region
         manifest = None
         if held.manifest_fd is not None and self._unlink(held.manifest_path,
@@ -494,8 +482,8 @@ class _Run:
 
     def _unlink_old(self, path: str, engine_id: str | None,
                     orphan: discovery.OrphanManifest | None = None) -> bool:
-        """Unlinks a small file of ours older than --min-age, judged on its descriptor
-        (never through a link); True when removed, or in a dry run when it would be."""
+        """Unlinks a small file of ours older than --min-age, judged on its descriptor;
+        True when removed (dry run: would be)."""
         try:
             fd = os.open(path, os.O_RDONLY | UNTRUSTED_OPEN_FLAGS)
         except OSError:
@@ -514,8 +502,8 @@ class _Run:
             os.close(fd)
 
     def _still_orphan(self, o: discovery.OrphanManifest, fd: int, st: os.stat_result) -> bool:
-        """The inode discovery saw, locked (manifests are updated under LOCK_EX), with no
-        region come back since, and not a live region's manifest renamed onto this name."""
+        """The inode discovery saw, locked (manifests change under LOCK_EX), no region back
+        since, and not a live region's manifest renamed onto this name."""
         return (FileId.of(st) == o.file_id and fsguard.try_lock(fd)
                 and not os.path.lexists(naming.region_path(self.shm_dir, o.engine_id))
                 and _recorded_region(fd) not in self.known_inodes)
@@ -554,7 +542,6 @@ class _Run:
                                    path=path, engine_id=engine_id))
 
     def _lock_refused(self, r: RegionInfo, fid: FileId | None) -> Problem:
-        """LOCK_EX refused: a user's shared lock, or another collector's probe."""
         holders = [] if fid is None else flock_holders(fid)
         exclusive = [pid for pid, excl in holders if excl and pid != os.getpid()]
         if exclusive:
@@ -598,8 +585,7 @@ def _open_refused(name: str, exc: OSError) -> tuple[str, str]:
 
 
 def _recorded_region(fd: int) -> FileId | None:
-    """The region inode a manifest records, read leniently (it may name another
-    engine_id, or fail other checks); None when it records none."""
+    """The region inode a manifest records, read leniently; None when it records none."""
     try:
         doc = untrusted_json.loads(os.pread(fd, manifest_io.MAX_BYTES + 1, 0),
                                    max_bytes=manifest_io.MAX_BYTES)
@@ -613,8 +599,7 @@ def _recorded_region(fd: int) -> FileId | None:
 
 
 def _sole_now(held: _Locked) -> bool:
-    """The kernel granted a lease on every file: nobody else has any of them open or
-    mapped right now (`_remove` asks again before anything is removed)."""
+    """A lease on every file: nobody else has one open or mapped (`_remove` asks again)."""
     with fsguard.sole_opener([fd for _, fd, _ in held.files], retry=fsguard.QUICK_RETRY) as verdict:
         return verdict.sole is True
 
