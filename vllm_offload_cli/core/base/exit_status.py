@@ -10,38 +10,31 @@ from collections.abc import Iterable
 class ExitStatus(enum.IntEnum):
     """A process exit status; `meaning` is its one-line documentation."""
 
-    SUCCESS = 0
-    FAILED = 1
-    USAGE = 2
-    PROBLEMS_FOUND = 3
-    BUSY = 4
-    NO_SPACE = 5
-    UNSAFE = 6
-    PARTIAL = 7
-    INTERRUPTED = 130
+    meaning: str
 
-    @property
-    def meaning(self) -> str:
-        return _MEANING[self]
+    def __new__(cls, value: int, meaning: str = "") -> ExitStatus:
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.meaning = meaning
+        return member
 
+    SUCCESS = 0, "success"
+    FAILED = 1, "the operation failed"
+    USAGE = 2, ("bad usage or invalid input (engine_id, sizes, options), or a named region "
+                "that does not exist")
+    PROBLEMS_FOUND = 3, "verification found problems"
+    BUSY = 4, "region busy, or its name is taken by a live region"
+    NO_SPACE = 5, ("not enough space or memory (tmpfs, cgroup limit, host memory; no GPU for "
+                   "--device cuda)")
+    UNSAFE = 6, ("refused as unsafe (ownership, mode, symlink, link count, wrong size, corrupt "
+                 "manifest, a holder that could be hidden)")
+    PARTIAL = 7, ("partial: fleet, a node failed, was interrupted or did not answer in time "
+                  "(the others are shown); garbage-collect, not every region was judged within "
+                  "--timeout (what was proven stale was removed; the rest is reported as not "
+                  "judged), or regions were removed (all reported) but --prometheus could not "
+                  "be written")
+    INTERRUPTED = 130, "interrupted"
 
-_MEANING: dict[ExitStatus, str] = {
-    ExitStatus.SUCCESS: "success",
-    ExitStatus.FAILED: "the operation failed",
-    ExitStatus.USAGE: "bad usage or invalid input (engine_id, sizes, options), or a named "
-    "region that does not exist",
-    ExitStatus.PROBLEMS_FOUND: "verification found problems",
-    ExitStatus.BUSY: "region busy, or its name is taken by a live region",
-    ExitStatus.NO_SPACE: "not enough space or memory (tmpfs, cgroup limit, host memory; no GPU "
-    "for --device cuda)",
-    ExitStatus.UNSAFE: "refused as unsafe (ownership, mode, symlink, link count, wrong size, "
-    "corrupt manifest, a holder that could be hidden)",
-    ExitStatus.PARTIAL: "partial: fleet, a node failed, was interrupted or did not answer in "
-    "time (the others are shown); garbage-collect, not every region was judged within "
-    "--timeout (what was proven stale was removed; the rest is reported as not judged), or "
-    "regions were removed (all reported) but --prometheus could not be written",
-    ExitStatus.INTERRUPTED: "interrupted",
-}
 
 # Which status wins when one answer merges several (fleet nodes, one command's outcomes):
 # what the operator must act on first. A run that did not finish; a file or host that
