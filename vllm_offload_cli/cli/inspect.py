@@ -66,18 +66,12 @@ def owner_totals(rest: dict[int | None, list[RegionInfo]]) -> list[dict[str, Any
     return out
 
 
-def vllm_layout(r: RegionInfo) -> str | None:
-    """The vLLM layout that joins it: the manifest's, else the files' (None: a bare file)."""
-    if r.manifest is not None:
-        return r.manifest.vllm_layout
-    if any(s.segment > 0 for s in r.segments):
-        return SEGMENTED
-    return SINGLE_FILE if r.linked else None
-
-
 def _region_dict(r: RegionInfo, placed: dict[str, Placement] | None, now: float
                  ) -> dict[str, Any]:
-    doc = {**r.to_dict(), "vllm_layout": vllm_layout(r), "evidence": evidence(r, now)}
+    # the vLLM layout that joins it: the manifest's, else the files' (None: a bare file)
+    layout = r.manifest.vllm_layout if r.manifest is not None else SEGMENTED if any(
+        s.segment > 0 for s in r.segments) else SINGLE_FILE if r.linked else None
+    doc = {**r.to_dict(), "vllm_layout": layout, "evidence": evidence(r, now)}
     if placed is None:  # --no-residency: placement was not observed
         return {**doc, "numa_nodes": None, "huge_page_bytes": None, "placement": None}
     if (p := placed.get(r.paths[0])) is not None:

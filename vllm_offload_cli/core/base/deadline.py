@@ -32,11 +32,10 @@ def expired() -> bool:
     return _active is not None and time.monotonic() >= _active[0]
 
 
-def check(doing: str = "") -> None:
+def check(doing: str) -> None:
     """Raise DeadlineExpiredError once the active deadline has passed."""
     if _active is not None and time.monotonic() >= _active[0]:
-        what = f" while {doing}" if doing else ""
-        raise DeadlineExpiredError(f"--timeout {_active[1]:g} s expired{what}; stopped")
+        raise DeadlineExpiredError(f"--timeout {_active[1]:g} s expired while {doing}; stopped")
 
 
 @contextmanager
