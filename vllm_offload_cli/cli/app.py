@@ -108,5 +108,4 @@ app = CommandLine(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console-script entry point."""
     app.main(args=argv, prog_name="vllm-offload")

@@ -19,8 +19,6 @@ from vllm_offload_cli.core.base.text import printable, shortened
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.reclaim.report import DEFAULT_MIN_AGE, GcOptions, GcReport
 
-OUTPUT_FAILED = "output_failed"
-
 # The part of --timeout spent judging regions; the rest is for removing what
 # was proven stale (locks, leases, a /proc pass for the users of those files).
 JUDGE_SHARE = 0.6
@@ -165,7 +163,7 @@ def garbage_collect(inv: Invocation, engine_ids: tuple[str, ...], dry_run: bool,
                           prometheus)
             data["prometheus"] = str(prometheus)
         except OffloadError as exc:  # after removals: report them all, and say so
-            output.append({"code": OUTPUT_FAILED, "message": exc.message + (
+            output.append({"code": "output_failed", "message": exc.message + (
                 "; the removals above were made" if changed else "")})
             # the textfile cannot carry this status; with nothing removed, the write's own
             # status (NO_SPACE on a full filesystem), not FAILED, which says a removal failed
