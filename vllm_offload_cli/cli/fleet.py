@@ -23,9 +23,6 @@ from vllm_offload_cli.core.base.units import format_bytes, is_int
 from vllm_offload_cli.core.region.naming import DEFAULT_SHM_DIR
 from vllm_offload_cli.fleet import FleetResult, NodeResult, no_node_has, run_on_every_node
 
-# (out, result, the run, its options): prints a fleet answer for people
-Render = Callable[[Out, FleetResult, Invocation, dict[str, Any]], None]
-
 DEFAULT_TIMEOUT = 60.0
 _EXIT = ("Exit status: the most important node status (see EXIT STATUS); {PARTIAL} when a "
          "node failed, was interrupted or did not answer and no node reported worse.")
@@ -74,9 +71,11 @@ def run_fleet(command: str, options: dict[str, Any], *, shm_dir: Path | None,
     return FleetResult(address=where, nodes=tuple(nodes), timeout=timeout)
 
 
-def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str, render: Render
+def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
+                   render: Callable[[Out, FleetResult, Invocation, dict[str, Any]], None]
                    ) -> click.Command:
-    """A fleet command with the node-local command's own options (less `fixed` ones)."""
+    """A fleet command with the node-local command's own options (less `fixed` ones);
+    `render(out, result, the run, its options)` prints the answer for people."""
     own = [p for p in local.params if p.name not in fixed and p.name not in common.COMMON]
     local_name = str(local.name)
 

@@ -58,8 +58,7 @@ def report_data(report: GcReport) -> dict[str, Any]:
 
 
 def kept_listed(report: GcReport) -> tuple[list[Problem], list[dict[str, Any]]]:
-    """The kept regions to list, and other owners' past metrics.LISTED_PER_OWNER summed:
-    {uid, regions, codes: {reason code: regions}}."""
+    """The kept regions to list, and other owners' past the bound as {uid, regions, codes}."""
     kept, rest = metrics.per_owner(report.kept, lambda k: k.uid)
     return kept, [{"uid": uid, "regions": len(ks), "codes": dict(Counter(k.code for k in ks))}
                   for uid, ks in rest.items()]

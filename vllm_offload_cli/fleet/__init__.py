@@ -76,10 +76,9 @@ class NodeResult:
         return frozenset(map(str, listed)) if isinstance(listed, list) else None
 
     def merge_status(self) -> ExitStatus:
-        """What this node adds to the fleet's exit status: PARTIAL when it did not answer
-        or was interrupted there. A node that lacks named regions counts as not asked for
-        them (FleetResult judges regions no node has), so any other error it reported (a
-        failed removal) counts as FAILED."""
+        """This node's part of the fleet's status: PARTIAL when it did not answer or was
+        interrupted. Lacking named regions counts as not asked for them (FleetResult judges
+        regions no node has); any other error it reported (a failed removal) is FAILED."""
         if self.outcome != ANSWERED or self.interrupted:
             return ExitStatus.PARTIAL
         status = as_status(self.exit_code)

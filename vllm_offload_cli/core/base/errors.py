@@ -93,8 +93,7 @@ class DeviceUnavailableError(InsufficientSpaceError):
 
 
 class MissingExtraError(InvalidInputError):
-    """A feature needs an extra that is not installed: the install is incomplete for what
-    was asked, nothing failed. The message ends with the `pip install` line."""
+    """A needed extra is not installed (nothing failed); the message ends with `pip install`."""
 
     code = "extra_not_installed"
 

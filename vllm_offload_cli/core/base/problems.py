@@ -42,8 +42,7 @@ class Problem:
 
 
 def jsonable(record: Any) -> Any:
-    """A record (dataclass, tuple, dict) as JSON types; numeric keys (NUMA nodes) become
-    strings, in numeric order."""
+    """A record (dataclass, tuple, dict) as JSON; numeric keys (NUMA nodes) as strings, in order."""
     if dataclasses.is_dataclass(record) and not isinstance(record, type):
         return {f.name: jsonable(getattr(record, f.name)) for f in dataclasses.fields(record)}
     if isinstance(record, (tuple, list)):

@@ -76,8 +76,7 @@ def format_age(seconds: object) -> str:
 
 
 def format_bytes(n: int | float | None) -> str:
-    """1536 -> '1.5KiB', 512 -> '512B', None -> '-': one field for awk, read back by
-    parse_size when whole."""
+    """1536 -> '1.5KiB', None -> '-': one field for awk; parse_size reads it back when whole."""
     if n is None:
         return "-"
     value = float(n)
