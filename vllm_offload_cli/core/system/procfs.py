@@ -4,6 +4,7 @@ one that refuses us as `DENIED`."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import re
@@ -247,29 +248,25 @@ def _smaps(pid: int, wanted: set[FileId] | None, starts: Collection[int] | None
     return out
 
 
-def add_numa_nodes(pid: int, mappings: dict[int, MappedPages], page_size: int) -> bool:
-    """Fill each mapping's bytes per NUMA node from numa_maps; False if unreadable."""
+def add_numa_nodes(pid: int, mappings: dict[int, MappedPages], page_size: int) -> None:
+    """Fill each mapping's bytes per NUMA node from numa_maps, as far as it can be read."""
     if not mappings:
-        return True
-    try:
-        with open(f"{PROC}/{pid}/numa_maps", "rb") as f:
-            for line in f:
-                addr, _, rest = line.partition(b" ")
-                try:
-                    found = mappings.get(int(addr, 16))
-                except ValueError:
-                    continue
-                if found is None:
-                    continue
-                kpage = _KPAGE.search(rest)
-                unit = int(kpage.group(1)) * 1024 if kpage else page_size
-                nodes: dict[int, int] = defaultdict(int, found.nodes)
-                for node, pages in _NODE.findall(rest):
-                    nodes[int(node)] += int(pages) * unit
-                found.nodes = dict(nodes)
-    except OSError:
-        return False
-    return True
+        return
+    with contextlib.suppress(OSError), open(f"{PROC}/{pid}/numa_maps", "rb") as f:
+        for line in f:
+            addr, _, rest = line.partition(b" ")
+            try:
+                found = mappings.get(int(addr, 16))
+            except ValueError:
+                continue
+            if found is None:
+                continue
+            kpage = _KPAGE.search(rest)
+            unit = int(kpage.group(1)) * 1024 if kpage else page_size
+            nodes: dict[int, int] = defaultdict(int, found.nodes)
+            for node, pages in _NODE.findall(rest):
+                nodes[int(node)] += int(pages) * unit
+            found.nodes = dict(nodes)
 
 
 @dataclass(frozen=True, kw_only=True)
