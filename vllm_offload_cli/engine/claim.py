@@ -353,7 +353,8 @@ def _fits(done: ClaimResult, size_bytes: int | None,
     if size_bytes is None:
         return done
     room = make_room(shm_dir, size_bytes)
-    cap = capacity.preflight(size_bytes, Path(shm_dir), engine_id=done.engine_id)
+    cap = capacity.measure(Path(shm_dir))
+    capacity.check_fits(size_bytes, cap, shm_dir=Path(shm_dir), engine_id=done.engine_id)
     return replace(done, free_bytes=tightest(cap), reclaimed_for_room=room)
 
 
