@@ -38,9 +38,5 @@ def top_mount_at(point: str, table: list[Mount]) -> Mount | None:
 
 def mount_of(path: str, table: list[Mount]) -> Mount | None:
     """The mount holding the absolute, resolved `path` (longest matching point, last wins)."""
-    best: Mount | None = None
-    for m in table:
-        inside = path == m.point or path.startswith(m.point.rstrip("/") + "/")
-        if inside and (best is None or len(m.point) >= len(best.point)):
-            best = m
-    return best
+    inside = [m for m in table if path == m.point or path.startswith(m.point.rstrip("/") + "/")]
+    return max(reversed(inside), key=lambda m: len(m.point), default=None)

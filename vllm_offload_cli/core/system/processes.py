@@ -40,12 +40,7 @@ class ProcessRef:
     def alive(self) -> bool:
         """True when this exact process still runs: not gone, not reused, not a zombie."""
         now = procfs.stat_identity(self.pid)
-        if now is None:
-            return False
-        state, ticks = now
-        if self.start_ticks is not None and ticks != self.start_ticks:
-            return False
-        return state not in _EXITED
+        return now is not None and now[0] not in _EXITED and self.start_ticks in (None, now[1])
 
 
 def start_ticks(pid: int) -> int | None:
