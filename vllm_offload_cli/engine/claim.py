@@ -444,8 +444,7 @@ def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
     inv = discovery.discover(shm_dir, measure_residency=False, judge_uids=[me],
                              only=visibility.MayOpen(me, 0o600))
     # gc's own verdict: a linked `stale` region (not persistent) whose every file we own
-    oldest = sorted(
-(r for r in inv.regions if r.linked and r.state == STALE
+    oldest = sorted((r for r in inv.regions if r.linked and r.state == STALE
                      and not r.persistent and all(s.uid == me for s in r.segments)),
                     key=lambda r: -(r.age_seconds or 0.0))
     freed_before = accumulate((r.allocated_bytes for r in oldest), initial=0)

@@ -1,10 +1,6 @@
-"""The `vllm.general_plugins` entry point: make the hardened specs known to vLLM.
-
-vLLM calls it in every process, and an exception would abort the engine: so it is
-idempotent, imports vLLM only inside the call and never raises (it logs) unless
-`VLLM_OFFLOAD_STRICT=1`. It also sets the engine token, registers our `VLLM_*` names
-and sends our records to vLLM's logger.
-"""
+"""The `vllm.general_plugins` entry point: make the hardened specs known to vLLM. vLLM calls
+it in every process and an exception would abort the engine, so it is idempotent, imports
+vLLM only inside the call and never raises (it logs) unless `VLLM_OFFLOAD_STRICT=1`."""
 
 from __future__ import annotations
 
@@ -54,9 +50,8 @@ def register() -> None:
 
 
 def register_environment() -> None:
-    """Make our variables known to vLLM's `envs.environment_variables` table, which
-    vLLM checks every `VLLM_*` name against. Its values feed torch.compile's cache
-    key, so each getter returns None: a random token must not change the key."""
+    """Register our names in vLLM's `envs.environment_variables` (vLLM checks every `VLLM_*`
+    name); getters return None: its values feed torch.compile's cache key."""
     try:
         from vllm import envs
     except ImportError:

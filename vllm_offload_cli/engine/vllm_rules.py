@@ -1,9 +1,6 @@
-"""How the vLLM in use makes its region: a table per release, confirmed by signatures.
-
-RELEASES holds what differs per release (files, slots, barrier); CI checks each row
-against that release's code. A vLLM not understood (docs/architecture.md) is
-`UnsupportedVllm`: the hook stands aside, never guesses. vLLM is read with `ast`,
-never imported, so `create` can ask too.
+"""How the vLLM in use makes its region: RELEASES (what differs per release; CI checks each
+row against that release's code), confirmed by signatures. A vLLM not understood is
+`UnsupportedVllm`: the hook stands aside. Read with `ast`, never imported (`create` asks too).
 """
 
 from __future__ import annotations
@@ -105,8 +102,7 @@ def vllm_root() -> Path | None:
 
 
 def read_rules(root: Path | None = None) -> VllmRules:
-    """Read vLLM's rules at `root` (default: the vLLM in use); UnsupportedVllm (one line
-    saying what was not understood) also when no vLLM is found."""
+    """vLLM's rules at `root` (default: the vLLM in use); else UnsupportedVllm, one line."""
     root = root if root is not None else vllm_root()
     if root is None:
         raise UnsupportedVllm("vLLM is not installed here")

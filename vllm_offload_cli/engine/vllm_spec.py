@@ -1,10 +1,6 @@
-"""vLLM's offloading specs with the start-up steps around `super()` (imports vLLM).
-
-vLLM still builds its region object, but joins a file the hook made under the start-up
-lock, with the files and slots of the vLLM in use (`vllm_rules`). Known refusals stop
-the engine; anything unexpected is logged and vLLM starts plain, unless
-`kv_connector_extra_config["vllm_offload_strict"]` is true.
-"""
+"""vLLM's offloading specs with the start-up steps around `super()` (imports vLLM): vLLM
+joins a file the hook made under the start-up lock. Known refusals stop the engine; anything
+unexpected is logged and vLLM starts plain, unless `vllm_offload_strict` is set."""
 
 from __future__ import annotations
 
@@ -101,8 +97,7 @@ def _held(spec: Any, which: str, attr: str, build: Callable[[], Any]
 
 
 def close_on_shutdown(owner: Any, hold: RegionHold) -> None:
-    """Close `hold` right after vLLM's `owner.shutdown()` (its worker or manager) ran,
-    which releases vLLM's own region."""
+    """Close `hold` right after vLLM's `owner.shutdown()` released vLLM's own region."""
     shutdown = getattr(owner, "shutdown", None)
     if not callable(shutdown):
         return  # closed at interpreter exit (RegionHold)

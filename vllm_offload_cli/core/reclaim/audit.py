@@ -1,11 +1,7 @@
-"""The system log's record of every removal: who removed which region, whose, how big, why.
-
-`journalctl -t vllm-offload` (or `/var/log/syslog`) answers "what deleted my region?" long
-after the run's own output is gone. One datagram per removal goes to the local syslog socket
-(`<priority>vllm-offload[pid]: message`, facility daemon, severity notice). The log is a
-witness, never a precondition: the socket is non-blocking and each send is tried once, so a
-missing socket or a full queue (a stuck journald) costs a dropped line, never a removal.
-"""
+"""The system log's record of every removal (`journalctl -t vllm-offload`): who removed which
+region, whose, how big, why. One datagram per removal to the local syslog socket (facility
+daemon, severity notice); a witness, never a precondition: non-blocking, each send tried
+once, so a missing socket or a stuck journald costs a dropped line, never a removal."""
 
 from __future__ import annotations
 

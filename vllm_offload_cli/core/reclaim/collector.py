@@ -302,7 +302,6 @@ class _Run:
     def _fd_problem(self, r: RegionInfo, seg: discovery.SegmentFile, fd: int, st: os.stat_result
                     ) -> Problem | None:
         """Judges a segment on its descriptor and locks it."""
-
         name = os.path.basename(seg.path)
         if FileId.of(st) != seg.file_id:
             return self._keep(r, report.CHANGED, f"{name} was replaced by another file during this "

@@ -1,8 +1,5 @@
-"""What a garbage collection did: frozen results the CLI renders and scripts read.
-
-A kept region, and a removal the system refused (the run exits FAILED), is a `Problem` with
-a stable `code` for metrics labels and scripts.
-"""
+"""What a garbage collection did: frozen results the CLI renders and scripts read. A kept
+region, and a refused removal (exit FAILED), is a `Problem` with a stable `code`."""
 
 from __future__ import annotations
 
