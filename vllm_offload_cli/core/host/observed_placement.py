@@ -119,13 +119,10 @@ def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAM
     huge = None if pmd is None else min(total, total * (pmd // _PMD) // len(windows))
     counts = Counter(node for node in status if node >= 0)
     known = sum(counts.values())
-    if not known:
-        return Sampled({}, huge, len(picked))
     out = {n: total * c // known for n, c in counts.items()}
-    # give rounding leftovers to the largest node, so the parts add up to the whole
-    top = max(out, key=lambda n: out[n])
-    out[top] += total - sum(out.values())
-    return Sampled(dict(out), huge, len(picked))
+    if out:  # rounding leftovers go to the largest node, so the parts add up to the whole
+        out[max(out, key=out.__getitem__)] += total - sum(out.values())
+    return Sampled(out, huge, len(picked))
 
 
 HolderScans = dict[int, "dict[FileId, HolderPages] | None"]
