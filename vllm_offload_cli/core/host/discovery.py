@@ -158,10 +158,8 @@ class Inventory:
     shm: ShmUsage
     uninspectable_processes: int
     visibility: Visibility = field(default_factory=lambda: Visibility((), ()))
-    # files it could have judged but did not (out of time, or past JUDGED_OTHERS)
-    not_judged: tuple[Tally, ...] = ()
-    # files of owners this run does not judge, past the first LISTED_UNJUDGED
-    counted: tuple[Tally, ...] = ()
+    not_judged: tuple[Tally, ...] = ()  # judgeable, but out of time or past JUDGED_OTHERS
+    counted: tuple[Tally, ...] = ()  # of owners not judged, past the first LISTED_UNJUDGED
     listed_all: bool = True  # False: the deadline came before the directory was listed
     # (pid, files): shm files a process holds past procscan.NAMED_PER_PROCESS, counted
     unnamed_held: tuple[tuple[int, int], ...] = ()

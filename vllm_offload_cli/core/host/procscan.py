@@ -88,7 +88,6 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
     stats = procfs.fd_stats(pid, skip)
     if isinstance(stats, procfs.Unreadable):
         return None if stats is GONE else True
-    uses = scan.uses
     named = 0
     for fd, st in stats:  # one per distinct file
         if st.st_dev not in want.devs or not stat.S_ISREG(st.st_mode):
@@ -105,8 +104,8 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
         if not want.keeps(fid, target):
             continue
         path, deleted = procfs.strip_deleted(target or "")
-        uses[fid].append(FileUse(pid=pid, kind="fd", path=path, deleted=deleted,
-                                 size_hint=st.st_size, fd=fd))
+        scan.uses[fid].append(FileUse(pid=pid, kind="fd", path=path, deleted=deleted,
+                                      size_hint=st.st_size, fd=fd))
     return False
 
 
