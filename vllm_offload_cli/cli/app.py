@@ -84,13 +84,12 @@ def _report_usage_error(exc: click.ClickException, argv: list[str], code: int) -
 def _root(version: bool, **_common: Any) -> None:
     """--version alone, or a command (whose run reads the common options given here)."""
     ctx = click.get_current_context()
-    if not version:
-        if ctx.invoked_subcommand is None:
-            raise click.UsageError("Missing command.", ctx)
-        return
-    if ctx.invoked_subcommand is not None:
+    if not version and ctx.invoked_subcommand is None:
+        raise click.UsageError("Missing command.", ctx)
+    if version and ctx.invoked_subcommand is not None:
         raise click.UsageError("--version takes no command or argument", ctx)
-    sys.stdout.write(f"vllm-offload {__version__}\n")
+    if version:
+        sys.stdout.write(f"vllm-offload {__version__}\n")
 
 
 app = CommandLine(
