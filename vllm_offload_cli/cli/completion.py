@@ -59,8 +59,7 @@ def completion(inv: Invocation, shell: str | None, manpath: bool) -> Outcome:
     """
     if (shell is None) == (not manpath):
         raise InvalidInputError("give a SHELL (bash, zsh or fish) or --manpath", code="usage")
-    path = locate(shell or "man")
-    if path is None:
+    if (path := locate(shell or "man")) is None:
         raise OperationFailedError(
             f"the installed {'man page' if shell is None else f'{shell} completion'} "
             f"was not found under {sys.prefix}/share: install the package from a wheel or "

@@ -38,8 +38,7 @@ def _layout(choice: str, segments: int | None, geometry: Geometry
         return files, MIN_SEGMENT_BYTES, "requested", None, None
     from vllm_offload_cli.engine.vllm_rules import UnsupportedVllm, read_rules, vllm_root
 
-    root = vllm_root()
-    if root is None:
+    if (root := vllm_root()) is None:
         files = geo.effective_segments(VLLM_CPU_SEGMENTS, geometry.size_bytes)
         warning = None if files == 1 else (
             "no vLLM is installed here, so the region has the newest release's layout "

@@ -127,8 +127,7 @@ def render_nodes(out: Out, result: FleetResult) -> None:
         what = "REFUSED" if n.status == fleet.REFUSED else f"exit {n.exit_code}"
         for e in dict_items((n.envelope or {}).get("errors")) or [{"message": "(no message)"}]:
             out.print(f"node {label}: {what}: {e.get('message', '')}")
-    nowhere = result.on_no_node()
-    if nowhere is not None:
+    if (nowhere := result.on_no_node()) is not None:
         out.print(no_node_has(nowhere))
     answered = len(result.nodes) - len(result.missing)
     interrupted = sum(n.interrupted for n in result.nodes)

@@ -143,8 +143,7 @@ def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | N
 
 def _live_lines(check: LiveCheck) -> list[str]:
     lines = [f"Region {check.path} ({format_bytes(check.size_bytes)})"]
-    g = check.geometry
-    if g is not None:
+    if (g := check.geometry) is not None:
         origin = ("manifest" if check.geometry_source == "manifest"
                   else "--world-size/--cpu-page-size")
         lines.append(f"  geometry  {g.num_blocks} rows x {g.row_stride} bytes; "

@@ -114,8 +114,7 @@ def malformed(doc: object) -> str | None:
 
 def answered(node_id: str, node_name: str, doc: object, seconds: float) -> NodeResult:
     """A node's answer, or a failed node when the answer cannot be read (and says why)."""
-    why = malformed(doc)
-    if why is not None:
+    if (why := malformed(doc)) is not None:
         return NodeResult(node_id=node_id, node_name=node_name, outcome=FAILED,
                           reason=f"malformed answer: {why}", reason_code="malformed_answer",
                           seconds=seconds)
@@ -151,8 +150,7 @@ class FleetResult:
             return None
         everywhere: frozenset[str] | None = None  # None: whatever was named
         for n in self.nodes:
-            lacks = n.not_found()
-            if lacks is None:
+            if (lacks := n.not_found()) is None:
                 continue
             everywhere = lacks if everywhere is None else everywhere & lacks
             if not everywhere:

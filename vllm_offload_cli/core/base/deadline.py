@@ -59,8 +59,7 @@ def poll_until(attempt: Callable[[], T | None], timeout: float,
     end = time.monotonic() + timeout
     delay, longest = backoff
     while True:
-        result = attempt()
-        if result is not None:
+        if (result := attempt()) is not None:
             return result
         left = end - time.monotonic()
         if left <= 0:

@@ -42,9 +42,8 @@ def require(extra: str, *, what: str) -> None:
 def import_torch() -> ModuleType:
     """torch, without the warning it prints when NumPy is absent (tensor views need none)."""
     # only the first import changes the process-wide warning filters (the copy threads
-    # call this on every job)
-    loaded = sys.modules.get("torch")
-    if loaded is not None and hasattr(loaded, "Tensor"):  # fully imported, not mid-import
+    # call this on every job): torch fully imported, not mid-import, is returned as is
+    if (loaded := sys.modules.get("torch")) is not None and hasattr(loaded, "Tensor"):
         return loaded
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy")

@@ -24,13 +24,11 @@ SIZE_HELP = ("bytes, or a suffix: K, M, G, T and KiB, MiB, GiB, TiB (powers of 1
 
 def parse_size(text: str, *, what: str = "size") -> int:
     """Exact bytes (no float rounding); a fraction only where it comes to whole bytes."""
-    match = _SIZE_RE.fullmatch(text)
-    if match is None or len(match["num"]) > _MAX_DIGITS:
+    if (match := _SIZE_RE.fullmatch(text)) is None or len(match["num"]) > _MAX_DIGITS:
         raise InvalidInputError(f"{what} {text!r} is not a size; use {SIZE_HELP}",
                                 code="invalid_size")
     unit = match["unit"]
-    multiple = _MULTIPLES.get(unit)
-    if multiple is None:
+    if (multiple := _MULTIPLES.get(unit)) is None:
         hint = ("; 'b' means 512-byte blocks to coreutils, write B for bytes"
                 if unit == "b" else "")
         raise InvalidInputError(
