@@ -268,9 +268,7 @@ def _would_reclaim(done: ClaimResult, r: RegionInfo, want: RegionShape | None
     """A dry run's answer for a stale region: what the reclaim would free."""
     other = mismatch(r, want)
     return replace(done, action=WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
-                   # what the real run reports: tmpfs memory freed (st_blocks), not
-                   # the apparent size of a partly written (sparse) leftover
-                   reclaimed_bytes=r.allocated_bytes,
+                   reclaimed_bytes=r.allocated_bytes,  # st_blocks, as a real run reports
                    notes=() if other is None else (f"another shape: {other}",))
 
 

@@ -190,8 +190,8 @@ class _Source:
 
     def _loaded_value(self, name: str) -> object | None:
         module = sys.modules.get(self.module)
-        file = getattr(module, "__file__", None)
-        if module is None or file is None:
+        file = getattr(module, "__file__", None)  # None also when not loaded
+        if file is None:
             return None
         with contextlib.suppress(OSError):
             if os.path.samefile(file, self.path):
@@ -250,12 +250,11 @@ def _check_region_signature(region: _Source, release: Release) -> None:
     if a.vararg is not None or a.kwarg is not None:
         raise UnsupportedVllm(f"{where} takes *args or **kwargs")
     keywords = frozenset(positional[len(POSITIONAL):]) | {p.arg for p in a.kwonlyargs}
-    unknown, missing = sorted(keywords - release.keywords), sorted(release.keywords - keywords)
-    if unknown or missing:
-        said = [f"takes {', '.join(unknown)}" if unknown else "",
-                f"lacks {', '.join(missing)}" if missing else ""]
-        raise UnsupportedVllm(f"{where} {' and '.join(w for w in said if w)}, unlike the "
-                              "release this vllm-offload knows by that version")
+    said = [f"{verb} {', '.join(sorted(names))}" for verb, names in (
+        ("takes", keywords - release.keywords), ("lacks", release.keywords - keywords)) if names]
+    if said:
+        raise UnsupportedVllm(f"{where} {' and '.join(said)}, unlike the release this "
+                              "vllm-offload knows by that version")
 
 
 def _version(root: Path) -> str | None:

@@ -79,23 +79,18 @@ def record_removals(removed: Sequence[RemovedRegion], *, summary: str | None = N
     if not stat.S_ISSOCK(st.st_mode):
         return AuditResult(socket=path, sent=0, dropped=len(lines), problem="not a socket")
     head = f"<{_PRIORITY}>{IDENT}[{os.getpid()}]: "
-    sent, problem = _send_each(path, [(head + line).encode() for line in lines])
-    return AuditResult(socket=path, sent=sent, dropped=len(lines) - sent, problem=problem)
-
-
-def _send_each(path: str, datagrams: Sequence[bytes]) -> tuple[int, str | None]:
-    """Each datagram tried once on a non-blocking socket: (how many went, last refusal)."""
     sent, problem = 0, None
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)  # a full queue drops a line, never waits
         try:
             sock.connect(path)
         except OSError as exc:
-            return 0, exc.strerror or str(exc)
-        for datagram in datagrams:
+            return AuditResult(socket=path, sent=0, dropped=len(lines),
+                               problem=exc.strerror or str(exc))
+        for line in lines:  # each tried once
             try:
-                sock.send(datagram)
+                sock.send((head + line).encode())
                 sent += 1
             except OSError as exc:
                 problem = exc.strerror or str(exc)
-    return sent, problem
+    return AuditResult(socket=path, sent=sent, dropped=len(lines) - sent, problem=problem)

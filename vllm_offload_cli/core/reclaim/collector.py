@@ -222,8 +222,8 @@ class _Run:
         if r.holders:
             return self._held(r, r.holders)
         if r.locked:
-            bare = next((s for s in r.segments if s.file_id is not None), None)
-            return self._lock_refused(r, None if bare is None else bare.file_id)
+            return self._lock_refused(r, next(
+                (s.file_id for s in r.segments if s.file_id is not None), None))
         if r.persistent and not self.options.include_persistent:
             return self._keep(r, report.PERSISTENT, _PERSISTENT_TEXT)
         if r.age_seconds is not None and r.age_seconds < self.options.min_age:
