@@ -93,16 +93,6 @@ def judge_thp(shm_dir: str | os.PathLike[str], setting: str | None,
         f"{mount.point}`) or use a tmpfs that has it"))
 
 
-def _check_nodes(nodes: tuple[int, ...], topo: memory.Topology) -> None:
-    for node in nodes:
-        if node not in topo.with_memory:
-            where = ("this host has no NUMA information (one node 0)" if not topo.from_sysfs
-                     else f"nodes with memory here: {_list(topo.with_memory)}")
-            raise errors.InvalidInputError(
-                f"NUMA node {node} does not exist or has no memory; {where}",
-                code="invalid_numa_node")
-
-
 def _list(nodes: Iterable[int]) -> str:
     return ",".join(str(n) for n in sorted(nodes)) or "none"
 
@@ -126,34 +116,32 @@ def choose(
     if nodes or policy is not None:
         topo = memory.topology()
         policy = policy or "bind"
-        if not nodes:
-            if policy != "interleave":
-                raise errors.InvalidInputError(f"NUMA policy {policy} needs a node (--numa-node)",
-                                               code="invalid_numa_node")
-            nodes = tuple(sorted(topo.with_memory))
-        if len(set(nodes)) != len(nodes):
-            raise errors.InvalidInputError(f"NUMA node list {_list(nodes)} names a node twice",
-                                           code="invalid_numa_node")
-        if policy == "preferred" and len(nodes) != 1:
-            raise errors.InvalidInputError("NUMA policy preferred takes exactly one node",
-                                           code="invalid_numa_node")
-        _check_nodes(nodes, topo)
+        needs_node = not nodes and policy != "interleave"
+        nodes = nodes or tuple(sorted(topo.with_memory))
+        absent = next((n for n in nodes if n not in topo.with_memory), None)
+        where = ("this host has no NUMA information (one node 0)" if not topo.from_sysfs
+                 else f"nodes with memory here: {_list(topo.with_memory)}")
+        for bad, message in (  # the first that applies is refused
+            (needs_node, f"NUMA policy {policy} needs a node (--numa-node)"),
+            (len(set(nodes)) != len(nodes), f"NUMA node list {_list(nodes)} names a node twice"),
+            (policy == "preferred" and len(nodes) != 1,
+             "NUMA policy preferred takes exactly one node"),
+            (absent is not None, f"NUMA node {absent} does not exist or has no memory; {where}"),
+        ):
+            if bad:
+                raise errors.InvalidInputError(message, code="invalid_numa_node")
         if not libc.numa_syscalls_available():
             raise errors.InvalidInputError("NUMA placement is not supported on this architecture",
                                            code="numa_unsupported")
-    advise = False
-    if huge_pages != "never":
-        thp = thp_support(shm_dir)
-        if thp.allowed:
-            advise = True
-        elif huge_pages == "always":
+    thp = None if huge_pages == "never" else thp_support(shm_dir)
+    if thp is not None and not thp.allowed:
+        if huge_pages == "always":
             raise HugePagesUnavailableError(
                 f"--huge-pages always: the kernel gives no huge pages here: {thp.reason}")
-        else:
-            logger.warning("huge pages not available, using normal pages: %s", thp.reason,
-                           extra={"code": "huge_pages_unavailable"})
+        logger.warning("huge pages not available, using normal pages: %s", thp.reason,
+                       extra={"code": "huge_pages_unavailable"})
     return PagePolicy(numa_policy=policy, numa_nodes=tuple(sorted(nodes)), huge_pages=huge_pages,
-                      advise_huge=advise)
+                      advise_huge=thp is not None and thp.allowed)
 
 
 def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:
