@@ -22,7 +22,7 @@ def test_vllm_row_stride_rounds_slots_up_to_a_page() -> None:
 def test_slot_ranges_and_offsets() -> None:
     g = Geometry.for_workers(num_blocks=10, world_size=3, cpu_page_size=1000)
     assert g.row_stride == P and g.size_bytes == 10 * P
-    assert [(s.start, s.end) for s in map(g.slot, range(3))] == [(0, 1000), (1000, 2000),
+    assert [(s.start, s.stop) for s in map(g.slot, range(3))] == [(0, 1000), (1000, 2000),
                                                                 (2000, 3000)]
     with pytest.raises(InvalidInputError, match="outside"):
         g.slot(3)

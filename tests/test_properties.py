@@ -107,8 +107,8 @@ def test_worker_geometry_holds_every_slot(num_blocks: int, world: int, page: int
     assert world * page <= g.row_stride < world * page + PAGESIZE
     assert g.size_bytes == num_blocks * g.row_stride
     slots = [g.slot(r) for r in range(world)]
-    assert all(a.end == b.start for a, b in itertools.pairwise(slots))  # disjoint, in order
-    assert slots[-1].end <= g.row_stride
+    assert all(a.stop == b.start for a, b in itertools.pairwise(slots))  # disjoint, in order
+    assert slots[-1].stop <= g.row_stride
 
 
 @given(st.integers(1, 64), st.integers(1, 1 << 20), st.integers(1, 1 << 34))

@@ -354,13 +354,13 @@ def _slot_reports(g: Geometry, rows: int, pages: bytes, workers: Sequence[Attach
         rng = g.slot(slot)
         claim = tuple(w for w in workers if w.rank == slot)
         report = SlotReport(
-            slot=slot, start=rng.start, end=rng.end, workers=claim,
+            slot=slot, start=rng.start, end=rng.stop, workers=claim,
             pages=len(own[slot]) * rows,
             resident_pages=sum(resident_in_column[j] for j in own[slot]),
             shared_pages=len(shared[slot]) * rows,
             shared_resident_pages=sum(resident_in_column[j] for j in shared[slot]),
         )
-        where = f"bytes {rng.start}..{rng.end} of each of {rows} rows"
+        where = f"bytes {rng.start}..{rng.stop} of each of {rows} rows"
         if report.pages == 0:
             notes.append(Problem(
                 "slot_unmeasurable", f"slot {slot} ({where}) shares every page with a "

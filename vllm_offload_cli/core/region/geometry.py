@@ -22,15 +22,6 @@ def default_row_stride(world_size: int, cpu_page_size: int) -> int:
     return round_up(world_size * cpu_page_size, PAGESIZE)
 
 
-@dataclass(frozen=True)
-class SlotRange:
-    """One worker's bytes within one row: [start, end)."""
-
-    rank: int
-    start: int
-    end: int
-
-
 @dataclass(frozen=True, kw_only=True)
 class Geometry:
     """The shape of a region; `world_size` is None when nobody recorded it."""
@@ -70,10 +61,10 @@ class Geometry:
         """How many whole slots fit in one row."""
         return self.row_stride // self.cpu_page_size
 
-    def slot(self, rank: int) -> SlotRange:
+    def slot(self, rank: int) -> range:
         """Byte range of worker `rank` inside every row."""
         check_rank(self, rank)
-        return SlotRange(rank, rank * self.cpu_page_size, (rank + 1) * self.cpu_page_size)
+        return range(rank * self.cpu_page_size, (rank + 1) * self.cpu_page_size)
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -45,7 +45,7 @@ def slot_ranges(geometry: Geometry, rank: int | None) -> list[tuple[int, int]]:
     for block in range(geometry.num_blocks):
         raw = block * geometry.row_stride + slot.start
         start = raw - raw % PAGESIZE
-        end = raw + (slot.end - slot.start)
+        end = raw + len(slot)
         if ranges:
             prev_start, prev_len = ranges[-1]
             prev_end = prev_start + prev_len
