@@ -1,11 +1,10 @@
 """SharedOffloadRegion: vLLM's mmap-backed KV offload region, hardened.
 
-Byte-compatible with vLLM's class (path, creator/joiner protocol, layout, views), so
-either side can create a region and the other join it. On top: joiners never O_CREAT
-or follow a link, the descriptor is judged by fstat, every opener holds a shared flock,
-the creator checks capacity and writes a manifest that says `creating` until the file
-is sized and pre-faulted, and a failure removes what this opener created. torch is
-imported only when a tensor view is asked for.
+Byte-compatible with vLLM's class, so either side can create a region and the other join
+it. On top: joiners never O_CREAT or follow a link, the descriptor is judged by fstat,
+every opener holds a shared flock, the creator checks capacity and writes a manifest that
+says `creating` until the file is sized and pre-faulted, and a failure removes what this
+opener created. torch is imported only when a tensor view is asked for.
 """
 
 from __future__ import annotations
@@ -57,11 +56,10 @@ def _pausing(progress: Progress | None) -> Progress:
 
 
 class SharedOffloadRegion:
-    """One mmap'd file shared by every worker of one engine (one DP replica).
-
-    A drop-in for vLLM's class: vLLM 0.33's signature (and 0.31/0.32's
-    `populate_only_on_creator`), attributes and barrier protocol; the keyword-only
-    arguments after vLLM's are ours. `rank=None` is the scheduler's rank-less view.
+    """One mmap'd file shared by every worker of one engine (one DP replica); a drop-in
+    for vLLM's class: 0.33's signature (and 0.31/0.32's `populate_only_on_creator`),
+    attributes and barrier protocol. Keyword-only arguments after vLLM's are ours;
+    `rank=None` is the scheduler's rank-less view.
     """
 
     # vLLM's spec modules read this when they load (row strides are rounded up to it)
@@ -313,15 +311,6 @@ class SharedOffloadRegion:
                 path=path, engine_id=self.engine_id,
             ) from exc
 
-    def _join_segments(self, timeout: float) -> None:
-        """Open `.mmap.N` like the bare file: no O_CREAT, judged by fstat, exact size."""
-        for seg, path in zip(self.segments[1:], self.segment_paths[1:], strict=True):
-            fd = fsguard.open_existing(path, os.O_RDWR, engine_id=self.engine_id)
-            self._segment_fds.append(fd)
-            fsguard.raise_if_unsafe(os.fstat(fd), path, engine_id=self.engine_id,
-                                    allowed_uids=self._allowed_uids, expected_size=seg.length)
-            fsguard.lock_shared(fd, timeout=timeout, path=path)
-
     def _join(self, timeout: float) -> int | None:
         """Join an existing region; None when the name vanished or was replaced."""
         try:
@@ -358,7 +347,13 @@ class SharedOffloadRegion:
             self.fd = None
             return None
         self._check_manifest_geometry(st.st_uid)
-        self._join_segments(timeout)
+        # `.mmap.N` as the bare file: no O_CREAT, judged by fstat, exact size
+        for seg, path in zip(self.segments[1:], self.segment_paths[1:], strict=True):
+            seg_fd = fsguard.open_existing(path, os.O_RDWR, engine_id=self.engine_id)
+            self._segment_fds.append(seg_fd)
+            fsguard.raise_if_unsafe(os.fstat(seg_fd), path, engine_id=self.engine_id,
+                                    allowed_uids=self._allowed_uids, expected_size=seg.length)
+            fsguard.lock_shared(seg_fd, timeout=timeout, path=path)
         logger.info("joined %s", self.mmap_path)
         return fd
 
