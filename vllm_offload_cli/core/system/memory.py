@@ -84,10 +84,7 @@ def shmem_thp_setting(path: str = SHMEM_ENABLED) -> str | None:
 
 def selected_word(text: str) -> str:
     """'always [never] deny' -> 'never' (the kernel's choice-list format); '' if none."""
-    for word in text.split():
-        if word.startswith("[") and word.endswith("]"):
-            return word[1:-1]
-    return ""
+    return next((w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")), "")
 
 
 NODE_ROOT = "/sys/devices/system/node"
@@ -96,16 +93,12 @@ NODE_ROOT = "/sys/devices/system/node"
 def parse_cpulist(text: str) -> frozenset[int]:
     """'0-3,8,10-11' (the kernel's list format) -> {0, 1, 2, 3, 8, 10, 11}."""
     out: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in filter(None, (p.strip() for p in text.split(","))):
         first, dash, last = part.partition("-")
-        lo = int(first)
-        hi = int(last) if dash else lo
-        if hi < lo:
+        span = range(int(first), int(last if dash else first) + 1)
+        if not span:
             raise ValueError(f"bad CPU range {part!r}")
-        out.update(range(lo, hi + 1))
+        out.update(span)
     return frozenset(out)
 
 
