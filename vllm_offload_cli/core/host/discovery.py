@@ -64,8 +64,7 @@ class SegmentFile:
     resident_bytes: int | None = None
     problems: tuple[Problem, ...] = ()
     resident_error: str | None = None  # why resident_bytes is None: a refusal ("mincore: ...")
-    # tmpfs memory the file holds (st_blocks): what removing it gives back, as gc counts
-    allocated_bytes: int | None = None
+    allocated_bytes: int | None = None  # st_blocks: what removing it gives back, as gc counts
     # the kernel's answer to "open anywhere else?", asked only when /proc may miss a holder
     sole_opener: fsguard.OpenersVerdict | None = None
 

@@ -87,11 +87,8 @@ _PMD = 2 * 1024 * 1024
 
 def sample_resident(fd: int, length: int, *, sample: int = SAMPLE_PAGES) -> Sampled:
     """Nodes (and huge pages) of the resident pages of the first `length` bytes of `fd`.
-
-    Only resident pages are faulted into our read-only mapping (move_pages sees mapped
-    pages only), so nothing is allocated. The mapping asks for huge pages: the share of
-    sampled 2 MiB windows smaps calls PMD-mapped estimates the huge bytes.
-    """
+    Only resident pages are faulted into our read-only mapping, so nothing is allocated;
+    the share of sampled 2 MiB windows smaps calls PMD-mapped estimates the huge bytes."""
     pages = residency.page_map(fd, length)
     return sample_pages(fd, length, [i for i, v in enumerate(pages) if v], sample=sample)
 

@@ -36,11 +36,8 @@ def page_map(fd: int, length: int | None = None) -> bytes:
 
 
 def resident_bytes(fd: int, st: os.stat_result | None = None) -> int:
-    """Bytes of the file that are resident in memory (`st`: its fstat, if the caller has it).
-
-    The cost follows what the file holds, never its apparent size (one `ftruncate`
-    sets that): only its data extents (SEEK_DATA/SEEK_HOLE) are measured.
-    """
+    """Bytes of the file resident in memory (`st`: its fstat, if the caller has it). Only
+    its data extents are measured: the cost follows what it holds, not its apparent size."""
     st = os.fstat(fd) if st is None else st
     if st.st_size == 0 or st.st_blocks == 0:
         return 0

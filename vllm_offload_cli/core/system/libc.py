@@ -1,8 +1,5 @@
-"""The few system calls Python's stdlib does not expose in a usable form.
-
-ctypes calls release the GIL, which is what lets pre-fault run on several
-threads; `mincore` and a read-only mapping are not in the mmap module at all.
-"""
+"""The few system calls Python's stdlib does not expose in a usable form (`mincore`, a
+read-only mapping); ctypes calls release the GIL, so pre-fault runs on several threads."""
 
 from __future__ import annotations
 
