@@ -15,6 +15,7 @@ import errno
 import logging
 import mmap
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,7 @@ from vllm_offload_cli.core.region.prefault import PopulateStats, Progress, popul
 from vllm_offload_cli.core.region.ranks import RankSource, parse_rank_source
 from vllm_offload_cli.core.system import libc
 from vllm_offload_cli.core.system.files import FileId
-from vllm_offload_cli.core.system.processes import ProcessRef, hostname
+from vllm_offload_cli.core.system.processes import ProcessRef
 
 if TYPE_CHECKING:
     import torch
@@ -272,7 +273,7 @@ class SharedOffloadRegion:
             engine_id=self.engine_id, geometry=self.geometry,
             region_dev=st.st_dev, region_ino=st.st_ino,
             creator_pid=self._me.pid, creator_start_ticks=self._me.start_ticks,
-            creator_host=hostname(), created_at=time.time(), layout=self._layout,
+            creator_host=socket.gethostname(), created_at=time.time(), layout=self._layout,
             rank_source=self._rank_source, persistent=self.persistent,
             placement=None if self.placement.is_default else self.placement.to_record(),
             state=manifest_io.CREATING,  # `ready` once sized and pre-faulted (_attach)
@@ -432,7 +433,7 @@ class SharedOffloadRegion:
         attachment = manifest_io.Attachment(
             pid=self._me.pid, start_ticks=self._me.start_ticks, rank=self.rank,
             device_index=self._device_index, rank_source=self._rank_source,
-            host=hostname(), attached_at=time.time(), engine_token=self.engine_token,
+            host=socket.gethostname(), attached_at=time.time(), engine_token=self.engine_token,
         )
         try:
             # the creator's attach also ends creation: sized and pre-faulted, now `ready`

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -67,7 +66,3 @@ def environ(pid: int) -> dict[str, str] | None:
 def allowed_cpus(pid: int) -> frozenset[int] | None:
     """The CPUs the process may run on; None if it is gone or cannot be asked."""
     return _ask(pid, lambda p: frozenset(p.cpu_affinity() or ()))
-
-
-def hostname() -> str:
-    return socket.gethostname()
