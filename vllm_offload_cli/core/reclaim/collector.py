@@ -407,24 +407,12 @@ class _Run:
 
     def _remove(self, held: _Locked, age: float, *, leased: bool,
                 suspects: tuple[int, ...]) -> Problem | None:
-        """Removes (in a dry run, records) what is held; the lease, if any, is asked again."""
-        if leased and not all(fsguard.still_sole(fd) for _, fd, _ in held.files):
-            return self._opened_elsewhere(held.region, [])  # an open() waits on our lease
-        gone, manifest = self._unlink_region(held)
-        if gone:
-            self.removed.append(RemovedRegion(
-                engine_id=held.region.engine_id, paths=tuple(seg.path for seg, _, _ in gone),
-                bytes=sum(st.st_size for _, _, st in gone),
-                freed_bytes=sum(st.st_blocks * 512 for _, _, st in gone), manifest=manifest,
-                age_seconds=age, uid=held.files[0][2].st_uid,
-                reason=self._stale_text(held.manifest, age, leased),
-                hidden_pids=suspects if leased else ()))
-        return None
-
-    def _unlink_region(self, held: _Locked) -> tuple[list[_Held], str | None]:
-        """Manifest first (no creator writes one while the name is taken), the bare name
-        last (a creator starts from it); returns what really went."""
+        """Removes (dry run: records) what is held, the lease asked again: the manifest first
+        (no creator writes one while the name is taken), the bare name last (a creator
+        starts from it); records what really went."""
         r = held.region
+        if leased and not all(fsguard.still_sole(fd) for _, fd, _ in held.files):
+            return self._opened_elsewhere(r, [])  # an open() waits on our lease
         manifest = None
         if held.manifest_fd is not None and self._unlink(held.manifest_path,
                                                          held.manifest_fd, r.engine_id):
@@ -436,10 +424,18 @@ class _Run:
                 gone.insert(0, (seg, fd, st))
             elif unlinked is False:
                 self.vanished.append(r.engine_id)
-        if gone and not self.options.dry_run:
-            logger.info("removed %s (%d bytes)", ", ".join(seg.path for seg, _, _ in gone),
-                        sum(st.st_size for _, _, st in gone))
-        return gone, manifest
+        if not gone:
+            return None
+        paths, size = tuple(seg.path for seg, _, _ in gone), sum(st.st_size for _, _, st in gone)
+        if not self.options.dry_run:
+            logger.info("removed %s (%d bytes)", ", ".join(paths), size)
+        self.removed.append(RemovedRegion(
+            engine_id=r.engine_id, paths=paths, bytes=size,
+            freed_bytes=sum(st.st_blocks * 512 for _, _, st in gone), manifest=manifest,
+            age_seconds=age, uid=held.files[0][2].st_uid,
+            reason=self._stale_text(held.manifest, age, leased),
+            hidden_pids=suspects if leased else ()))
+        return None
 
     # -- manifests and temporary files --------------------------------------------
 
