@@ -412,8 +412,7 @@ def refuse_other_shape(r: RegionInfo, want: RegionShape | None, path: str,
         path=path, engine_id=r.engine_id, code=code)
 
 
-# -- room: a restarted engine has a fresh engine_id, so its predecessor's stale leftover
-# would refuse it (exit 5) for ever; this user's leftovers give way, by gc's own verdict.
+# -- room: this user's stale leftovers give way (a restarted engine has a fresh engine_id).
 
 RECLAIM_FOR_ROOM_ENV = "VLLM_OFFLOAD_RECLAIM_FOR_ROOM"
 

@@ -16,8 +16,7 @@ logger = logging.getLogger(__name__)
 STRICT_ENV = "VLLM_OFFLOAD_STRICT"
 SPEC_MODULE = "vllm_offload_cli.engine.vllm_spec"
 SPEC_NAMES = ("HardenedCPUOffloadingSpec", "HardenedTieringOffloadingSpec")
-# Every variable of ours an engine's environment may carry (the CLI's, set for a
-# sidecar in the same pod, included); any other `VLLM_OFFLOAD_*` found is registered too.
+# Our variables an engine may carry (the CLI's too); any other `VLLM_OFFLOAD_*` is added.
 ENV_PREFIX = "VLLM_OFFLOAD_"
 ENV_NAMES = (ENGINE_TOKEN_ENV, STRICT_ENV, "VLLM_OFFLOAD_SHM_DIR", "VLLM_OFFLOAD_SYSLOG_SOCKET")
 PACKAGE_LOGGER = "vllm_offload_cli"

@@ -67,8 +67,7 @@ class RegionHold:
         except (OffloadError, OSError):
             m = None
         self.pre_provisioned = m is not None and m.persistent and m.complete
-        # what inspect, verify and gc need once the names are released: carried by
-        # every process of the engine, gone with the last of them
+        # what inspect, verify and gc need once the names are released, while the engine lives
         self._carried = None if m is None else carried.carry(m)
         self._pid = os.getpid()
         atexit.register(self._close_at_exit)  # a process that never shuts vLLM down

@@ -64,8 +64,7 @@ class Release:
     segments_constant: str | None  # the CPU spec's constant for num_segments; None: one file
 
 
-# Every release: the CPU spec's creator unlinks the names after its barrier; the
-# tiering spec passes no barrier, and its scheduler maps the region rank-less.
+# Every release: the CPU spec unlinks after its barrier, the tiering scheduler is rank-less.
 _KEYWORDS_031 = frozenset({"barrier", "creator_memory_check", "populate_only_on_creator"})
 RELEASES: Mapping[str, Release] = MappingProxyType({
     "0.31": Release(keywords=_KEYWORDS_031, rank_source=DEVICE_MODULO, segments_constant=None),

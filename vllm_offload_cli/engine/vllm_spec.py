@@ -24,8 +24,7 @@ logger = logging.getLogger(__name__)
 join_vllm_logging()  # selected by spec_module_path alone, the plugin may not have run
 
 STRICT_KEY = "vllm_offload_strict"
-# Refusals are the hook's purpose: they stop the engine even outside strict mode
-# (a slot collision is an UnsafeRegionError).
+# Refusals are the hook's purpose: they stop the engine even outside strict mode.
 _REFUSALS = (errors.RegionBusyError, errors.InsufficientSpaceError, errors.UnsafeRegionError)
 
 
@@ -119,8 +118,7 @@ class HardenedCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
         worker, hold, call = _held(self, "cpu_worker", "_vllm_offload_hold", lambda: super(
             HardenedCPUOffloadingSpec, self).create_worker(kv_caches))
         if hold is not None and hold.creator and call is not None and call.barrier:
-            # vLLM's barrier has passed: every worker mapped the region. vLLM
-            # unlinks here too when it created the file; we created it.
+            # past vLLM's barrier every worker mapped it; vLLM's creator unlinks here too
             hold.release_name()
         return worker
 

@@ -19,8 +19,7 @@ from vllm_offload_cli.core.reclaim.report import RemovedRegion
 
 IDENT = "vllm-offload"
 DEFAULT_SOCKET = "/dev/log"
-# Where to send instead of /dev/log: for tests (a private datagram socket) and
-# for hosts whose syslog daemon listens elsewhere.
+# Where to send instead of /dev/log (a test's socket, a syslog daemon listening elsewhere).
 SOCKET_ENV = "VLLM_OFFLOAD_SYSLOG_SOCKET"
 # journald keeps longer lines, classic syslog daemons cut at 1-8 KiB: stay under both
 _MAX_FIELD = 512

@@ -36,8 +36,7 @@ from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 logger = logging.getLogger(__name__)
 
-# Regions locked at once: bounds our open descriptors and how long a joiner
-# of one of them waits on our exclusive lock (one /proc scan per batch).
+# Regions locked at once (one /proc scan each): bounds our descriptors and a joiner's wait.
 _BATCH = 64
 
 # manifest.write()'s temporary file: `.{manifest name}.tmp.{pid}.{hex}`

@@ -69,9 +69,7 @@ class RemovedRegion:
     age_seconds: float
     uid: int | None = None  # the owner of its files
     reason: str = ""  # why it was judged stale: the system log's record says it
-    # processes that could not be inspected and could have opened it: the kernel's
-    # lease alone proved that none of them had (the run warns, naming them)
-    hidden_pids: tuple[int, ...] = ()
+    hidden_pids: tuple[int, ...] = ()  # uninspectable, cleared by the kernel's lease alone
 
     def to_dict(self) -> dict[str, object]:
         return {**jsonable(self), "age_seconds": round(self.age_seconds, 3)}
@@ -98,9 +96,7 @@ class GcReport:
     # host-wide blind spots that stopped this run from removing anything
     blind_spots: tuple[Problem, ...] = ()
     uninspectable_pids: tuple[int, ...] = ()
-    # region files this run could have removed but did not judge (out of time, or
-    # past the largest of other users' files a run judges): the run exits PARTIAL
-    not_judged: tuple[Tally, ...] = ()
+    not_judged: tuple[Tally, ...] = ()  # removable files not judged in time: exit PARTIAL
     # files of owners this run may not remove, counted per owner past the first few
     counted: tuple[Tally, ...] = ()
     listed_all: bool = True  # False: time ran out before the directory was even listed
