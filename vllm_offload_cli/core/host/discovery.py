@@ -36,8 +36,7 @@ from vllm_offload_cli.core.system import procfs
 from vllm_offload_cli.core.system.files import FileId, open_proc_link, stat_proc_link
 from vllm_offload_cli.core.system.processes import comm
 
-LIVE, PERSISTENT, STALE = "live", "persistent", "stale"
-CREATING, UNKNOWN = "creating", "unknown"
+LIVE, PERSISTENT, STALE, CREATING, UNKNOWN = "live", "persistent", "stale", "creating", "unknown"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -469,7 +468,7 @@ def discover(
                measure=measure_residency, listing=listing, now=now)
     regions = _judge_listed(run, order, judge_until, partial) + _seen_only(run)
     regions = _flag_collisions(regions + _unlinked(run, wanted, partial))
-    orphans = _orphan_manifests(listing, {r.engine_id for r in regions}, wanted)
+    orphans = _orphan_manifests(listing, {r.engine_id for r in regions})
     return _inventory(shm, regions, orphans, listing, scan, vis)
 
 
@@ -786,19 +785,14 @@ def _orphan(engine_id: str, path: str) -> OrphanManifest | None:
     return OrphanManifest(engine_id=engine_id, path=path, file_id=FileId.of(st), uid=st.st_uid)
 
 
-def _orphan_manifests(listing: _Listing, present: set[str], wanted: set[str] | None
-                      ) -> list[OrphanManifest]:
-    """Manifests whose region is gone, both by name and from every process."""
-    orphans = []
+def _orphan_manifests(listing: _Listing, present: set[str]) -> list[OrphanManifest]:
+    """Manifests whose region is gone, both by name and from every process (the listing
+    kept only the wanted ones)."""
     seen = present | set(listing.judged) | set(listing.unjudged)
-    for engine_id, path in sorted(listing.manifests.items()):
-        if engine_id in seen or (wanted is not None and engine_id not in wanted):
-            continue
-        orphan = _orphan(engine_id, path)
-        # a region there was counted rather than listed
-        if orphan and not os.path.lexists(naming.region_path(os.path.dirname(path), engine_id)):
-            orphans.append(orphan)
-    return orphans
+    found = [_orphan(e, path) for e, path in sorted(listing.manifests.items()) if e not in seen]
+    # a region there may have been counted rather than listed
+    return [o for o in found if o is not None and not os.path.lexists(
+        naming.region_path(os.path.dirname(o.path), o.engine_id))]
 
 
 def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventory:

@@ -183,9 +183,8 @@ def _sample_files(segments: Sequence[SegmentFile], unknown: Placement) -> Placem
             got = sample_resident(fd, s.size_bytes,
                                   sample=max(1, SAMPLE_PAGES // len(segments)))
         except OSError as exc:  # no NUMA syscalls, refused, or truncated meanwhile (EFAULT)
-            if not residency.refused(exc):
-                return unknown
-            return replace(unknown, error=exc.strerror or str(exc))
+            refused = residency.refused(exc)
+            return replace(unknown, error=exc.strerror or str(exc)) if refused else unknown
         finally:
             os.close(fd)
         asked += got.asked

@@ -38,9 +38,8 @@ class HiddenProcess:
     open_any: bool  # holds a capability that bypasses file permissions
 
     def could_open(self, owner: int | None, mode: int | None) -> bool:
-        if self.uids is None or self.open_any or owner is None or mode is None:
-            return True
-        return owner in self.uids or bool(mode & 0o077)
+        return (self.uids is None or self.open_any or owner is None or mode is None
+                or owner in self.uids or bool(mode & 0o077))
 
 
 @dataclass(frozen=True)
