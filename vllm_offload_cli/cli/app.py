@@ -36,8 +36,7 @@ class CommandLine(click.Group):
         return list(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        name = ALIASES.get(cmd_name, cmd_name)
-        if name not in COMMANDS:
+        if (name := ALIASES.get(cmd_name, cmd_name)) not in COMMANDS:
             return None
         module_name, attribute = COMMANDS[name]
         module = importlib.import_module(f"vllm_offload_cli.cli.{module_name}")

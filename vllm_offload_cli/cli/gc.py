@@ -184,8 +184,7 @@ def _say_audit_dropped(inv: Invocation, dropped: int, socket: str, problem: str)
 
 def _warn_lease_only(inv: Invocation, report: GcReport) -> None:
     """Uninspectable processes matter only where they changed a decision: say which."""
-    leased = [r for r in report.removed if r.hidden_pids]
-    if not leased:
+    if not (leased := [r for r in report.removed if r.hidden_pids]):
         return
     pids = sorted({p for r in leased for p in r.hidden_pids})
     shown = shortened(pids, 5, " ...")
@@ -207,8 +206,7 @@ def refusal_errors(report: GcReport) -> list[dict[str, str]]:
         out.append({"code": report.blind_spots[0].code, "message": (
             f"refusing to remove anything: {report.blind_spots[0].message}; {what}. To fix: "
             f"{advice(report.blind_spots)}")})
-    hidden = [k for k in report.refused if k.blind_spot == HIDDEN_HOLDERS]
-    if hidden:
+    if hidden := [k for k in report.refused if k.blind_spot == HIDDEN_HOLDERS]:
         pids = report.uninspectable_pids
         who = (f"pid(s) {shortened(pids, 5, ' ...')}" if pids
                else "processes this run cannot inspect")

@@ -330,8 +330,7 @@ def _numa_text(r: dict[str, Any]) -> str:
         return "-"
     parts = [f"n{cell_text(n)}:{b * 100 / total:.0f}%"
              for n, b in sorted(shares.items(), key=lambda nb: (len(nb[0]), nb[0]))]
-    huge = _number(r.get("huge_page_bytes"))
-    if huge:
+    if huge := _number(r.get("huge_page_bytes")):
         parts.append(f"thp:{min(100.0, huge * 100 / total):.0f}%")
     return ",".join(parts)
 

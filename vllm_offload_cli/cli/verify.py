@@ -64,8 +64,7 @@ def verify_rank_layout(inv: Invocation, engine_id: str | None, world_size: int |
 
 
 def _refuse(mode: str, *given: tuple[str, bool]) -> None:
-    wrong = [name for name, present in given if present]
-    if wrong:
+    if wrong := [name for name, present in given if present]:
         other = "an ENGINE_ID (live mode)" if mode == "live" else "no ENGINE_ID (plan mode)"
         raise InvalidInputError(f"{', '.join(wrong)} only applies with {other}", code="usage")
 
@@ -150,8 +149,7 @@ def _live_lines(check: LiveCheck) -> list[str]:
                      f"{g.world_size} slot(s) of {g.cpu_page_size} bytes (from the {origin})")
     if check.rank_source is not None:
         lines.append(f"  rank source {check.rank_source}")
-    joined = _joined(check)
-    if joined is False:
+    if (joined := _joined(check)) is False:
         lines.append("  no worker has joined yet: which slots are populated says nothing "
                      "until one does (create pre-faults every slot)")
     if check.slots:

@@ -34,8 +34,7 @@ def missing_extra(extra: str, missing: list[str], *, what: str) -> MissingExtraE
 def require(extra: str, *, what: str) -> None:
     """Raise MissingExtraError unless every module of `extra` can be imported; finds
     them without importing, so the caller decides when torch loads."""
-    missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
-    if missing:
+    if missing := [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]:
         raise missing_extra(extra, missing, what=what)
 
 
