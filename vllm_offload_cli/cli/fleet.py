@@ -106,12 +106,8 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
 
 def _answered(result: FleetResult) -> list[tuple[str, NodeResult, dict[str, Any]]]:
     """(label, node, data) of each node that answered with data."""
-    rows = []
-    for n in result.nodes:
-        data = (n.envelope or {}).get("data") if n.outcome == fleet.ANSWERED else None
-        if isinstance(data, dict) and data:
-            rows.append((result.label(n), n, data))
-    return rows
+    return [(result.label(n), n, data) for n in result.nodes if n.outcome == fleet.ANSWERED
+            and isinstance(data := (n.envelope or {}).get("data"), dict) and data]
 
 
 def render_nodes(out: Out, result: FleetResult) -> None:

@@ -303,8 +303,7 @@ def dict_items(value: object) -> list[dict[str, Any]]:
 
 def _holders_text(r: dict[str, Any], wide: bool) -> str:
     """Narrow: the count and the first pid ('3 (4242,...)'); wide: every holder."""
-    holders = dict_items(r.get("holders"))
-    if not holders:
+    if not (holders := dict_items(r.get("holders"))):
         return "-"
     if not wide:
         more = ",..." if len(holders) > 1 else ""
@@ -325,8 +324,7 @@ def _numa_text(r: dict[str, Any]) -> str:
     """Resident share per node, then the huge-page share if any: 'n0:62%,n1:38%,thp:100%'."""
     nodes = r.get("numa_nodes")
     shares = {str(n): _number(b) or 0 for n, b in nodes.items()} if isinstance(nodes, dict) else {}
-    total = sum(shares.values())
-    if not total:
+    if not (total := sum(shares.values())):
         return "-"
     parts = [f"n{cell_text(n)}:{b * 100 / total:.0f}%"
              for n, b in sorted(shares.items(), key=lambda nb: (len(nb[0]), nb[0]))]
