@@ -77,13 +77,12 @@ def _segments(requested: int, geometry: Geometry) -> int:
     if requested <= cap and files(requested) == requested:
         return requested
     possible = [n for n in range(1, min(cap, 64) + 1) if files(n) == n]
-    shown = shortened(possible, 8)
     why = (f"no file may be under {format_bytes(MIN_SEGMENT_BYTES)}" if requested > cap else
            f"{geometry.num_blocks} rows split {requested} ways as vLLM splits them make "
            f"{files(requested)} files")
     raise InvalidInputError(
         f"--segments {requested} cannot be made for {format_bytes(geometry.size_bytes)} "
-        f"({why}); possible: {shown}", code="invalid_segments")
+        f"({why}); possible: {shortened(possible, 8)}", code="invalid_segments")
 
 
 def _busy_with_holders(exc: RegionBusyError, shm_dir: str, engine_id: str) -> RegionBusyError:
@@ -328,8 +327,7 @@ def hand_over(paths: list[str], manifest_path: str, uid: int, gid: int, mode: in
     for path in paths:
         fd = fsguard.open_existing(path, os.O_RDONLY)
         try:
-            st = os.fstat(fd)
-            if st.st_uid != me or st.st_nlink != 1:  # not the file we made
+            if (st := os.fstat(fd)).st_uid != me or st.st_nlink != 1:  # not the file we made
                 raise UnsafeRegionError(f"{path} changed under create (owner {st.st_uid}, "
                                         f"{st.st_nlink} links); not handing it over",
                                         path=path, code="changed")

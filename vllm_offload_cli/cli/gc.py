@@ -186,8 +186,7 @@ def _warn_lease_only(inv: Invocation, report: GcReport) -> None:
     """Uninspectable processes matter only where they changed a decision: say which."""
     if not (leased := [r for r in report.removed if r.hidden_pids]):
         return
-    pids = sorted({p for r in leased for p in r.hidden_pids})
-    shown = shortened(pids, 5, " ...")
+    shown = shortened(sorted({p for r in leased for p in r.hidden_pids}), 5, " ...")
     names = shortened([r.engine_id for r in leased], 3)
     verb = "would be" if report.options.dry_run else "was"
     inv.warn("removed_on_lease_proof",

@@ -461,8 +461,7 @@ _REGION_GAUGES: tuple[tuple[str, str, Callable[[RegionInfo, Placement | None], A
 
 def _registry(found: Inventory, rest: dict[int | None, list[RegionInfo]],
               placed: dict[str, Placement] | None, data: dict[str, Any]) -> Any:
-    """Gauges that stay true in a textfile rewritten every minute: no ages, no empty labels;
-    `data` (the JSON) has the owners' totals and what was refused."""
+    """Gauges that stay true in a textfile rewritten every minute: no ages, no empty labels."""
     from prometheus_client import CollectorRegistry, Gauge
 
     registry = CollectorRegistry()

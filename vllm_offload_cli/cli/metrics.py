@@ -1,6 +1,5 @@
-"""node_exporter textfile output, and what bounds it, for `inspect` and `gc`. The write is
-ours: prometheus_client's `write_to_textfile` uses a predictable `PATH.PID.TID`, which
-follows a planted symlink."""
+"""node_exporter textfiles of `inspect` and `gc`, written by us: prometheus_client's
+`write_to_textfile` uses a predictable `PATH.PID.TID`, which follows a planted symlink."""
 
 from __future__ import annotations
 

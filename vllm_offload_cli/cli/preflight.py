@@ -1,5 +1,4 @@
-"""`vllm-offload preflight`: the engine hook's start-up checks, for systemd `ExecStartPre=`
-or a Kubernetes init container."""
+"""`vllm-offload preflight`: the engine hook's start-up checks, for `ExecStartPre=` or init."""
 
 from __future__ import annotations
 

@@ -334,10 +334,7 @@ def _wait(ray: Any, pending: list[Any], timeout: float) -> dict[Any, float]:
     """Seconds until each ref finished (answer or failure); the late ones are absent."""
     started = time.monotonic()
     done_at: dict[Any, float] = {}
-    while pending:
-        left = started + timeout - time.monotonic()
-        if left <= 0:
-            break
+    while pending and (left := started + timeout - time.monotonic()) > 0:
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         for ref in ready:
             done_at[ref] = time.monotonic() - started

@@ -1,2 +1,1 @@
-"""Foundations that read nothing of the host: errors, exit statuses, problems, units, text
-for untrusted strings, deadlines and bounded waits, extras and lazy torch, the pause hook."""
+"""Foundations that read nothing of the host: errors, statuses, units, text, deadlines, extras."""

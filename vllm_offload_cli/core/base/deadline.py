@@ -61,8 +61,7 @@ def poll_until(attempt: Callable[[], T | None], timeout: float,
     while True:
         if (result := attempt()) is not None:
             return result
-        left = end - time.monotonic()
-        if left <= 0:
+        if (left := end - time.monotonic()) <= 0:
             return None
         time.sleep(min(delay, left))
         delay = min(delay * 2, longest)

@@ -1,5 +1,4 @@
-"""Exit statuses of `vllm-offload`, the one table of what each code means: a contract with
-scripts and launchers that never changes, read by the CLI, errors, fleet merge and docs."""
+"""Exit statuses and what each means: one table, a contract with scripts that never changes."""
 
 from __future__ import annotations
 

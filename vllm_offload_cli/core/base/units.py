@@ -1,5 +1,4 @@
-"""Sizes as coreutils reads them (a lone `b`, 512-byte blocks there, is refused rather than
-guessed), durations as systemd does (`1h30m`), and both printed back readably."""
+"""Sizes as coreutils reads them (a lone `b` refused, not guessed), durations as systemd does."""
 
 from __future__ import annotations
 
