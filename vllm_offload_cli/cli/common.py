@@ -201,8 +201,7 @@ def run_boundary(inv: Invocation, body: Callable[[], Outcome]) -> int:
     return int(doc["exit_code"])
 
 
-# -- value types: each reads the text as `core.base.units` does and turns a bad value
-# into click's usage error (exit 2, `usage` in the JSON envelope), never the raw text
+# value types: read as `core.base.units` reads them; a bad value is click's usage error (2)
 class Size(click.ParamType):  # type: ignore[type-arg]  # generic in newer click
     """Bytes: `4096`, `64KiB`, `1G` (powers of 1024), `1GB` (of 1000)."""
 

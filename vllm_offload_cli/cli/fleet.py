@@ -101,8 +101,7 @@ def _fleet_command(local: Subcommand, fixed: dict[str, Any], doc: str,
                          help=exit_status.with_statuses(doc), short_help=doc.split("\n")[0])
 
 
-# -- output for people: over the nodes' JSON data, exactly what --json carries; every
-# string in it is another host's, escaped as the node-local command escapes its own
+# output for people, from the nodes' JSON data: another host's strings escaped as our own
 
 def _answered(result: FleetResult) -> list[tuple[str, NodeResult, dict[str, Any]]]:
     """(label, node, data) of each node that answered with data."""

@@ -334,16 +334,14 @@ def _numa_text(r: dict[str, Any]) -> str:
 
 
 def bytes_text(value: object) -> str:
-    n = _number(value)
-    return "-" if n is None else format_bytes(n)
+    return format_bytes(_number(value))  # None: '-'
 
 
 def region_row(r: dict[str, Any], *, wide: bool = False, refused: bool = False,
                owner: Callable[[int | None], str] = owner_name) -> list[str]:
     """A region's JSON dict as a row; `refused` residency shows `?`, not `-`."""
     name = cell_text(r.get("engine_id"))
-    uid = r.get("uid")
-    uid = uid if is_int(uid) else None
+    uid = r.get("uid") if is_int(r.get("uid")) else None
     resident = r.get("resident_bytes")
     return [name if r.get("linked") else f"{name} (unlinked)",
             "-" if r.get("dp_rank") is None else cell_text(r.get("dp_rank")),
