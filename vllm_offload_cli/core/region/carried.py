@@ -67,8 +67,7 @@ def carried_by(pids: Iterable[int], region: FileId, owner_uid: int | None,
         deadline.check("reading the manifests holders carry")
         if pid not in cache:
             cache[pid] = _memfds(pid)
-        m = _carried(pid, cache[pid], region, owner_uid)
-        if m is not None:
+        if (m := _carried(pid, cache[pid], region, owner_uid)) is not None:
             found.append(m)
     if not found:
         return None
@@ -79,13 +78,11 @@ def carried_by(pids: Iterable[int], region: FileId, owner_uid: int | None,
 
 def _memfds(pid: int) -> dict[tuple[int, int], int] | None:
     """(region dev, ino) -> descriptor of each manifest memfd a process carries."""
-    links = procfs.fd_links(pid)
-    if isinstance(links, procfs.Unreadable):
+    if isinstance(links := procfs.fd_links(pid), procfs.Unreadable):
         return None
     found: dict[tuple[int, int], int] = {}
     for fd_number, target in links:
-        named = _TARGET.fullmatch(target)
-        if named is not None:
+        if (named := _TARGET.fullmatch(target)) is not None:
             found.setdefault((int(named.group(1)), int(named.group(2))), fd_number)
     return found
 
@@ -95,8 +92,7 @@ def _carried(pid: int, memfds: dict[tuple[int, int], int] | None, region: FileId
     fd_number = None if memfds is None else memfds.get((region.dev, region.ino))
     if fd_number is None:
         return None
-    fd = open_proc_link(procfs.fd_link(pid, fd_number))
-    if fd is None:
+    if (fd := open_proc_link(procfs.fd_link(pid, fd_number))) is None:
         return None
     try:  # validated as any manifest (a memfd has no link)
         m = manifest_io.read_fd(fd, f"memfd of pid {pid}", allowed_uids=fsguard.EVERY_UID,

@@ -83,8 +83,7 @@ def raise_if_unsafe(
     expected_size: int | None = None,
 ) -> None:
     """Turn the first problem of `stat_problems` into an UnsafeRegionError."""
-    problems = stat_problems(st, allowed_uids=allowed_uids, expected_size=expected_size)
-    if problems:
+    if problems := stat_problems(st, allowed_uids=allowed_uids, expected_size=expected_size):
         code, message = problems[0].code, problems[0].message
         raise errors.UnsafeRegionError(
             f"{path} {message}; refusing to use it{_HINTS.get(code, '')}", path=path,
@@ -174,8 +173,7 @@ def no_space(path: str, exc: OSError, *, engine_id: str | None = None
     directory = os.path.dirname(path) or "."
     why = exc.strerror or "no space left"
     with contextlib.suppress(OSError):
-        vfs = os.statvfs(directory)
-        if vfs.f_files and vfs.f_ffree == 0:
+        if (vfs := os.statvfs(directory)).f_files and vfs.f_ffree == 0:
             why = (f"{directory} has no free inodes left ({vfs.f_files} in all; the tmpfs "
                    "nr_inodes limit): remove leftovers with `vllm-offload gc`, or remount it "
                    "with a larger nr_inodes")
@@ -392,8 +390,7 @@ def sole_opener(fds: list[int], *, retry: float = _RETRY_SECONDS
     try:
         verdict = OpenersVerdict(True)
         for fd in fds:
-            verdict = _try_lease(fd, retry)
-            if verdict.sole is not True:
+            if (verdict := _try_lease(fd, retry)).sole is not True:
                 break
             taken.append(fd)
         yield verdict

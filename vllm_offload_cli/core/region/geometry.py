@@ -36,8 +36,7 @@ class Geometry:
             _require_positive(name, getattr(self, name))
         if self.world_size is not None:
             _require_positive("world_size", self.world_size)
-        problems = stride_problems(self.row_stride, self.cpu_page_size, self.world_size)
-        if problems:
+        if problems := stride_problems(self.row_stride, self.cpu_page_size, self.world_size):
             raise InvalidInputError(problems[0].message, code="invalid_geometry")
 
     @classmethod
@@ -68,8 +67,7 @@ class Geometry:
 
 
 def _require_positive(name: str, value: int) -> None:
-    problem = int_problem(name, value)
-    if problem is not None:
+    if (problem := int_problem(name, value)) is not None:
         raise InvalidInputError(problem, code="invalid_geometry")
 
 
@@ -125,8 +123,7 @@ def geometry_from_size(
     """Fit as many whole rows as `size_bytes` allows; also return the unused remainder."""
     _require_positive("size", size_bytes)
     row_stride = default_row_stride(world_size, cpu_page_size)
-    num_blocks = size_bytes // row_stride
-    if num_blocks == 0:
+    if (num_blocks := size_bytes // row_stride) == 0:
         raise InvalidInputError(
             f"size {size_bytes} is smaller than one row ({row_stride} bytes for {world_size} "
             f"slot(s) of {cpu_page_size} bytes)",

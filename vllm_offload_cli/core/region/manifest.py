@@ -120,8 +120,7 @@ class Manifest:
         if version != MANIFEST_VERSION or isinstance(version, bool):
             raise uj.UntrustedJsonError(f"unsupported manifest_version {version!r:.40}")
         engine_id = uj.string(uj.field(doc, "engine_id", "manifest"), "engine_id")
-        problem = naming.engine_id_problem(engine_id)
-        if problem is not None:
+        if (problem := naming.engine_id_problem(engine_id)) is not None:
             raise uj.UntrustedJsonError(problem)
         region = uj.obj(uj.field(doc, "region", "manifest"), "region")
         creator = uj.obj(uj.field(doc, "creator", "manifest"), "creator")
@@ -225,8 +224,7 @@ def read_fd(fd: int, path: str, *, allowed_uids: fsguard.AllowedUids = None,
             f"manifest {path} is owned by uid {st.st_uid}, not by the region's owner uid "
             f"{owner_uid}; it is ignored (another user may have planted it)", path=path,
             code="manifest_foreign")
-    problems = fsguard.stat_problems(st, allowed_uids=allowed_uids, expect_linked=linked)
-    if problems:
+    if problems := fsguard.stat_problems(st, allowed_uids=allowed_uids, expect_linked=linked):
         raise ManifestError(f"manifest {path} {problems[0].message}", path=path,
                             code=f"manifest_{problems[0].code}")
     data = os.pread(fd, MAX_BYTES + 1, 0)  # never more, whatever the size says
@@ -310,8 +308,7 @@ def _locked(path: str, timeout: float, work: Callable[[int], T | None], doing: s
             return work(fd) if fsguard.try_lock(fd) else None
         finally:
             os.close(fd)
-    done = poll_until(attempt, timeout)
-    if done is None:
+    if (done := poll_until(attempt, timeout)) is None:
         raise errors.RegionTimeoutError(f"gave up {doing} manifest {path} after {timeout:g} s: "
                                         "another process kept it locked (a stopped gc?)",
                                         path=path)

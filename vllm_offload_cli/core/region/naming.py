@@ -49,8 +49,7 @@ def engine_id_problem(engine_id: str) -> str | None:
 
 def validate_engine_id(engine_id: str) -> str:
     """Return engine_id unchanged, or raise InvalidInputError saying why not."""
-    problem = engine_id_problem(engine_id)
-    if problem is not None:
+    if (problem := engine_id_problem(engine_id)) is not None:
         raise InvalidInputError(problem, engine_id=engine_id, code="invalid_engine_id")
     return engine_id
 
@@ -75,8 +74,7 @@ class EngineIdParts:
 
 def split_engine_id(engine_id: str) -> EngineIdParts:
     """Parse the `_dp{rank}` suffix back out of an engine_id."""
-    match = _DP_RE.fullmatch(engine_id)
-    if match is None:
+    if (match := _DP_RE.fullmatch(engine_id)) is None:
         return EngineIdParts(engine_id, engine_id, None)
     return EngineIdParts(engine_id, match["base"], int(match["rank"]))
 

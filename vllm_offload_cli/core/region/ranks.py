@@ -64,16 +64,14 @@ RANK_SOURCES: Mapping[str, RankSource] = MappingProxyType(
 def parse_rank_source(value: str | RankSource) -> RankSource:
     """The registered source for a name; `_` and case are forgiven, nothing else."""
     if isinstance(value, RankSource):
-        registered = RANK_SOURCES.get(value.name)
-        if registered is not value:
+        if RANK_SOURCES.get(value.name) is not value:
             raise InvalidInputError(f"rank source {value.name!r} is not registered",
                                     code="invalid_rank_source")
         return value
     if not isinstance(value, str):
         raise InvalidInputError(f"rank source must be a name, got {value!r}",
                                 code="invalid_rank_source")
-    source = RANK_SOURCES.get(value.strip().lower().replace("_", "-"))
-    if source is None:
+    if (source := RANK_SOURCES.get(value.strip().lower().replace("_", "-"))) is None:
         known = ", ".join(RANK_SOURCES)
         raise InvalidInputError(f"unknown rank source {value!r}; use one of: {known}",
                                 code="invalid_rank_source")

@@ -336,8 +336,7 @@ class SharedOffloadRegion:
                 fsguard.raise_if_unsafe(st, self.mmap_path, engine_id=self.engine_id,
                                         allowed_uids=self._allowed_uids, expected_size=expected)
             return None
-        found = poll_until(sized, timeout, backoff=(0.005, 0.005))
-        if found is None:
+        if (found := poll_until(sized, timeout, backoff=(0.005, 0.005))) is None:
             raise errors.RegionTimeoutError(
                 f"{self.mmap_path} is still {os.fstat(fd).st_size} bytes after {timeout:.0f} s; "
                 "its creator never sized it (crashed?). `vllm-offload inspect` shows who holds it",
@@ -644,8 +643,7 @@ def _host_unregister() -> Callable[[int], object] | None:
     already loaded: the core never imports vLLM), else the CUDA runtime, as 0.31 did."""
     for module in ("vllm.v1.kv_offload.cpu.shared_offload_region",
                    "vllm.v1.kv_offload.cpu.host_register"):
-        unregister = getattr(sys.modules.get(module), "host_unregister", None)
-        if callable(unregister):
+        if callable(unregister := getattr(sys.modules.get(module), "host_unregister", None)):
             return unregister  # type: ignore[no-any-return]
     torch = import_torch()
     if not torch.cuda.is_available():

@@ -59,8 +59,7 @@ def _bounded_int(text: str) -> int:
 def _finite_float(text: str) -> float:
     if len(text) > _MAX_NUMBER_CHARS:
         raise UntrustedJsonError(f"a number of {len(text)} characters")
-    value = float(text)
-    if not math.isfinite(value):
+    if not math.isfinite(value := float(text)):
         raise UntrustedJsonError(f"{text} is not a finite number")
     return value
 
