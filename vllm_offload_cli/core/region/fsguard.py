@@ -372,14 +372,6 @@ def _try_lease(fd: int, retry: float) -> OpenersVerdict:
     return poll_until(attempt, retry, backoff=(0.005, 0.05)) or OpenersVerdict(False)
 
 
-def _release(fd: int) -> None:
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-    except OSError as exc:
-        if exc.errno != errno.EBADF:
-            raise
-
-
 @contextlib.contextmanager
 def sole_opener(fds: list[int], *, retry: float = _RETRY_SECONDS
                 ) -> Iterator[OpenersVerdict]:
@@ -396,7 +388,11 @@ def sole_opener(fds: list[int], *, retry: float = _RETRY_SECONDS
         yield verdict
     finally:
         for fd in taken:
-            _release(fd)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            except OSError as exc:
+                if exc.errno != errno.EBADF:  # the caller closed it: no lease left
+                    raise
 
 
 def still_sole(fd: int) -> bool:

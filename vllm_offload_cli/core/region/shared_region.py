@@ -168,14 +168,13 @@ class SharedOffloadRegion:
                     manifest_io.read(self.manifest_path, allowed_uids=allowed_uids)
             fd = self._open(create_only=create_only, join_timeout=join_timeout,
                             preflight=preflight)
-            self.mmap_obj = self._map(fd)
+            self.mmap_obj = mm = self._map(fd)
             if self._creator:  # the file's NUMA policy is shared: only its creator sets it
-                page_policy.apply(self.mmap_obj, self.total_size_bytes, self.placement)
+                page_policy.apply(mm, self.total_size_bytes, self.placement)
 
             def prefault(ranges: list[tuple[int, int]]) -> None:
                 if populate_pages and ranges:
-                    assert self.mmap_obj is not None
-                    self.populate_stats = populate(self.mmap_obj, ranges,
+                    self.populate_stats = populate(mm, ranges,
                                                    threads=populate_threads,
                                                    progress=_pausing(progress))
 
@@ -198,7 +197,7 @@ class SharedOffloadRegion:
             elif not populate_only_on_creator:
                 prefault(slot_ranges(self.geometry, rank))
             if populate_pages and self.placement.advise_huge:
-                self.huge_page_bytes = page_policy.huge_bytes_of(self.mmap_obj)
+                self.huge_page_bytes = page_policy.huge_bytes_of(mm)
             if barrier is None:
                 self._attach()
         except BaseException as exc:
@@ -394,7 +393,7 @@ class SharedOffloadRegion:
                            self.mmap_path, m.creator_pid)
 
     def _name_taken(self) -> errors.OffloadError:
-        st = None
+        st = m = None
         with contextlib.suppress(FileNotFoundError):
             st = os.stat(self.mmap_path, follow_symlinks=False)
         if st is not None:
@@ -405,17 +404,16 @@ class SharedOffloadRegion:
                     "is before removing it by hand", path=self.mmap_path,
                     engine_id=self.engine_id, code=problems[0].code,
                 )
+            # only a manifest of this very file counts
+            m, _ = manifest_io.read_matching(self.manifest_path, FileId.of(st),
+                                             allowed_uids=self._allowed_uids, owner_uid=st.st_uid)
         return errors.RegionBusyError(
-            f"{self.mmap_path} already exists; {self._taken_hint(st)}",
+            f"{self.mmap_path} already exists; {self._taken_hint(m)}",
             path=self.mmap_path, engine_id=self.engine_id, code="name_taken",
         )
 
-    def _taken_hint(self, st: os.stat_result | None) -> str:
+    def _taken_hint(self, m: manifest_io.Manifest | None) -> str:
         """What to do about a taken name, as a command that works on what is there."""
-        m = None
-        if st is not None:  # only a manifest of this very file counts
-            m, _ = manifest_io.read_matching(self.manifest_path, FileId.of(st),
-                                             allowed_uids=self._allowed_uids, owner_uid=st.st_uid)
         gc = naming.gc_command(self.shm_dir, self.engine_id,
                         include_persistent=m is not None and m.persistent and m.complete)
         if m is not None and not m.complete:
