@@ -104,9 +104,8 @@ def check_slot(region: SharedOffloadRegion, token: str | None, *, replicated: bo
         m = manifest_io.read(region.manifest_path)
     except (manifest_io.ManifestError, OSError, RegionNotFoundError):
         return
-    me = os.getpid()
     for a in m.live_attachments():
-        if a.rank == region.rank and a.pid != me and a.engine_token == token:
+        if a.rank == region.rank and a.pid != os.getpid() and a.engine_token == token:
             raise UnsafeRegionError(
                 f"rank {region.rank} of {region.mmap_path} is already used by pid {a.pid} of "
                 "this engine; two workers computing one slot would overwrite each other's "

@@ -31,7 +31,7 @@ from vllm_offload_cli.core.region import fsguard, naming, untrusted_json
 from vllm_offload_cli.core.region import manifest as manifest_io
 from vllm_offload_cli.core.region.manifest import Manifest
 from vllm_offload_cli.core.region.naming import manifest_path
-from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId
+from vllm_offload_cli.core.system.files import UNTRUSTED_OPEN_FLAGS, FileId, open_regular
 from vllm_offload_cli.core.system.processes import ProcessRef, comm
 
 logger = logging.getLogger(__name__)
@@ -323,13 +323,10 @@ class _Run:
     def _read_manifest(self, held: _Locked) -> None:
         """The manifest, kept open so only this inode is ever unlinked; one describing
         another inode stays, to be judged as an orphan once the region is gone."""
-        try:
-            fd = os.open(held.manifest_path, os.O_RDONLY | UNTRUSTED_OPEN_FLAGS)
-        except OSError:
-            return  # absent (made by vLLM), or a symlink we leave alone
-        st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or not fsguard.uid_allowed(st.st_uid, self.owners)
-                or not fsguard.try_lock(fd)):
+        fd = open_regular(held.manifest_path)
+        if fd is None:
+            return  # absent (made by vLLM), a symlink or not a file: left alone
+        if not fsguard.uid_allowed(os.fstat(fd).st_uid, self.owners) or not fsguard.try_lock(fd):
             os.close(fd)  # not ours to remove, or being rewritten right now: leave it
             return
         bare = next((s for seg, _, s in held.files if seg.segment == 0), None)
@@ -354,8 +351,7 @@ class _Run:
             return self._held(r, discovery.holders_of(uses), " (seen after locking it)")
         if m is not None and not m.complete and m.creator_alive():
             return self._creating(r, m)
-        if (m is not None and m.persistent and m.complete
-                and not self.options.include_persistent):
+        if m is not None and m.persistent and m.complete and not self.options.include_persistent:
             return self._keep(r, report.PERSISTENT, _PERSISTENT_TEXT)
         # ctime: anyone can set a file's mtime (a future one would make it immune), not ctime
         now = time.time()
@@ -458,35 +454,32 @@ class _Run:
             for n, entry in enumerate(entries):  # one at a time: a million names cost no memory
                 if not n % 4096:
                     deadline.check("removing temporary files")
-                self._temp_file(entry, wanted)
-
-    def _temp_file(self, entry: os.DirEntry[str], wanted: set[str] | None) -> None:
-        match = _TEMP_RE.fullmatch(entry.name) if entry.name.startswith(".") else None
-        if (match is None or naming.engine_id_problem(match["engine_id"]) is not None
-                or (wanted is not None and match["engine_id"] not in wanted)):
-            return
-        try:  # another user's file is judged by lstat, never opened
-            ours = fsguard.uid_allowed(entry.stat(follow_symlinks=False).st_uid, self.owners)
-        except OSError:
-            return
-        # a live writer may be between write and rename
-        if (ours and not ProcessRef(int(match["pid"]), None).alive()
-                and self._unlink_old(entry.path, None)):
-            self.temps.append(entry.path)
+                match = _TEMP_RE.fullmatch(entry.name) if entry.name.startswith(".") else None
+                if (match is None or naming.engine_id_problem(match["engine_id"]) is not None
+                        or (wanted is not None and match["engine_id"] not in wanted)):
+                    continue
+                try:  # another user's file is judged by lstat, never opened
+                    uid = entry.stat(follow_symlinks=False).st_uid
+                except OSError:
+                    continue
+                # a live writer may be between write and rename
+                if (fsguard.uid_allowed(uid, self.owners)
+                        and not ProcessRef(int(match["pid"]), None).alive()
+                        and self._unlink_old(entry.path, None)):
+                    self.temps.append(entry.path)
 
     def _unlink_old(self, path: str, engine_id: str | None,
                     orphan: discovery.OrphanManifest | None = None) -> bool:
         """Unlinks a small file of ours older than --min-age, judged on its descriptor;
         True when removed (dry run: would be)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | UNTRUSTED_OPEN_FLAGS)
-        except OSError:
-            return False  # gone, or a symlink: never followed, never ours
+        fd = open_regular(path, None if orphan is None else orphan.file_id)
+        if fd is None:
+            return False  # gone, replaced, a symlink or not a file: never ours
         try:
             st = os.fstat(fd)
-            if (not stat.S_ISREG(st.st_mode) or not fsguard.uid_allowed(st.st_uid, self.owners)
+            if (not fsguard.uid_allowed(st.st_uid, self.owners)
                     or time.time() - st.st_ctime < self.options.min_age
-                    or (orphan is not None and not self._still_orphan(orphan, fd, st))):
+                    or (orphan is not None and not self._still_orphan(orphan, fd))):
                 return False
             return bool(self._unlink(path, fd, engine_id))
         except OSError as exc:
@@ -495,10 +488,10 @@ class _Run:
         finally:
             os.close(fd)
 
-    def _still_orphan(self, o: discovery.OrphanManifest, fd: int, st: os.stat_result) -> bool:
-        """The inode discovery saw, locked (manifests change under LOCK_EX), no region back
-        since, and not a live region's manifest renamed onto this name."""
-        return (FileId.of(st) == o.file_id and fsguard.try_lock(fd)
+    def _still_orphan(self, o: discovery.OrphanManifest, fd: int) -> bool:
+        """Locked (manifests change under LOCK_EX), no region back since, and not a live
+        region's manifest renamed onto this name (open_regular checked the inode)."""
+        return (fsguard.try_lock(fd)
                 and not os.path.lexists(naming.region_path(self.shm_dir, o.engine_id))
                 and _recorded_region(fd) not in self.known_inodes)
 
