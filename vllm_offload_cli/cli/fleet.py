@@ -35,10 +35,9 @@ LOCAL: dict[str, Subcommand] = {str(s.name): s for s in (
 def node_task(command: str, options: dict[str, Any], shm_dir: str | None) -> dict[str, Any]:
     """On one node: the command's envelope and who answered (default: the node's shm dir)."""
     where = Path(shm_dir or os.environ.get(common.SHM_DIR_ENV) or DEFAULT_SHM_DIR)
-    doc = common.envelope_of(LOCAL[command], options, shm_dir=where)
-    doc["node"] = {"hostname": socket.gethostname(), "pid": os.getpid(),
-                   "version": __version__, "shm_dir": str(where)}
-    return doc
+    return {**common.envelope_of(LOCAL[command], options, shm_dir=where),
+            "node": {"hostname": socket.gethostname(), "pid": os.getpid(),
+                     "version": __version__, "shm_dir": str(where)}}
 
 
 def _fleet_params() -> list[click.Parameter]:

@@ -247,8 +247,7 @@ def _failure(exc: BaseException, ray: Any) -> tuple[str, str]:
 
 def _probe(address: str, timeout: float) -> None:
     """Fail fast on a host:port where nothing listens (ray.init would retry for minutes)."""
-    target = address.removeprefix("ray://")
-    host, _, port = target.rpartition(":")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
     if address == "auto" or not host or not port.isdigit():
         return  # ray resolves these itself, quickly
     try:
