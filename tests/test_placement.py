@@ -388,7 +388,7 @@ def test_holder_numa_maps_match_by_inode_even_when_unlinked(shm_dir: Path,
     assert found.huge_bytes == 0 or found.huge_bytes <= 8 * PAGE
     assert set(found.nodes) <= set(TOPO.nodes)
     other = FileId(st_dev, h.info["ino"] + 10**9)
-    assert observed.scan_holder(h.pid, {other}) == {}
+    assert observed.scan_holder(h.pid, {other}) == []
     assert observed.scan_holder(2**22 + 12345, {fid}) is None  # no such process
 
 

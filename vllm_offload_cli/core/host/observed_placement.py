@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from vllm_offload_cli.core.host import residency
@@ -46,7 +46,12 @@ class Placement:
     error: str | None = None  # why it is unknown when a system call was refused
 
 
-def _summed(pid: int, parts: Sequence[HolderPages | procfs.MappedPages]) -> HolderPages:
+def merge(pid: int, found: list[procfs.MappedPages] | None,
+          ids: Collection[FileId]) -> HolderPages | None:
+    """One region's share of a scan_holder() result (its segments' mappings added up)."""
+    parts = [m for m in found or () if m.file_id in ids]
+    if not parts:
+        return None
     nodes: Counter[int] = Counter()
     for part in parts:
         nodes.update(part.nodes)
@@ -54,23 +59,12 @@ def _summed(pid: int, parts: Sequence[HolderPages | procfs.MappedPages]) -> Hold
                        huge_bytes=sum(p.huge_bytes for p in parts), nodes=dict(nodes))
 
 
-def merge(pid: int, found: dict[FileId, HolderPages] | None,
-          ids: Iterable[FileId]) -> HolderPages | None:
-    """One region's share of a scan_holder() result (its segments added up)."""
-    parts = [found[i] for i in ids if found and i in found]
-    return _summed(pid, parts) if parts else None
-
-
-def scan_holder(pid: int, wanted: set[FileId]) -> dict[FileId, HolderPages] | None:
-    """Per file in `wanted`: what `pid` maps of it (its smaps and numa_maps read once)."""
+def scan_holder(pid: int, wanted: set[FileId]) -> list[procfs.MappedPages] | None:
+    """What `pid` maps of the files `wanted` (its smaps and numa_maps read once)."""
     found = procfs.read_smaps(pid, wanted=wanted)
-    if found is None:
-        return None
-    procfs.add_numa_nodes(pid, found, PAGESIZE)
-    by_file: dict[FileId, list[procfs.MappedPages]] = defaultdict(list)
-    for m in found.values():
-        by_file[m.file_id].append(m)
-    return {fid: _summed(pid, parts) for fid, parts in by_file.items()}
+    if found is not None:
+        procfs.add_numa_nodes(pid, found, PAGESIZE)
+    return None if found is None else list(found.values())
 
 
 @dataclass(frozen=True)
@@ -122,7 +116,7 @@ def sample_pages(fd: int, length: int, resident: list[int], *, sample: int = SAM
     return Sampled(out, huge, len(picked))
 
 
-HolderScans = dict[int, "dict[FileId, HolderPages] | None"]
+HolderScans = dict[int, "list[procfs.MappedPages] | None"]
 
 
 def observe_all(regions: Iterable[RegionInfo]) -> dict[str, Placement]:
