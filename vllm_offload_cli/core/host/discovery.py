@@ -105,8 +105,7 @@ class RegionInfo:
     @property
     def persistent(self) -> bool:
         """Pre-provisioned and finished: a create killed half-way provisioned nothing."""
-        return (self.manifest is not None and self.manifest.persistent
-                and self.manifest.complete)
+        return self.manifest is not None and self.manifest.persistent and self.manifest.complete
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -480,7 +479,10 @@ def _judge_listed(run: _Run, order: list[tuple[str, list[_Entry]]],
     for i, (engine_id, entries) in enumerate(order):
         # the first (the caller's own, or the largest) is judged whenever the deadline
         # allows: every run makes progress, however little of its share is left
-        if _out_of_time(judge_until if i else None, partial):
+        if not partial:
+            deadline.check("looking at regions")
+        elif deadline.expired() or (i > 0 and judge_until is not None
+                                    and time.monotonic() >= judge_until):
             run.listing.not_judged.add(*(st for _, later in order[i:] for _, _, st in later))
             break
         try:
@@ -514,7 +516,8 @@ def _unlinked(run: _Run, wanted: Collection[str] | None, partial: bool) -> list[
     however many processes hold them."""
     regions = []
     others: dict[int, int] = {}
-    try:
+    # with `partial` (gc) what was judged counts: unlinked regions are in use, never removed
+    with contextlib.suppress(*((deadline.DeadlineExpiredError,) if partial else ())):
         for engine_id, by_inode in sorted(_deleted_only(run.scan, run.linked, run.shm).items()):
             if wanted is not None and engine_id not in wanted:
                 continue
@@ -526,17 +529,7 @@ def _unlinked(run: _Run, wanted: Collection[str] | None, partial: bool) -> list[
                         run.scan.unnamed[uses[0].pid] = run.scan.unnamed.get(uses[0].pid, 0) + 1
                         continue
                 regions.append(_deleted_region(run, engine_id, fid, uses, st))
-    except deadline.DeadlineExpiredError:
-        if not partial:
-            raise  # gc: unlinked regions are in use, never removed; what was judged counts
     return regions
-
-
-def _out_of_time(judge_until: float | None, partial: bool) -> bool:
-    if not partial:
-        deadline.check("looking at regions")
-        return False
-    return deadline.expired() or (judge_until is not None and time.monotonic() >= judge_until)
 
 
 def _inventory(shm: str, regions: list[RegionInfo], orphans: list[OrphanManifest],
