@@ -155,8 +155,8 @@ def _live_lines(check: LiveCheck) -> list[str]:
     if check.slots:
         rows = []
         for s in check.slots:
-            populated = ("not joined yet" if joined is False else "-"
-                         if (fraction := s.populated_fraction) is None else f"{fraction:.0%}")
+            populated = "not joined yet" if joined is False else (
+                "-" if (fraction := s.populated_fraction) is None else f"{fraction:.0%}")
             status = ("unmeasurable" if s.status == ("unmeasurable",) else
                       _status(tuple(c for c in s.status if c != "unmeasurable")))
             rows.append([str(s.slot), f"{s.start}..{s.end}", _workers_text(s.workers),
