@@ -374,6 +374,20 @@ def test_leftover_manifest_temp_files(cli: Any, shm_dir: Path) -> None:
     assert not stale.exists() and writing.exists() and lookalike.exists()
 
 
+def test_one_listing_when_no_temp_file_is_there(shm_dir: Path, monkeypatch: Any) -> None:
+    """discovery's listing says whether a manifest temporary is there: without one gc does
+    not list a (maybe million-file) directory a second time for them."""
+    region_file(shm_dir, "x")
+    listed: list[str] = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p: (listed.append(str(p)), scandir(p))[1])
+    reclaim.collect(shm_dir, GcOptions(min_age=0.0))
+    assert listed.count(str(shm_dir)) == 1
+    (shm_dir / ".vllm_offload_x.manifest.json.tmp.999999999.abcdef01").write_text("{}")
+    report = reclaim.collect(shm_dir, GcOptions(min_age=0.0))
+    assert listed.count(str(shm_dir)) == 3 and len(report.temp_files_removed) == 1
+
+
 # -- dry run, output, metrics ------------------------------------------------------
 
 

@@ -158,6 +158,7 @@ class Inventory:
     not_judged: tuple[Tally, ...] = ()  # judgeable, but out of time or past JUDGED_OTHERS
     counted: tuple[Tally, ...] = ()  # of owners not judged, past the first LISTED_UNJUDGED
     listed_all: bool = True  # False: the deadline came before the directory was listed
+    maybe_temp_files: bool = True  # False: a finished listing saw no manifest temporary
     # (pid, files): shm files a process holds past procscan.NAMED_PER_PROCESS, counted
     unnamed_held: tuple[tuple[int, int], ...] = ()
 
@@ -173,6 +174,7 @@ JUDGED_OTHERS = 4096
 LISTED_UNJUDGED = 256
 MAX_SEGMENT = 64
 
+_TEMP_PREFIX = "." + naming.PREFIX  # manifest.write()'s temporary files
 # (segment, path, lstat) of one file
 _Entry = tuple[int, str, os.stat_result]
 
@@ -210,6 +212,7 @@ class _Listing:
     counted: Counts = field(default_factory=Counts)
     overflow: bool = False  # some judged files were left out: complete their regions
     complete: bool = True  # False: the deadline came before the listing ended
+    temps: bool = True  # a manifest temporary's name was seen (unknown until listed)
     # other users' files to judge, a heap of the largest: (st_blocks, n, engine_id, entry)
     others: list[tuple[int, int, str, _Entry]] = field(default_factory=list)
     listed: int = 0  # files listed from lstat alone
@@ -241,7 +244,8 @@ def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.
     """One pass over the directory, one lstat per region-named file, nothing opened:
     memory is bounded by the caller's own files plus a fixed number of others."""
     # None is "the caller alone": resolved once here, not by a geteuid per listed file
-    listing = _Listing(judge_uids=(os.geteuid(),) if judge_uids is None else judge_uids)
+    listing = _Listing(judge_uids=(os.geteuid(),) if judge_uids is None else judge_uids,
+                       temps=False)
     with os.scandir(shm_dir) as it:
         for n, entry in enumerate(it):
             if not n % 4096 and deadline.expired():
@@ -250,6 +254,7 @@ def _list_dir(shm_dir: str, wanted: Collection[str] | None, judge_uids: fsguard.
                 listing.complete = False
                 break
             if not entry.name.startswith(naming.PREFIX):  # most of a busy /dev/shm: no regex
+                listing.temps = listing.temps or entry.name.startswith(_TEMP_PREFIX)
                 continue
             parsed = parse_region_filename(entry.name)
             engine_id = (naming.parse_manifest_filename(entry.name) if parsed is None
@@ -539,6 +544,7 @@ def _inventory(shm: str, regions: list[RegionInfo], orphans: list[OrphanManifest
         shm=shm_usage(shm), uninspectable_processes=len(scan.denied_pids), visibility=vis,
         not_judged=listing.not_judged.tallies(), counted=listing.counted.tallies(),
         listed_all=listing.complete, unnamed_held=tuple(sorted(scan.unnamed.items())),
+        maybe_temp_files=listing.temps or not listing.complete,
     )
 
 

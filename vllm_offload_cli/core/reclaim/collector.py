@@ -87,7 +87,8 @@ def reclaim(
         if not run.blind and not run.expired:
             with contextlib.suppress(deadline.DeadlineExpiredError):
                 run.orphan_manifests(inventory.orphan_manifests)
-                run.temp_files(None if engine_ids is None else set(engine_ids))
+                if inventory.maybe_temp_files:  # else its listing saw none: no second one
+                    run.temp_files(None if engine_ids is None else set(engine_ids))
         run.settle()
     finally:
         run.close()
