@@ -1,12 +1,8 @@
-"""A released region's manifest, carried by the processes that hold the region.
-
-Once the hook releases a region's names, its manifest is gone from the shm directory,
-yet inspect, verify and gc still find it by inode: each holder keeps a sealed memfd
-named after the region's device and inode, with the manifest as read after attaching.
-The kernel frees it with its process, so nothing outlives the region, even SIGKILL.
-Reading trusts nothing: only holders of the region, only a memfd of that exact name,
-owned by the region's owner, mode 0600, bounded, validated, describing that very inode.
-"""
+"""A released region's manifest, carried by its holders: each keeps a sealed memfd named
+after the region's device and inode, freed by the kernel with its process (SIGKILL too), so
+inspect, verify and gc find it by inode once the names are gone. Read trusting nothing: only
+a holder's memfd of that exact name, owned by the region's owner, mode 0600, bounded,
+validated, describing that very inode."""
 
 from __future__ import annotations
 

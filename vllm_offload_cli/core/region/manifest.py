@@ -1,9 +1,7 @@
-"""The sidecar manifest: what the region's headerless bytes mean, written beside them.
-
-The creator writes it (atomically, mode 0600); every opener adds itself to
-`attachments`. Updates lock-then-verify: flock it, check that the name still names
-the locked inode (a writer may have renamed another over it), write, rename.
-"""
+"""The sidecar manifest: what the region's headerless bytes mean, written beside them
+(atomically, mode 0600) by the creator; every opener adds itself to `attachments`. Updates
+lock-then-verify: flock it, check that the name still names the locked inode (a writer may
+have renamed another over it), write, rename."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""Where a new region's pages go: a NUMA policy and transparent huge pages.
-
-Both are decided before the file exists (a request the host cannot meet creates
-nothing) and applied to the mapping before pre-fault, when tmpfs allocates. mbind(2)
-on a shmem mapping sets the file's shared policy, which every page follows. A tmpfs
-file gets huge pages when its mount's `huge=` allows them, unless shmem_enabled says
-`deny` or `force`; `always` where the kernel refuses is an error, `auto` only warns.
-"""
+"""Where a new region's pages go: a NUMA policy and transparent huge pages, decided before
+the file exists (a request the host cannot meet creates nothing) and applied before
+pre-fault, when tmpfs allocates; mbind(2) on a shmem mapping sets the file's shared policy.
+A tmpfs file gets huge pages when its mount's `huge=` allows them, unless shmem_enabled
+says `deny` or `force`; `always` where the kernel refuses is an error, `auto` only warns."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Pre-faulting: allocate a region's tmpfs pages up front, where failure is clear.
-
-vLLM's page ranges (one MADV_POPULATE_WRITE per row), merged where they touch, and
-optionally spread over threads (ctypes drops the GIL; the kernel faults in parallel).
-"""
+"""Pre-faulting: allocate a region's tmpfs pages up front, where failure is clear: vLLM's
+page ranges (one MADV_POPULATE_WRITE per row), merged where they touch, optionally spread
+over threads (ctypes drops the GIL; the kernel faults in parallel)."""
 
 from __future__ import annotations
 

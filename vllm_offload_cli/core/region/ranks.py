@@ -1,4 +1,4 @@
-"""Rank sources: how a worker picks its slot in every row, as named pure functions, so
+"""Rank sources: how a worker picks its slot in every row, as named rules, so
 the engine hook, the manifest and `verify-rank-layout` agree on what each name means
 (vLLM PR 47987's `current_device_index() % world_size` is right only when each replica's
 device indices have distinct residues; vLLM 0.32 and 0.33 use the logical rank)."""

@@ -1,11 +1,9 @@
-"""SharedOffloadRegion: vLLM's mmap-backed KV offload region, hardened.
-
-Byte-compatible with vLLM's class, so either side can create a region and the other join
-it. On top: joiners never O_CREAT or follow a link, the descriptor is judged by fstat,
-every opener holds a shared flock, the creator checks capacity and writes a manifest that
-says `creating` until the file is sized and pre-faulted, and a failure removes what this
-opener created. torch is imported only when a tensor view is asked for.
-"""
+"""SharedOffloadRegion: vLLM's mmap-backed KV offload region, hardened and byte-compatible
+with vLLM's class, so either side can create a region and the other join it. Joiners never
+O_CREAT or follow a link, the descriptor is judged by fstat, every opener holds a shared
+flock, the creator checks capacity and writes a manifest that says `creating` until the
+file is sized and pre-faulted, and a failure removes what this opener created. torch is
+imported only when a tensor view is asked for."""
 
 from __future__ import annotations
 
