@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from vllm_offload_cli.core.base.errors import InsufficientSpaceError, OperationFailedError
+from vllm_offload_cli.core.base.testhook import pause_at
 from vllm_offload_cli.core.region.geometry import PAGESIZE, Geometry, round_up
 from vllm_offload_cli.core.system import libc
 
@@ -124,10 +125,12 @@ def populate(
                         raise _populate_error(exc) from exc
                 else:
                     _touch(mm, start, length)
-            if progress is not None:
-                with lock:
-                    done += sum(length for _, length in item)
+            with lock:
+                done += sum(length for _, length in item)
+                if progress is not None:
                     progress(done, total)
+                if 2 * done >= total > done:
+                    pause_at("mid_prefault")  # the crash tests stop us half-way
 
         items = _chunks(ranges)
         workers = max(1, min(threads, len(items)))

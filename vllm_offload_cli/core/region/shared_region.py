@@ -44,16 +44,6 @@ logger = logging.getLogger(__name__)
 _RETRIES = 8  # restarts of the open protocol when a name changes under us
 
 
-def _pausing(progress: Progress | None) -> Progress:
-    """Report progress, and let the crash tests stop us half-way (test hook)."""
-    def update(done: int, total: int) -> None:
-        if progress is not None:
-            progress(done, total)
-        if 2 * done >= total > done:
-            pause_at("mid_prefault")
-    return update
-
-
 class SharedOffloadRegion:
     """One mmap'd file shared by every worker of one engine (one DP replica); a drop-in
     for vLLM's class: 0.33's signature (and 0.31/0.32's `populate_only_on_creator`),
@@ -174,7 +164,7 @@ class SharedOffloadRegion:
                 if populate_pages and ranges:
                     self.populate_stats = populate(mm, ranges,
                                                    threads=populate_threads,
-                                                   progress=_pausing(progress))
+                                                   progress=progress)
 
             if populate_only_on_creator and self._creator:  # vLLM 0.31/0.32
                 prefault([(0, self.total_size_bytes)])
@@ -240,31 +230,30 @@ class SharedOffloadRegion:
     def _open(self, *, create_only: bool, join_timeout: float, preflight: bool) -> int:
         for _ in range(_RETRIES):
             try:
-                self.fd = fsguard.create_exclusive(self.mmap_path, engine_id=self.engine_id)
+                fd = self.fd = fsguard.create_exclusive(self.mmap_path, engine_id=self.engine_id)
             except FileExistsError:
                 if create_only:
                     raise self._name_taken() from None
-                if (fd := self._join(join_timeout)) is not None:
-                    return fd
+                if (joined := self._join(join_timeout)) is not None:
+                    return joined
                 continue  # the name changed under us: start over
             self._creator = True
-            self._create(preflight)
-            return self.fd
+            self._create(fd, preflight)
+            return fd
         raise errors.OperationFailedError(
             f"{self.mmap_path} kept changing while opening it; is something deleting it?",
             path=self.mmap_path, engine_id=self.engine_id,
         )
 
-    def _create(self, preflight: bool) -> None:
-        """We won O_EXCL: lock, check room, describe, then size the file."""
-        assert self.fd is not None
-        fsguard.lock_shared(self.fd, timeout=10.0, path=self.mmap_path)
+    def _create(self, fd: int, preflight: bool) -> None:
+        """We won O_EXCL on `fd`: lock, check room, describe, then size the file."""
+        fsguard.lock_shared(fd, timeout=10.0, path=self.mmap_path)
         if self._creator_memory_check is not None:  # vLLM's hook, e.g. HiSparse's host RAM
             self._creator_memory_check(self.total_size_bytes)
         if preflight:
             capacity.check_fits(self.total_size_bytes, capacity.measure(self.shm_dir),
                                 shm_dir=self.shm_dir, engine_id=self.engine_id)
-        st = os.fstat(self.fd)
+        st = os.fstat(fd)
         # written before ftruncate, so every joiner that saw the full size finds it
         manifest_io.write(self.manifest_path, manifest_io.Manifest(
             engine_id=self.engine_id, geometry=self.geometry,
@@ -282,7 +271,7 @@ class SharedOffloadRegion:
         for seg, path in zip(self.segments[1:], self.segment_paths[1:], strict=True):
             self._create_segment(seg, path)
         # joiners wait for the bare file, so it is sized last (as vLLM does)
-        self._size(self.fd, self.mmap_path, self.segments[0].length)
+        self._size(fd, self.mmap_path, self.segments[0].length)
         pause_at("after_ftruncate")
         logger.info("created %s (%d bytes)", self.mmap_path, self.total_size_bytes)
 
