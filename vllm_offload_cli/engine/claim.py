@@ -207,8 +207,11 @@ def claim(
         if verdict == _WAIT:
             time.sleep(0.05)
             continue
-        if dry_run:
-            return _would_reclaim(done, r, want)
+        if dry_run:  # what the reclaim would free
+            other = mismatch(r, want)
+            return replace(done, action=WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
+                           reclaimed_bytes=r.allocated_bytes,  # st_blocks, as a real run says
+                           notes=() if other is None else (f"another shape: {other}",))
         done, free = _reclaim_once(inv, done)
         if free:
             # no second /proc pass: the next creator's O_EXCL settles any race
@@ -261,15 +264,6 @@ def _undecided(who: _Holders, path: str, engine_id: str) -> errors.RegionBusyErr
     return EngineIdCollisionError(
         f"{path} stays locked by a process this user cannot see (another pid "
         "namespace?); refusing to share it", path=path, engine_id=engine_id)
-
-
-def _would_reclaim(done: ClaimResult, r: RegionInfo, want: RegionShape | None
-                   ) -> ClaimResult:
-    """A dry run's answer for a stale region: what the reclaim would free."""
-    other = mismatch(r, want)
-    return replace(done, action=WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
-                   reclaimed_bytes=r.allocated_bytes,  # st_blocks, as a real run reports
-                   notes=() if other is None else (f"another shape: {other}",))
 
 
 def _reclaim_once(inv: Inventory, done: ClaimResult) -> tuple[ClaimResult, bool]:

@@ -89,26 +89,21 @@ def _held(spec: Any, which: str, attr: str, build: Callable[[], Any]
         if hold is not None:
             hold.close()
         raise
-    if hold is not None:
-        close_on_shutdown(built, hold)
-        setattr(spec, attr, hold)
-    return built, hold, call
+    if hold is None:
+        return built, hold, call
+    setattr(spec, attr, hold)
+    shutdown: Any = getattr(built, "shutdown", None)
 
-
-def close_on_shutdown(owner: Any, hold: RegionHold) -> None:
-    """Close `hold` right after vLLM's `owner.shutdown()` released vLLM's own region."""
-    shutdown = getattr(owner, "shutdown", None)
-    if not callable(shutdown):
-        return  # closed at interpreter exit (RegionHold)
-
-    def shutdown_then_close() -> None:
+    def shutdown_then_close() -> None:  # vLLM's shutdown releases its region, then ours goes
         try:
             shutdown()
         finally:
             hold.close()
 
-    with contextlib.suppress(AttributeError):  # slotted or frozen: closed at exit instead
-        owner.shutdown = shutdown_then_close
+    if callable(shutdown):  # else (or slotted, frozen) closed at interpreter exit
+        with contextlib.suppress(AttributeError):
+            built.shutdown = shutdown_then_close
+    return built, hold, call
 
 
 class HardenedCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
