@@ -348,8 +348,6 @@ def attach(path: str, attachment: Attachment, *, ready: bool = False, **kw: Any)
 
 
 def detach(path: str, pid: int, rank: int | None, **kw: Any) -> Manifest:
-    def remove(m: Manifest) -> Manifest:
-        return replace(m, attachments=tuple(a for a in m.attachments
-                                            if (a.pid, a.rank) != (pid, rank)))
-    return update(path, remove, **kw)
+    return update(path, lambda m: replace(m, attachments=tuple(
+        a for a in m.attachments if (a.pid, a.rank) != (pid, rank))), **kw)
 

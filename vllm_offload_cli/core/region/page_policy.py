@@ -173,11 +173,6 @@ def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:
         del anchor
 
 
-def huge_bytes_of(mm: mmap.mmap) -> int | None:
-    """Bytes of this mapping the kernel maps with PMD huge pages (our own smaps)."""
-    return pmd_mapped(os.getpid(), ctypes.addressof(ctypes.c_char.from_buffer(mm)))
-
-
 def pmd_mapped(pid: int, start: int) -> int | None:
     """Huge (PMD-mapped) bytes of the mapping of `pid` that begins at `start`; None if none."""
     found = (procfs.read_smaps(pid, starts={start}) or {}).get(start)

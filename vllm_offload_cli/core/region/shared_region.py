@@ -185,7 +185,8 @@ class SharedOffloadRegion:
             elif not populate_only_on_creator:
                 prefault(slot_ranges(self.geometry, rank))
             if populate_pages and self.placement.advise_huge:
-                self.huge_page_bytes = page_policy.huge_bytes_of(mm)
+                self.huge_page_bytes = page_policy.pmd_mapped(  # from our own smaps
+                    os.getpid(), ctypes.addressof(ctypes.c_char.from_buffer(mm)))
             if barrier is None:
                 self._attach()
         except BaseException as exc:
@@ -424,13 +425,13 @@ class SharedOffloadRegion:
             manifest_io.attach(self.manifest_path, attachment, allowed_uids=self._allowed_uids,
                                ready=self._creator)
         except errors.RegionNotFoundError:
-            return  # a vLLM-made region has no manifest
+            pass  # a vLLM-made region has no manifest
         except manifest_io.ManifestError as exc:
             if self._creator:
                 raise
             logger.warning("cannot record attachment: %s", exc)
-            return
-        self._attached = True
+        else:
+            self._attached = True
 
     def _abandon(self, *, unlink: bool = True) -> None:
         """Close; a creator also unlinks what it made (never a stub joiners would wait on)."""
@@ -633,5 +634,4 @@ def _host_unregister() -> Callable[[int], object] | None:
     torch = import_torch()
     if not torch.cuda.is_available():
         return None  # nothing can have been registered without a CUDA runtime
-    cudart = torch.cuda.cudart()
-    return lambda address: cudart.cudaHostUnregister(address)
+    return torch.cuda.cudart().cudaHostUnregister  # type: ignore[no-any-return]
