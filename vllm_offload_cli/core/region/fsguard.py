@@ -191,12 +191,10 @@ def same_file_at(path: str, fd: int) -> bool:
 
 
 def unlink_if_same(path: str, fd: int, *, private_fd: int | None = None) -> bool:
-    """Unlink `path` only if it names the inode open as `fd`; True when it did.
-
-    With `private_fd` (this user's `private_dir`) it cannot be raced: the name is renamed
-    into that directory, where only this user and root can rename it again, checked
-    there and unlinked; anything else caught is linked back, never over a newer file.
-    """
+    """Unlink `path` only if it names the inode open as `fd`; True when it did. With
+    `private_fd` (this user's `private_dir`) it cannot be raced: the name is renamed into
+    that directory, where only this user and root can rename it again, checked there and
+    unlinked; anything else caught is linked back, never over a newer file."""
     if not same_file_at(path, fd):
         return False
     if private_fd is None:

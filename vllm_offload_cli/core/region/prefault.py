@@ -40,19 +40,15 @@ def slot_ranges(geometry: Geometry, rank: int | None) -> list[tuple[int, int]]:
     if rank is None:
         return [(0, geometry.size_bytes)]
     slot = geometry.slot(rank)
-    ranges: list[tuple[int, int]] = []
+    spans: list[list[int]] = []  # [start, end]
     for block in range(geometry.num_blocks):
         raw = block * geometry.row_stride + slot.start
-        start = raw - raw % PAGESIZE
-        end = raw + len(slot)
-        if ranges:
-            prev_start, prev_len = ranges[-1]
-            prev_end = prev_start + prev_len
-            if round_up(prev_end, PAGESIZE) >= start:  # its last page reaches our first
-                ranges[-1] = (prev_start, max(prev_end, end) - prev_start)
-                continue
-        ranges.append((start, end - start))
-    return ranges
+        start, end = raw - raw % PAGESIZE, raw + len(slot)
+        if spans and round_up(spans[-1][1], PAGESIZE) >= start:  # its last page reaches ours
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return [(start, end - start) for start, end in spans]
 
 
 def _chunks(ranges: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
