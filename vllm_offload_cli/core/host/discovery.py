@@ -58,8 +58,8 @@ class SegmentFile:
     file_id: FileId | None  # None when not a regular file we could stat safely
     size_bytes: int
     uid: int | None
-    mode: int | None
-    mtime: float | None
+    mode: int | None = None
+    mtime: float | None = None
     resident_bytes: int | None = None
     problems: tuple[Problem, ...] = ()
     resident_error: str | None = None  # why resident_bytes is None: a refusal ("mincore: ...")
@@ -318,7 +318,7 @@ class _Run:
     shm: str
     scan: ProcessScan
     vis: Visibility = field(default_factory=lambda: Visibility((), ()))
-    allowed_uids: fsguard.AllowedUids = None
+    allowed_uids: fsguard.AllowedUids = field(default_factory=fsguard.inspection_uids)
     measure: bool = False  # residency
     listing: _Listing = field(default_factory=_Listing)
     now: float = field(default_factory=time.time)
@@ -398,10 +398,8 @@ def holders_of(uses: Iterable[FileUse], manifest: Manifest | None = None,
     for use in uses:
         kinds[use.pid].add(use.kind)
     ranks = {} if manifest is None else {a.pid: a.rank for a in manifest.live_attachments()}
-    return tuple(
-        Holder(pid=pid, name=name(pid), rank=ranks.get(pid), via=tuple(sorted(kinds[pid])))
-        for pid in sorted(kinds)
-    )
+    return tuple(Holder(pid=pid, name=name(pid), rank=ranks.get(pid),
+                        via=tuple(sorted(kinds[pid]))) for pid in sorted(kinds))
 
 
 def _deleted_only(scan: ProcessScan, linked_ids: set[FileId], shm_dir: str
@@ -452,10 +450,9 @@ def discover(
     """
     shm = _shm_dir(shm_dir)
     wanted = None if engine_ids is None else {naming.validate_engine_id(e) for e in engine_ids}
-    allowed_uids = fsguard.inspection_uids()
     now = time.time()
-    listing = _list_dir(shm, wanted, allowed_uids if judge_uids is None else judge_uids,
-                        partial)
+    listing = _list_dir(shm, wanted, fsguard.inspection_uids() if judge_uids is None
+                        else judge_uids, partial)
     order = sorted(listing.judged.items(), key=lambda item: _order(*item))
     try:
         # before we open anything ourselves; region names found by lstat
@@ -468,8 +465,7 @@ def discover(
         return _inventory(shm, [], [], listing, ProcessScan(), visibility.assess([]))
     vis = visibility.assess(scan.denied_pids, namespace_waived=shm_private_to_namespace,
                             seen=None if only is None else only.seen)
-    run = _Run(shm=shm, scan=scan, vis=vis, allowed_uids=allowed_uids,
-               measure=measure_residency, listing=listing, now=now)
+    run = _Run(shm=shm, scan=scan, vis=vis, measure=measure_residency, listing=listing, now=now)
     regions = _judge_listed(run, order, judge_until, partial) + _seen_only(run)
     regions = _flag_collisions(regions + _unlinked(run, wanted, partial))
     orphans = _orphan_manifests(listing, {r.engine_id for r in regions})
@@ -510,8 +506,7 @@ def _seen_only(run: _Run) -> list[RegionInfo]:
         segments = [_from_stat(path, segment, st, fsguard.stat_problems(
             st, allowed_uids=run.allowed_uids)) for segment, path, st in sorted(entries)]
         run.linked.update(s.file_id for s in segments if s.file_id is not None)
-        regions.append(judge_visibility(_region(run, engine_id, segments, False, None),
-                                        run.vis))
+        regions.append(judge_visibility(_region(run, engine_id, segments, False, None), run.vis))
     return regions
 
 
@@ -682,8 +677,7 @@ def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
     resident, refusal = _resident_through(uses, fid) if run.measure else (None, None)
     parsed = parse_region_filename(os.path.basename(path))
     seg = SegmentFile(path=path, segment=0 if parsed is None else parsed.segment, file_id=fid,
-                      size_bytes=size, uid=uid, mode=None, mtime=None, resident_bytes=resident,
-                      resident_error=refusal)
+                      size_bytes=size, uid=uid, resident_bytes=resident, resident_error=refusal)
     manifest = carried.carried_by((u.pid for u in uses if u.kind != "lock"), fid, uid,
                                   run.memfds)
     if manifest is not None and manifest.engine_id != engine_id:
@@ -809,8 +803,7 @@ def discover_engine(shm_dir: str | os.PathLike[str], engine_id: str) -> Inventor
         stat.S_IMODE(st.st_mode) for _, _, st in found if st.st_uid == me), 0o600))
     scan = scan_processes(shm, {FileId.of(st) for _, _, st in found},
                           name=naming.region_filename(engine_id), only=only)
-    run = _Run(shm=shm, scan=scan, vis=visibility.assess(scan.denied_pids, seen=only.seen),
-               allowed_uids=fsguard.inspection_uids())
+    run = _Run(shm=shm, scan=scan, vis=visibility.assess(scan.denied_pids, seen=only.seen))
     # the same judgement as discover()'s: a lock counts only on the owner's files
     regions = _judge_listed(run, [(engine_id, found)], None, False)
     regions += _unlinked(run, {engine_id}, partial=False)
