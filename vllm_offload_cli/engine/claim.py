@@ -329,12 +329,9 @@ def _refuse_released_by_another_engine(regions: Iterable[RegionInfo], token: str
     """Two live engines under one engine_id collide even when one's name was released;
     only a holder proven another engine's refuses, and only in this user's region."""
     for r in regions:
-        if r.linked or r.uid != os.geteuid():
-            continue
-        who = classify_holders(r, token, tokens)
-        if who.foreign:
-            pid, why = who.foreign[0]
-            raise _collision(engine_id, r.paths[0] + " (deleted)", pid, why, _RELEASED)
+        if not r.linked and r.uid == os.geteuid() and (
+                foreign := classify_holders(r, token, tokens).foreign):
+            raise _collision(engine_id, r.paths[0] + " (deleted)", *foreign[0], _RELEASED)
 
 
 def _fits(done: ClaimResult, size_bytes: int | None,

@@ -51,15 +51,13 @@ def register() -> None:
 def register_environment() -> None:
     """Register our names in vLLM's `envs.environment_variables` (vLLM checks every `VLLM_*`
     name); getters return None: its values feed torch.compile's cache key."""
-    try:
+    with contextlib.suppress(ImportError):
         from vllm import envs
-    except ImportError:
-        return
-    table = getattr(envs, "environment_variables", None)
-    if not isinstance(table, dict):
-        return
-    for name in (*ENV_NAMES, *(n for n in os.environ if n.startswith(ENV_PREFIX))):
-        table.setdefault(name, lambda: None)  # nothing to act on, nothing to hash
+
+        table = getattr(envs, "environment_variables", None)
+        if isinstance(table, dict):
+            for name in (*ENV_NAMES, *(n for n in os.environ if n.startswith(ENV_PREFIX))):
+                table.setdefault(name, lambda: None)  # nothing to act on, nothing to hash
 
 
 class _ToVllm(logging.Handler):

@@ -59,13 +59,12 @@ def collect(
     """Find and remove every provably stale region in shm_dir (or only `engine_ids`).
     Judging stops after `judge_seconds`: what was proven stale is still removed, the rest
     is counted as `not_judged` (the run exits PARTIAL)."""
-    started, clock = time.time(), time.monotonic()
+    started = time.time(), time.monotonic()
     inventory = discovery.discover(
         shm_dir, engine_ids=engine_ids, measure_residency=False,
         shm_private_to_namespace=options.shm_private_to_namespace, judge_uids=options.owners,
-        partial=True, judge_until=None if judge_seconds is None else clock + judge_seconds)
-    return reclaim(inventory, options, engine_ids=engine_ids, started_at=started,
-                   clock_start=clock)
+        partial=True, judge_until=None if judge_seconds is None else started[1] + judge_seconds)
+    return reclaim(inventory, options, engine_ids=engine_ids, started=started)
 
 
 def reclaim(
@@ -73,8 +72,7 @@ def reclaim(
     options: GcOptions,
     *,
     engine_ids: Collection[str] | None = None,
-    started_at: float | None = None,
-    clock_start: float | None = None,
+    started: tuple[float, float] | None = None,  # time.time(), time.monotonic()
 ) -> GcReport:
     """Act on an inventory: every decision is re-checked on the files themselves,
     so an inventory that aged (files replaced, new users) is still safe to pass."""
@@ -101,8 +99,8 @@ def reclaim(
         not_found=tuple(e for e in dict.fromkeys(engine_ids or ()) if e not in known),
         errors=tuple(run.errors), regions_seen=len(inventory.regions),
         uninspectable_processes=max(inventory.uninspectable_processes, len(run.denied)),
-        started_at=time.time() if started_at is None else started_at,
-        duration_seconds=0.0 if clock_start is None else time.monotonic() - clock_start,
+        started_at=time.time() if started is None else started[0],
+        duration_seconds=0.0 if started is None else time.monotonic() - started[1],
         blind_spots=run.blind,
         uninspectable_pids=tuple(sorted(run.denied or {
             h.pid for h in inventory.visibility.hidden})),

@@ -52,8 +52,7 @@ class GcOptions:
             )
 
     @property
-    def owners(self) -> fsguard.AllowedUids:
-        """Whose files this run may remove."""
+    def owners(self) -> fsguard.AllowedUids:  # whose files this run may remove
         return fsguard.EVERY_UID if self.all_users else frozenset({os.geteuid()})
 
 
