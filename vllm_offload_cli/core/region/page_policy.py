@@ -143,8 +143,6 @@ def choose(
 
 def apply(mm: mmap.mmap, length: int, chosen: PagePolicy) -> None:
     """Bind and advise the mapping; call before pre-fault (pages already there stay put)."""
-    if chosen.numa_policy is None and not chosen.advise_huge:
-        return
     anchor = ctypes.c_char.from_buffer(mm)  # pins the mapping while we use its address
     try:
         addr = ctypes.addressof(anchor)
