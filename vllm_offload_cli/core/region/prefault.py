@@ -144,8 +144,7 @@ def populate(
 
 
 def _touch(mm: mmap.mmap, start: int, length: int) -> None:
-    """Without MADV_POPULATE_WRITE: write back one byte per page as read (keeps a peer's
-    data)."""
+    """Without MADV_POPULATE_WRITE: write back one byte per page as read (keeps peers' data)."""
     view = memoryview(mm)
     try:
         first = start - start % PAGESIZE
