@@ -1,7 +1,6 @@
-"""Which processes are "this engine": a random token the plugin sets in the first process's
-environment, inherited by every worker (an engine_id names a region, not who started it).
-A fork does not show it in /proc/PID/environ, so every process that knows it also holds
-a beacon: a memfd named after it, inherited by forks, seen in /proc/PID/fd."""
+"""Which processes are "this engine": a random token in the first process's environment,
+inherited by every worker; as a fork does not show it in /proc/PID/environ, every process
+that knows it also holds a beacon, a memfd named after it, seen in /proc/PID/fd."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ _beacon: tuple[str, int] | None = None  # (token, fd), held for the life of the 
 
 
 def engine_token() -> str:
-    """This engine's token, made (and exported to children) when absent or malformed;
-    this process also holds the token's beacon."""
+    """This engine's token (made and exported when absent or malformed), its beacon held."""
     global _beacon
     token = os.environ.get(ENGINE_TOKEN_ENV)
     if not valid_token(token):

@@ -73,8 +73,8 @@ class RegionHold:
         atexit.register(self._close_at_exit)  # a process that never shuts vLLM down
 
     def release_name(self) -> bool:
-        """Unlink the names once every process that needs them mapped the region (then a
-        SIGKILL leaks nothing); True when unlinked. A pre-provisioned region keeps them."""
+        """Unlink the names once every process mapped the region (a SIGKILL then leaks
+        nothing), unless pre-provisioned; True when unlinked."""
         if self.pre_provisioned:
             return False
         gone = self.region.release_names()

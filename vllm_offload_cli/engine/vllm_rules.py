@@ -180,22 +180,17 @@ class _Source:
 
     def integer(self, name: str) -> int:
         """A module-level integer constant: the loaded module's value, else the source's."""
-        value = self._loaded_value(name)
+        module = sys.modules.get(self.module)
+        file = getattr(module, "__file__", None)  # None also when not loaded
+        value: object | None = None
+        with contextlib.suppress(OSError):
+            if file is not None and os.path.samefile(file, self.path):
+                value = getattr(module, name, None)
         if value is None:
             value = _int_expr(_assigned(self.tree, name))
         if not is_int(value) or value < 1:
             raise UnsupportedVllm(f"{self.module}.{name} is not a positive integer constant")
         return value
-
-    def _loaded_value(self, name: str) -> object | None:
-        module = sys.modules.get(self.module)
-        file = getattr(module, "__file__", None)  # None also when not loaded
-        if file is None:
-            return None
-        with contextlib.suppress(OSError):
-            if os.path.samefile(file, self.path):
-                return getattr(module, name, None)
-        return None
 
 
 @functools.lru_cache(maxsize=16)

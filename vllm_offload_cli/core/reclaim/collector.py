@@ -56,9 +56,8 @@ def collect(
     engine_ids: Collection[str] | None = None,
     judge_seconds: float | None = None,
 ) -> GcReport:
-    """Find and remove every provably stale region in shm_dir (or only `engine_ids`).
-    Judging stops after `judge_seconds`: what was proven stale is still removed, the rest
-    is counted as `not_judged` (the run exits PARTIAL)."""
+    """Remove every provably stale region in shm_dir (or only `engine_ids`); what is not
+    judged within `judge_seconds` is counted as `not_judged` (the run exits PARTIAL)."""
     started = time.time(), time.monotonic()
     inventory = discovery.discover(
         shm_dir, engine_ids=engine_ids, measure_residency=False,
