@@ -316,8 +316,7 @@ class SharedOffloadRegion:
             """True once the creator sized it; False when unlinked or replaced."""
             if not fsguard.same_file_at(self.mmap_path, fd):
                 return False
-            st = os.fstat(fd)
-            if st.st_size == expected:
+            if (st := os.fstat(fd)).st_size == expected:
                 return True
             if st.st_size != 0:
                 fsguard.raise_if_unsafe(st, self.mmap_path, engine_id=self.engine_id,
