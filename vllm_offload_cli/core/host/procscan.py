@@ -19,7 +19,6 @@ from vllm_offload_cli.core.base import deadline
 from vllm_offload_cli.core.region.naming import PREFIX
 from vllm_offload_cli.core.system import processes, procfs
 from vllm_offload_cli.core.system.files import FileId
-from vllm_offload_cli.core.system.procfs import GONE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,7 +86,7 @@ def _scan_fds(pid: int, want: _Filter, skip: Collection[int], scan: ProcessScan
     gone. Past NAMED_PER_PROCESS files only a name could make ours, the rest are counted."""
     stats = procfs.fd_stats(pid, skip)
     if isinstance(stats, procfs.Unreadable):
-        return None if stats is GONE else True
+        return None if stats is procfs.GONE else True
     named = 0
     for fd, st in stats:  # one per distinct file
         if st.st_dev not in want.devs or not stat.S_ISREG(st.st_mode):
@@ -113,7 +112,7 @@ def _scan_maps(pid: int, want: _Filter, uses: dict[FileId, list[FileUse]]) -> bo
     """Matching mappings of `pid` into `uses`, one FileUse per file and name shown."""
     data = procfs.read(pid, "maps")
     if isinstance(data, procfs.Unreadable):
-        return None if data is GONE else True
+        return None if data is procfs.GONE else True
     if not want.may_hold(data):
         return False
     extents: dict[tuple[FileId, str, bool], tuple[int, tuple[int, int]]] = {}
