@@ -67,7 +67,6 @@ def with_dp_rank(engine_id: str, dp_rank: int | None) -> str:
 class EngineIdParts:
     """An engine_id split into the base id and the data-parallel rank."""
 
-    engine_id: str
     base_engine_id: str
     dp_rank: int | None
 
@@ -75,8 +74,8 @@ class EngineIdParts:
 def split_engine_id(engine_id: str) -> EngineIdParts:
     """Parse the `_dp{rank}` suffix back out of an engine_id."""
     if (match := _DP_RE.fullmatch(engine_id)) is None:
-        return EngineIdParts(engine_id, engine_id, None)
-    return EngineIdParts(engine_id, match["base"], int(match["rank"]))
+        return EngineIdParts(engine_id, None)
+    return EngineIdParts(match["base"], int(match["rank"]))
 
 
 def region_kind(engine_id: str) -> str:
