@@ -111,10 +111,9 @@ _UNDECIDED = ("ours", "unknown", "reader")  # every other kind says why it is fo
 
 
 def classify_holders(r: RegionInfo, token: str | None, tokens: _Tokens) -> _Holders:
-    """Split a region's holders into this engine's, another engine's, readers and undecided.
-    "Ours": this process, or our token in a live attachment, the live creator's manifest
-    or the holder's environment. A reader holds it read-only (`procfs.may_write`), as our
-    own probes do and no engine does."""
+    """Split a region's holders into this engine's (this process, or our token in a live
+    attachment, the live creator's manifest or its environment), another engine's, undecided
+    and readers (read-only holds, `procfs.may_write`: our own probes, never an engine)."""
     m = r.manifest
     fids = {s.file_id for s in r.segments if s.file_id is not None}
     known: dict[int, str | None] = {}  # pid -> token, of live attachments and our creator

@@ -65,10 +65,8 @@ def _open(spec: Any, rules: VllmRules, call: RegionCall) -> RegionHold | None:
             vllm_layout_basis="vllm",
         )
         return open_region(request, token=token)
-    except _REFUSALS:
-        raise
     except Exception as exc:
-        if spec.extra_config.get(STRICT_KEY):
+        if isinstance(exc, _REFUSALS) or spec.extra_config.get(STRICT_KEY):
             raise
         logger.warning("vllm-offload: start-up steps failed (%s: %s); starting as plain vLLM "
                        "(set %s to fail instead)", type(exc).__name__, exc, STRICT_KEY,

@@ -68,15 +68,13 @@ def record_removals(removed: Sequence[RemovedRegion], *, summary: str | None = N
     lines = [removal_line(r, command=command) for r in removed]
     if summary is not None:
         lines.append(f"run {printable(summary)[:4 * _MAX_FIELD]} command={_quoted(command)}")
-    if not lines:
-        return AuditResult(socket=path, sent=0, dropped=0)
     try:
-        st = os.stat(path)
+        refused = None if stat.S_ISSOCK(os.stat(path).st_mode) else "not a socket"
     except OSError as exc:
+        refused = f"no syslog socket: {exc.strerror}"
+    if refused is not None or not lines:  # nowhere to send, or nothing
         return AuditResult(socket=path, sent=0, dropped=len(lines),
-                           problem=f"no syslog socket: {exc.strerror}")
-    if not stat.S_ISSOCK(st.st_mode):
-        return AuditResult(socket=path, sent=0, dropped=len(lines), problem="not a socket")
+                           problem=refused if lines else None)
     head = f"<{_PRIORITY}>{IDENT}[{os.getpid()}]: "
     sent, problem = 0, None
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
