@@ -1,6 +1,5 @@
-"""One engine process's hold on its region: claim, open through the core, check the slot.
-Opened before vLLM, so vLLM only joins; the hold keeps a shared flock and a manifest
-attachment (with the token) so `inspect` and `gc` can prove the region alive."""
+"""One engine process's hold on its region, opened before vLLM (which only joins): its shared
+flock and manifest attachment (with the token) let `inspect` and `gc` prove the region alive."""
 
 from __future__ import annotations
 

@@ -497,13 +497,9 @@ class _Run:
 
     def settle(self) -> None:
         """A region kept because another collector was at it, then removed, is gone."""
-        still = []
-        for k in self.kept:
-            if k.linked and not any(os.path.lexists(p) for p in k.paths):
-                self.vanished.append(str(k.engine_id))  # a kept region has one
-            else:
-                still.append(k)
-        self.kept = still
+        gone = [k.linked and not any(map(os.path.lexists, k.paths)) for k in self.kept]
+        self.vanished += [str(k.engine_id) for k, g in zip(self.kept, gone, strict=True) if g]
+        self.kept = [k for k, g in zip(self.kept, gone, strict=True) if not g]
 
     def _keep(self, r: RegionInfo, code: str, reason: str, pid: int | None = None, *,
               blind_spot: str | None = None) -> Problem:

@@ -27,8 +27,7 @@ OTHER_FILESYSTEM = "other_filesystem"
 CHANGED = "changed"
 UNREADABLE = "unreadable"
 CREATION_RUNNING = "creating"  # its creator is alive and not finished
-# a holder could be hidden from us (visibility.py): never removed, the run exits UNSAFE
-UNKNOWN = "unknown"
+UNKNOWN = "unknown"  # a holder could be hidden (visibility.py): kept, the run exits UNSAFE
 KEPT_CODES = (LIVE, BUSY, PERSISTENT, TOO_YOUNG, FOREIGN_OWNER, SYMLINK, NOT_REGULAR,
               LINK_COUNT, OTHER_FILESYSTEM, CHANGED, UNREADABLE, UNKNOWN, CREATION_RUNNING)
 
