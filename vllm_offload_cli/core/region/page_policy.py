@@ -94,6 +94,31 @@ def _list(nodes: Iterable[int]) -> str:
     return ",".join(str(n) for n in sorted(nodes)) or "none"
 
 
+def _numa(nodes: tuple[int, ...], policy: str | None) -> tuple[str, tuple[int, ...]]:
+    """The NUMA half of a placement request: the policy (bind by default) and its nodes
+    (every node with memory where none is named), or the first refusal that applies."""
+    topo = memory.topology()
+    policy = policy or "bind"
+    needs_node = not nodes and policy != "interleave"
+    nodes = nodes or tuple(sorted(topo.with_memory))
+    absent = next((n for n in nodes if n not in topo.with_memory), None)
+    where = ("this host has no NUMA information (one node 0)" if not topo.from_sysfs
+             else f"nodes with memory here: {_list(topo.with_memory)}")
+    for bad, message in (  # the first that applies is refused
+        (needs_node, f"NUMA policy {policy} needs a node (--numa-node)"),
+        (len(set(nodes)) != len(nodes), f"NUMA node list {_list(nodes)} names a node twice"),
+        (policy == "preferred" and len(nodes) != 1,
+         "NUMA policy preferred takes exactly one node"),
+        (absent is not None, f"NUMA node {absent} does not exist or has no memory; {where}"),
+    ):
+        if bad:
+            raise errors.InvalidInputError(message, code="invalid_numa_node")
+    if not libc.numa_syscalls_available():
+        raise errors.InvalidInputError("NUMA placement is not supported on this architecture",
+                                       code="numa_unsupported")
+    return policy, nodes
+
+
 def choose(
     shm_dir: str | os.PathLike[str],
     *,
@@ -109,27 +134,7 @@ def choose(
     if numa_policy is not None and numa_policy not in NUMA_POLICIES:
         raise errors.InvalidInputError(f"NUMA policy must be one of {', '.join(NUMA_POLICIES)}, "
                                        f"got {numa_policy!r}", code="invalid_numa_policy")
-    policy = numa_policy
-    if nodes or policy is not None:
-        topo = memory.topology()
-        policy = policy or "bind"
-        needs_node = not nodes and policy != "interleave"
-        nodes = nodes or tuple(sorted(topo.with_memory))
-        absent = next((n for n in nodes if n not in topo.with_memory), None)
-        where = ("this host has no NUMA information (one node 0)" if not topo.from_sysfs
-                 else f"nodes with memory here: {_list(topo.with_memory)}")
-        for bad, message in (  # the first that applies is refused
-            (needs_node, f"NUMA policy {policy} needs a node (--numa-node)"),
-            (len(set(nodes)) != len(nodes), f"NUMA node list {_list(nodes)} names a node twice"),
-            (policy == "preferred" and len(nodes) != 1,
-             "NUMA policy preferred takes exactly one node"),
-            (absent is not None, f"NUMA node {absent} does not exist or has no memory; {where}"),
-        ):
-            if bad:
-                raise errors.InvalidInputError(message, code="invalid_numa_node")
-        if not libc.numa_syscalls_available():
-            raise errors.InvalidInputError("NUMA placement is not supported on this architecture",
-                                           code="numa_unsupported")
+    policy, nodes = (None, ()) if not nodes and numa_policy is None else _numa(nodes, numa_policy)
     thp = None if huge_pages == "never" else thp_support(shm_dir)
     if thp is not None and not thp.allowed:
         if huge_pages == "always":

@@ -112,9 +112,8 @@ class SharedOffloadRegion:
         self._views: list[torch.Tensor] = []
         self._base_tensor: torch.Tensor | None = None
         self._close_callbacks: list[Callable[[], None]] = []
-        # vLLM's barrier protocol: one rendezvous, a second after a sharded pre-fault. A
-        # failing worker still arrives at the ones it owes, so its peers do not hang.
-        barriers_owed = 0 if barrier is None else 2 if populate_shard is not None else 1
+        # vLLM's barrier protocol: one rendezvous, a second after a sharded pre-fault
+        barriers_owed = 1 + (populate_shard is not None)
         try:
             if populate_only_on_creator and barrier is None:
                 raise errors.InvalidInputError("populate_only_on_creator needs a barrier: joiners "
@@ -146,14 +145,6 @@ class SharedOffloadRegion:
                                             min_bytes=min_segment_bytes))
             self.segment_paths = [seg.path(self.mmap_path) for seg in self.segments]
             self._me = ProcessRef.current()
-            if not self.shm_dir.is_dir():
-                raise errors.InvalidInputError(
-                    f"shm directory {self.shm_dir} does not exist or is not a directory",
-                    path=str(self.shm_dir), engine_id=self.engine_id, code="bad_shm_dir",
-                )
-            if create_only:  # an explicit create changes nothing where a damaged manifest is
-                with contextlib.suppress(errors.RegionNotFoundError):
-                    manifest_io.read(self.manifest_path, allowed_uids=allowed_uids)
             fd = self._open(create_only=create_only, join_timeout=join_timeout,
                             preflight=preflight)
             self.mmap_obj = mm = self._map(fd)
@@ -184,22 +175,31 @@ class SharedOffloadRegion:
                     barrier()  # every share is pre-faulted
             elif not populate_only_on_creator:
                 prefault(slot_ranges(self.geometry, rank))
-            if populate_pages and self.placement.advise_huge:
-                self.huge_page_bytes = page_policy.pmd_mapped(  # from our own smaps
-                    os.getpid(), ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+            if populate_pages:
+                self.huge_page_bytes = self._huge_bytes(mm)
             if barrier is None:
                 self._attach()
         except BaseException as exc:
             self._abandon()
-            # arrive at the barriers still owed; our error stays the one raised
-            while isinstance(exc, Exception) and barrier is not None and barriers_owed > 0:
-                barriers_owed -= 1
-                try:
-                    barrier()
-                except Exception:
-                    logger.warning("failed to release the peers waiting at the barrier of %s",
-                                   getattr(self, "mmap_path", self.engine_id), exc_info=True)
+            if isinstance(exc, Exception) and barrier is not None:
+                self._release_peers(barrier, barriers_owed)
             raise
+
+    def _huge_bytes(self, mm: mmap.mmap) -> int | None:
+        """PMD-mapped bytes after pre-fault, from our own smaps; None where none were asked for."""
+        if not self.placement.advise_huge:
+            return None
+        return page_policy.pmd_mapped(os.getpid(), ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+
+    def _release_peers(self, barrier: Callable[[], object], owed: int) -> None:
+        """A failing worker still arrives at the barriers it owes, so its peers do not
+        hang; the error raised stays its own."""
+        for _ in range(owed):
+            try:
+                barrier()
+            except Exception:
+                logger.warning("failed to release the peers waiting at the barrier of %s",
+                               getattr(self, "mmap_path", self.engine_id), exc_info=True)
 
     def _shard_range(self, shard: tuple[int, int]) -> list[tuple[int, int]]:
         """vLLM's `populate_shard=(index, count)`: one contiguous, page-rounded share of
@@ -229,6 +229,14 @@ class SharedOffloadRegion:
         return reserved
 
     def _open(self, *, create_only: bool, join_timeout: float, preflight: bool) -> int:
+        if not self.shm_dir.is_dir():
+            raise errors.InvalidInputError(
+                f"shm directory {self.shm_dir} does not exist or is not a directory",
+                path=str(self.shm_dir), engine_id=self.engine_id, code="bad_shm_dir",
+            )
+        if create_only:  # an explicit create changes nothing where a damaged manifest is
+            with contextlib.suppress(errors.RegionNotFoundError):
+                manifest_io.read(self.manifest_path, allowed_uids=self._allowed_uids)
         for _ in range(_RETRIES):
             try:
                 fd = self.fd = fsguard.create_exclusive(self.mmap_path, engine_id=self.engine_id)
