@@ -211,7 +211,8 @@ class _Run:
         if not r.linked:
             users = _holders_text(r.holders) or "a process this run cannot name"
             return self._keep(r, report.LIVE, f"unlinked, still in use by {users}; its memory is "
-                              "freed when the last of them exits", _first_pid(r.holders))
+                              "freed when the last of them exits",
+                              r.holders[0].pid if r.holders else None)
         if (unsafe := self._unsafe_file(r)) is not None:
             return unsafe
         if r.state == discovery.CREATING and r.manifest is not None:
@@ -511,7 +512,7 @@ class _Run:
 
     def _held(self, r: RegionInfo, holders: Sequence[discovery.Holder], note: str = "") -> Problem:
         return self._keep(r, report.LIVE, f"held by {_holders_text(holders)}{note}",
-                          _first_pid(holders))
+                          holders[0].pid if holders else None)
 
     def _fail(self, path: str, exc: OSError, engine_id: str | None) -> None:
         if isinstance(exc, FileNotFoundError):
@@ -588,7 +589,3 @@ def _sole_now(held: _Locked) -> bool:
 def _holders_text(holders: Sequence[discovery.Holder]) -> str:
     names = {h.pid: f"{h.name or '?'}, {'+'.join(h.via)}" for h in holders}
     return pids_text([h.pid for h in holders], 3, names.get)
-
-
-def _first_pid(holders: Sequence[discovery.Holder]) -> int | None:
-    return holders[0].pid if holders else None
