@@ -15,6 +15,7 @@ from itertools import accumulate
 from pathlib import Path
 
 from vllm_offload_cli.core.base import errors
+from vllm_offload_cli.core.base.deadline import poll_until
 from vllm_offload_cli.core.base.text import pids_text
 from vllm_offload_cli.core.base.units import format_bytes
 from vllm_offload_cli.core.host import discovery, visibility
@@ -169,6 +170,7 @@ def _collision(engine_id: str, path: str, pid: int, why: str,
 
 
 _WAIT, _RECLAIM = "wait", "reclaim"
+_CLAIM_TIMEOUT = 10.0  # seconds; the patient window for an unplaced holder is 5
 
 
 def claim(
@@ -189,7 +191,10 @@ def claim(
         size_bytes=size_bytes)
     done = ClaimResult(engine_id=engine_id, path=str(naming.region_path(shm_dir, engine_id)))
     deadline = time.monotonic() + 5.0  # for a holder not yet told apart
-    for _ in range(100):
+
+    def look() -> ClaimResult | None:
+        """One look at the name: the claim, or None to look again."""
+        nonlocal done
         inv = discovery.discover_engine(shm_dir, engine_id)
         _refuse_squatters(inv.regions, str(naming.manifest_path(shm_dir, engine_id)), engine_id)
         tokens: _Tokens = {}
@@ -204,20 +209,24 @@ def claim(
         if isinstance(verdict, ClaimResult):
             return verdict
         if verdict == _WAIT:
-            time.sleep(0.05)
-            continue
+            return None
         if dry_run:  # what the reclaim would free
             other = mismatch(r, want)
             return replace(done, action=WOULD_RECLAIM, reclaimed_paths=tuple(r.paths),
                            reclaimed_bytes=r.allocated_bytes,  # st_blocks, as a real run says
                            notes=() if other is None else (f"another shape: {other}",))
         done, free = _reclaim_once(inv, done)
-        if free:
-            # no second /proc pass: the next creator's O_EXCL settles any race
-            return _fits(done, size_bytes, shm_dir)
-    raise errors.OperationFailedError(
-        f"{done.path} kept changing while starting; is something recreating it?",
-        path=done.path, engine_id=engine_id)
+        # no second /proc pass when free: the next creator's O_EXCL settles any race
+        return _fits(done, size_bytes, shm_dir) if free else None
+
+    # past the patient window an undecided holder is refused, so only a name that is
+    # recreated as fast as it is reclaimed runs out this limit
+    claimed = poll_until(look, timeout=_CLAIM_TIMEOUT, backoff=(0.05, 0.05))
+    if claimed is None:
+        raise errors.OperationFailedError(
+            f"{done.path} kept changing while starting; is something recreating it?",
+            path=done.path, engine_id=engine_id)
+    return claimed
 
 
 def _classify(r: RegionInfo, want: RegionShape | None, done: ClaimResult,
