@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # rich loads only when something is rendered for people
 SCHEMA_VERSION = 1
 SHM_DIR_ENV = "VLLM_OFFLOAD_SHM_DIR"
 
+
 def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *,
                right: Iterable[int] = ()) -> str:
     """A table as `ps` prints one: a line per row, never cut; cells already `printable`."""
