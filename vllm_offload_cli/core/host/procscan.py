@@ -73,7 +73,7 @@ class _Filter:
         """A device we watch is in `text`, and our name or one of our inodes."""
         return any(t in text for t in self.tokens) and (
             (self.name is not None and self.name in text)
-            or not self.inodes.isdisjoint(self._inode_field.findall(text)))
+            or (bool(self.inodes) and not self.inodes.isdisjoint(self._inode_field.findall(text))))
 
     def lines(self, maps: bytes) -> bytes:
         """Only the lines that may be kept, for parsing."""
