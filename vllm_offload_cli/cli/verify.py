@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -69,17 +70,17 @@ def _refuse(mode: str, *given: tuple[str, bool]) -> None:
         raise InvalidInputError(f"{', '.join(wrong)} only applies with {other}", code="usage")
 
 
-def _outcome(mode: str, found: LayoutPlan | LiveCheck, lines: list[str], good: str,
-             **extra: Any) -> Outcome:
-    """The data, the exit status and the text: `lines`, each problem, then the verdict."""
+def _outcome(mode: str, found: LayoutPlan | LiveCheck, lines: Callable[[], list[str]],
+             good: str, **extra: Any) -> Outcome:
+    """The data, the exit status and the text (made only when shown): `lines()`, verdict."""
     problems = [p.to_dict() for p in found.problems]
     data = {"mode": mode, "ok": found.ok, "problems": problems, **found.to_dict(), **extra}
-    lines += [f"  - {p['message']}" for p in problems]
-    lines.append(f"FAIL: {len(problems)} problem(s)" if problems else f"OK: {good}")
+    verdict = [*(f"  - {p['message']}" for p in problems),
+               f"FAIL: {len(problems)} problem(s)" if problems else f"OK: {good}"]
     return Outcome(data=data,
                    exit_code=ExitStatus.PROBLEMS_FOUND if problems else ExitStatus.SUCCESS,
                    errors=[{"code": p["code"], "message": p["message"]} for p in problems],
-                   render=lambda out: out.print("\n".join(lines)))
+                   render=lambda out: out.print("\n".join(lines() + verdict)))
 
 
 def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices: str | None,
@@ -96,7 +97,7 @@ def _plan(inv: Invocation, world_size: int | None, dp_size: int | None, devices:
     if plan.unused_devices:
         inv.warn("unused_devices", f"{len(plan.unused_devices)} visible device(s) are not "
                  f"used by any replica: {', '.join(plan.unused_devices)}")
-    return _outcome("plan", plan, _plan_lines(plan),
+    return _outcome("plan", plan, lambda: _plan_lines(plan),
                     "every worker has its own slot in its replica's region")
 
 
@@ -136,8 +137,8 @@ def _live(inv: Invocation, engine_id: str, world_size: int | None, page: int | N
     check = check_region(shm_dir, engine_id, world_size=world_size, cpu_page_size=page)
     for note in check.notes:
         inv.warn(note.code, note.message)
-    return _outcome("live", check, _live_lines(check), "sizes, ranks and slots are consistent",
-                    joined=_joined(check))
+    return _outcome("live", check, lambda: _live_lines(check),
+                    "sizes, ranks and slots are consistent", joined=_joined(check))
 
 
 def _live_lines(check: LiveCheck) -> list[str]:
