@@ -60,7 +60,7 @@ def preflight(inv: Invocation, engine_id: str, size: int, dp_size: int, dry_run:
         # a dry run has not freed the leftovers yet: count them as room
         reclaimable = sum(r.reclaimed_bytes for r in results if r.action == "would_reclaim")
         made = claims.make_room(shm_dir, max(needed - reclaimable, 0), dry_run=dry_run) \
-            if reclaim_for_room and claims.room_enabled() else ()
+            if reclaim_for_room else ()
         reclaimable += sum(r.freed_bytes for r in made) if dry_run else 0
         cap = capacity.measure(shm_dir)
         capacity.check_fits(max(needed - reclaimable, 0), cap, shm_dir=shm_dir,

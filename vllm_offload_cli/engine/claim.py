@@ -432,8 +432,9 @@ def make_room(shm_dir: str | os.PathLike[str], size_bytes: int, *,
               dry_run: bool = False) -> tuple[gc_report.RemovedRegion, ...]:
     """Remove (or, dry, name) this user's oldest stale leftovers until `size_bytes` fit;
     what was removed (nothing when it fits, or `room_enabled()` says no)."""
-    short = size_bytes - tightest(capacity.measure(os.fspath(shm_dir)))
-    if short <= 0 or not room_enabled():
+    if not room_enabled():
+        return ()
+    if (short := size_bytes - tightest(capacity.measure(os.fspath(shm_dir)))) <= 0:
         return ()
     me = os.geteuid()
     # the collector re-checks each removal against every process and the kernel's lease
