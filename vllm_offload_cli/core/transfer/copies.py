@@ -180,7 +180,7 @@ class CopyJob:
 
         return np.argsort(self.src_ids, kind="stable")
 
-    @property
+    @functools.cached_property
     def src_one_run(self) -> bool:
         """Are the sources, in some order, one run of distinct consecutive blocks?"""
         n, ids = self.num_blocks, self.src_ids
