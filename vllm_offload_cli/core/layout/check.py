@@ -421,9 +421,9 @@ def check_workers(fd: int, g: Geometry, rows: int, workers: Sequence[tuple[int, 
                   ) -> list[WorkerPlacement]:
     """Affinity of each (pid, rank) against its slot's resident pages (`resident`: the
     region's page map, when the caller already has it)."""
-    topo = topo or memory.topology()
     if not workers or rows <= 0:
         return []
+    topo = topo or memory.topology()
     if resident is None:
         resident = residency.page_map(fd, rows * g.row_stride)
     own = _page_columns(g)[0]
