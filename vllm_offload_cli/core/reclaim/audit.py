@@ -69,12 +69,11 @@ def record_removals(removed: Sequence[RemovedRegion], *, summary: str | None = N
     if summary is not None:
         lines.append(f"run {printable(summary)[:4 * _MAX_FIELD]} command={_quoted(command)}")
     try:
-        refused = None if stat.S_ISSOCK(os.stat(path).st_mode) else "not a socket"
+        refused = None if not lines or stat.S_ISSOCK(os.stat(path).st_mode) else "not a socket"
     except OSError as exc:
         refused = f"no syslog socket: {exc.strerror}"
     if refused is not None or not lines:  # nowhere to send, or nothing
-        return AuditResult(socket=path, sent=0, dropped=len(lines),
-                           problem=refused if lines else None)
+        return AuditResult(socket=path, sent=0, dropped=len(lines), problem=refused)
     head = f"<{_PRIORITY}>{IDENT}[{os.getpid()}]: "
     sent, problem = 0, None
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
