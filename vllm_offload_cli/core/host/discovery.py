@@ -522,6 +522,7 @@ def _unlinked(run: _Run, wanted: Collection[str] | None, partial: bool) -> list[
             if wanted is not None and engine_id not in wanted:
                 continue
             for fid, uses in by_inode.items():
+                # its own stat (its owner above all), through a user: nothing read
                 st = _through_users(uses, fid, stat_proc_link)
                 if st is not None and st.st_uid != os.geteuid():
                     others[st.st_uid] = others.get(st.st_uid, 0) + 1
@@ -663,15 +664,13 @@ def _state(manifest: Manifest | None, held: bool) -> tuple[str, Problem | None]:
 
 
 def _deleted_region(run: _Run, engine_id: str, fid: FileId, uses: list[FileUse],
-                    st: os.stat_result | None = None) -> RegionInfo:
-    """A region whose name is gone: all we know comes through its users' /proc entries,
-    the manifest they carry (`core.region.carried`) included."""
+                    st: os.stat_result | None) -> RegionInfo:
+    """A region whose name is gone: all we know comes through its users' /proc entries
+    (`st`: its stat through one, None if none gave it), the manifest they carry included."""
     parts = naming.split_engine_id(engine_id)
     path = next(u.path for u in uses if u.path)
     size = max((u.size_hint or 0) for u in uses)
     uid, mode = None, None
-    # its own stat (its owner above all), through a user: identity only, nothing read
-    st = st or _through_users(uses, fid, stat_proc_link)
     if st is not None:
         size, uid, mode = st.st_size, st.st_uid, f"{stat.S_IMODE(st.st_mode):04o}"
     resident, refusal = _resident_through(uses, fid) if run.measure else (None, None)
@@ -822,7 +821,8 @@ def open_released(shm_dir: str | os.PathLike[str], engine_id: str
     naming.validate_engine_id(engine_id)
     run = _Run(shm=shm, scan=scan_processes(shm, name=naming.region_filename(engine_id)))
     found = _deleted_only(run.scan, set(), shm).get(engine_id, {}).items()
-    infos = [(_deleted_region(run, engine_id, fid, uses), fid, uses) for fid, uses in found]
+    infos = [(_deleted_region(run, engine_id, fid, uses, _through_users(
+        uses, fid, stat_proc_link)), fid, uses) for fid, uses in found]
     for info, fid, uses in sorted(infos, key=lambda x: x[0].manifest is None):
         fd = None if info.segments[0].segment else _through_users(uses, fid, open_proc_link)
         if fd is not None:
