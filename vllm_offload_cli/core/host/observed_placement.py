@@ -62,9 +62,10 @@ def merge(pid: int, found: list[procfs.MappedPages] | None,
 def scan_holder(pid: int, wanted: set[FileId]) -> list[procfs.MappedPages] | None:
     """What `pid` maps of the files `wanted` (its smaps and numa_maps read once)."""
     found = procfs.read_smaps(pid, wanted=wanted)
-    if found is not None:
-        procfs.add_numa_nodes(pid, found, PAGESIZE)
-    return None if found is None else list(found.values())
+    if found is None:
+        return None
+    procfs.add_numa_nodes(pid, found, PAGESIZE)
+    return list(found.values())
 
 
 @dataclass(frozen=True)
