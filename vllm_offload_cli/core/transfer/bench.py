@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_offload_cli.core.base import errors
-from vllm_offload_cli.core.base.errors import InvalidInputError, OperationFailedError
 from vllm_offload_cli.core.base.extras import import_torch
 from vllm_offload_cli.core.base.problems import jsonable
 from vllm_offload_cli.core.region.geometry import default_row_stride
@@ -227,7 +226,7 @@ class _Bench:
         row_stride = default_row_stride(c.world_size, block)
         num_blocks = c.size_bytes // row_stride
         if num_blocks < 2:
-            raise InvalidInputError(
+            raise errors.InvalidInputError(
                 f"--size {c.size_bytes} holds {num_blocks} row(s) of {row_stride} bytes "
                 f"(block {block} x world size {c.world_size}); it needs at least 2",
                 code="invalid_size")
@@ -235,7 +234,7 @@ class _Bench:
         if n is None:
             n = max(1, min(num_blocks // 2, AUTO_TRANSFER_BYTES // block))
         elif n > num_blocks:
-            raise InvalidInputError(
+            raise errors.InvalidInputError(
                 f"--blocks-per-transfer {n} exceeds the {num_blocks} blocks of {block} bytes "
                 f"that --size {c.size_bytes} holds; raise --size or lower it",
                 code="invalid_size")
@@ -278,7 +277,7 @@ class _Bench:
         failed = [r for r in results if not r.success]
         if failed or len(results) != count:
             detail = failed[0].error if failed else f"{len(results)} results for {count} jobs"
-            raise OperationFailedError(f"benchmark job failed: {detail}")
+            raise errors.OperationFailedError(f"benchmark job failed: {detail}")
         self.done += sum(r.bytes for r in results)
         if self.progress is not None:
             self.progress(self.done, self.total)
@@ -320,7 +319,7 @@ class _Bench:
         self.jobs(worker, False, reg_ids, dev_ids)
         loaded = bool(torch.equal(device_rows[dev_ids].cpu(), fresh))
         if not (stored and loaded):
-            raise OperationFailedError(
+            raise errors.OperationFailedError(
                 f"benchmark self-check failed: the {'load' if stored else 'store'} did not "
                 "copy the bytes it was given; this is a bug, please report it")
         return True
@@ -414,12 +413,12 @@ def run_benchmark(config: BenchConfig, *, progress: Progress | None = None) -> B
     """Measure every block size of `config`; the scratch region never outlives the call."""
     wait_policy = passive_openmp()
     if config.repeat < 1:
-        raise InvalidInputError("repeat must be at least 1", code="invalid_repeat")
+        raise errors.InvalidInputError("repeat must be at least 1", code="invalid_repeat")
     if not config.block_sizes:
-        raise InvalidInputError("give at least one block size", code="invalid_size")
+        raise errors.InvalidInputError("give at least one block size", code="invalid_size")
     if unknown := [p for p in config.patterns if p not in PATTERNS]:
-        raise InvalidInputError(f"unknown pattern {unknown[0]!r}; choose from "
-                                f"{', '.join(PATTERNS)}", code="invalid_pattern")
+        raise errors.InvalidInputError(f"unknown pattern {unknown[0]!r}; choose from "
+                                       f"{', '.join(PATTERNS)}", code="invalid_pattern")
     bench = _Bench(config, progress)
     rows: list[BenchRow] = []
     prefault: list[PrefaultFigure] = []
