@@ -9,8 +9,12 @@ function __vllm_offload_engine_ids
         and set d (string replace -- --shm-dir= '' $w)
         set prev $w
     end
-    for f in $d/vllm_offload_*.mmap
-        string replace -r '^.*/vllm_offload_(.*)\.mmap$' '$1' -- $f
+    for f in $d/vllm_offload_*.mmap  # a name is data: only valid engine ids
+        set -l id (string replace -r '^.*/vllm_offload_' '' -- $f | string collect)
+        set id (string replace -r '\.mmap\z' '' -- $id | string collect)
+        string match -rq -- '\A[A-Za-z0-9._-]{1,200}\z' $id
+        and not contains -- $id . ..
+        and printf '%s\n' $id
     end
 end
 function __vllm_offload_no_command  # options before the command, --shm-dir's DIR too
